@@ -1,0 +1,275 @@
+"""Engine drivers: each kind knows how to find its engine, build its command line and check its health.
+
+Drivers register by kind name in DRIVERS. They run on the node inside the agent, so this module needs no Django.
+The engine key always goes through the environment where the engine reads it there, so it never shows in `ps`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import string
+import subprocess
+import sys
+
+DRIVERS: dict[str, type[EngineDriver]] = {}
+
+KEY_ENV = "LLMGW_ENGINE_KEY"
+HOST_ENV = "LLMGW_ENGINE_HOST"
+LLAMA_SERVER_ENV = "LLMGW_LLAMA_SERVER"  # where llama-server is on this node, when not on PATH
+VERSION_TIMEOUT = 20.0
+
+
+def register(kind: str):
+    def decorate(cls: type[EngineDriver]) -> type[EngineDriver]:
+        cls.kind = kind
+        DRIVERS[kind] = cls
+        return cls
+
+    return decorate
+
+
+def driver_for(kind: str) -> type[EngineDriver]:
+    try:
+        return DRIVERS[kind]
+    except KeyError:
+        raise ValueError(f"unknown engine kind {kind!r} (known: {', '.join(sorted(DRIVERS))})") from None
+
+
+def engine_host() -> str:
+    """The address engines listen on: every interface by default, since gateways on other machines call them."""
+    return os.environ.get(HOST_ENV, "").strip() or "0.0.0.0"
+
+
+def _run_version(argv: list[str]) -> str:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=VERSION_TIMEOUT, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return (done.stdout or "") + "\n" + (done.stderr or "")
+
+
+class EngineDriver:
+    """One engine kind. Methods take a DesiredReplica (the agent stream's dict) and build what the agent runs."""
+
+    kind = ""
+    # Answered only with the engine key, so one 200 with the key (and a 401 without) proves it serves and checks.
+    health_path = "/v1/models"
+
+    @classmethod
+    def detect(cls) -> str | None:
+        """The installed version ("" when unknown), or None when this engine is not installed here."""
+        return None
+
+    @classmethod
+    def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
+        raise NotImplementedError
+
+    @classmethod
+    def env(cls, spec: dict) -> dict[str, str]:
+        """Environment added to the agent's own for the engine process: the engine key, the GPU it may use."""
+        env = {KEY_ENV: spec["engine_key"]}
+        if spec.get("gpu_index") is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(spec["gpu_index"])
+        return env
+
+    @classmethod
+    def health_url(cls, port: int) -> str:
+        host = engine_host()
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        elif ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{port}{cls.health_path}"
+
+    @classmethod
+    def health_headers(cls, engine_key: str) -> dict[str, str]:
+        # Asking with the key proves both that the engine answers and that it checks keys.
+        return {"Authorization": f"Bearer {engine_key}"}
+
+
+def _args(spec: dict) -> dict:
+    return spec.get("args") or {}
+
+
+def _binary(spec: dict, default: str) -> str:
+    return ((spec.get("engine") or {}).get("binary") or "").strip() or default
+
+
+def _extra(spec: dict) -> list[str]:
+    extra = _args(spec).get("extra_args") or []
+    if isinstance(extra, str):
+        return shlex.split(extra)
+    return [str(a) for a in extra]
+
+
+@register("llama.cpp")
+class LlamaCpp(EngineDriver):
+    # llama-server answers /health, /models and /v1/models without a key; /props needs it.
+    health_path = "/props"
+
+    @classmethod
+    def default_binary(cls) -> str:
+        return os.environ.get(LLAMA_SERVER_ENV, "").strip() or "llama-server"
+
+    @classmethod
+    def detect(cls) -> str | None:
+        binary = shutil.which(cls.default_binary())
+        if binary is None:
+            return None
+        match = re.search(r"^version:\s*(.+)$", _run_version([binary, "--version"]), re.MULTILINE)
+        return match.group(1).strip() if match else ""
+
+    @classmethod
+    def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
+        args = _args(spec)
+        argv = [_binary(spec, cls.default_binary()), "-m", model_path, "--host", engine_host(), "--port", str(port)]
+        if spec.get("model"):
+            argv += ["--alias", str(spec["model"])]
+        for flag, key in (("-c", "context_size"), ("-t", "threads"), ("-ngl", "gpu_layers"), ("-b", "batch_size")):
+            if args.get(key) is not None:
+                argv += [flag, str(args[key])]
+        if args.get("parallel"):
+            argv += ["-np", str(args["parallel"])]
+        return argv + _extra(spec)
+
+    @classmethod
+    def env(cls, spec: dict) -> dict[str, str]:
+        # llama.cpp common/arg.cpp: --api-key is `.set_env("LLAMA_API_KEY")`.
+        return {**super().env(spec), "LLAMA_API_KEY": spec["engine_key"]}
+
+
+@register("xllamacpp")
+class XLlamaCpp(EngineDriver):
+    """llama.cpp's server from the PyPI package, run by `agents.xllamacpp_launcher` in this Python."""
+
+    @classmethod
+    def detect(cls) -> str | None:
+        if importlib.util.find_spec("xllamacpp") is None:
+            return None
+        try:
+            return importlib.metadata.version("xllamacpp")
+        except importlib.metadata.PackageNotFoundError:
+            return ""
+
+    @classmethod
+    def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
+        args = _args(spec)
+        python = _binary(spec, sys.executable)
+        argv = [python, "-m", "agents.xllamacpp_launcher", "--model", model_path, "--port", str(port)]
+        argv += ["--host", engine_host()]
+        if spec.get("model"):
+            argv += ["--alias", str(spec["model"])]
+        for flag, key in (
+            ("--ctx-size", "context_size"),
+            ("--threads", "threads"),
+            ("--n-gpu-layers", "gpu_layers"),
+            ("--batch-size", "batch_size"),
+            ("--parallel", "parallel"),
+        ):
+            if args.get(key) is not None:
+                argv += [flag, str(args[key])]
+        return argv + _extra(spec)
+
+    @classmethod
+    def env(cls, spec: dict) -> dict[str, str]:
+        # `-m agents.xllamacpp_launcher` must import whatever the agent's working directory is.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        return {**super().env(spec), "PYTHONPATH": path}
+
+
+@register("vllm")
+class Vllm(EngineDriver):
+    @classmethod
+    def detect(cls) -> str | None:
+        binary = shutil.which("vllm")
+        if binary is None:
+            return None
+        match = re.search(r"\b(\d+\.\d+[\w.+-]*)", _run_version([binary, "--version"]))
+        return match.group(1) if match else ""
+
+    @classmethod
+    def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
+        args = _args(spec)
+        argv = [_binary(spec, "vllm"), "serve", model_path, "--host", engine_host(), "--port", str(port)]
+        argv += ["--served-model-name", str(spec.get("model") or spec["name"])]
+        if args.get("context_size"):
+            argv += ["--max-model-len", str(args["context_size"])]
+        return argv + _extra(spec)
+
+    @classmethod
+    def env(cls, spec: dict) -> dict[str, str]:
+        return {**super().env(spec), "VLLM_API_KEY": spec["engine_key"]}
+
+
+@register("command")
+class Command(EngineDriver):
+    """An operator's command line, e.g. `{python} server.py --port {port} --model {model_path}`.
+
+    The template is split like a shell would (no shell runs it), then each word is formatted, so a path with
+    spaces stays one argument. The engine key is in the environment as LLMGW_ENGINE_KEY; `{engine_key}` exists
+    for engines that only take it as an argument.
+    """
+
+    PLACEHOLDERS = (
+        "python",
+        "port",
+        "host",
+        "model_path",
+        "engine_key",
+        "context_size",
+        "threads",
+        "gpu_layers",
+        "batch_size",
+        "parallel",
+        "name",
+        "model",
+        "gpu_index",
+    )
+
+    @classmethod
+    def detect(cls) -> str | None:
+        return ""
+
+    @classmethod
+    def check_template(cls, template: str) -> list[str]:
+        """The template's words; ValueError with a one-line message when it cannot be used."""
+        try:
+            words = shlex.split(template)
+        except ValueError as exc:
+            raise ValueError(f"engine command cannot be split into words: {exc}") from None
+        if not words:
+            raise ValueError("engine command is empty")
+        for word in words:
+            try:
+                fields = [f for _, f, _, _ in string.Formatter().parse(word) if f is not None]
+            except ValueError as exc:
+                raise ValueError(f"engine command word {word!r}: {exc} (write {{{{ and }}}} for braces)") from None
+            for field in fields:
+                if field not in cls.PLACEHOLDERS:
+                    known = ", ".join("{" + p + "}" for p in cls.PLACEHOLDERS)
+                    raise ValueError(f"unknown placeholder {{{field}}} in engine command (known: {known})")
+        return words
+
+    @classmethod
+    def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
+        words = cls.check_template((spec.get("engine") or {}).get("command") or "")
+        args = _args(spec)
+        values = {
+            "python": sys.executable,
+            "port": port,
+            "host": engine_host(),
+            "model_path": model_path,
+            "engine_key": spec.get("engine_key", ""),
+            "name": spec.get("name", ""),
+            "model": spec.get("model", ""),
+            "gpu_index": "" if spec.get("gpu_index") is None else spec["gpu_index"],
+        }
+        for key in ("context_size", "threads", "gpu_layers", "batch_size", "parallel"):
+            values[key] = "" if args.get(key) is None else args[key]
+        return [word.format_map(values) for word in words] + _extra(spec)

@@ -1,0 +1,86 @@
+"""The agent stream's messages. Both ends import these; `type` names the handler.
+
+agent -> server: hello, report, progress
+server -> agent: desired, restart_agent
+"""
+
+from typing import Literal, NotRequired, TypedDict
+
+# States an agent reports for a replica it was asked to run.
+AGENT_STATES = ("pending", "downloading", "starting", "ready", "failed", "stopped")
+
+
+class Gpu(TypedDict):
+    index: int
+    name: str
+    memory_bytes: int
+
+
+class Facts(TypedDict):
+    hostname: str
+    cpu_count: int
+    memory_bytes: int  # advertised to the planner (--memory may lower it)
+    memory_total_bytes: int  # what the machine has
+    gpus: list[Gpu]
+    engines: dict[str, str]  # driver kind -> version ("" when unknown)
+    port_range: list[int]  # [low, high] inclusive, where engines may listen
+    agent_version: str
+
+
+class ReplicaStatus(TypedDict):
+    name: str
+    state: str  # one of AGENT_STATES
+    pid: NotRequired[int | None]
+    port: NotRequired[int | None]
+    reason: NotRequired[str]
+    log_tail: NotRequired[str]
+
+
+class Hello(TypedDict):
+    type: Literal["hello"]
+    facts: Facts
+    replicas: list[ReplicaStatus]  # the engines it runs now (adopted or still starting)
+
+
+class Report(TypedDict):
+    type: Literal["report"]
+    replicas: list[ReplicaStatus]  # every replica it knows of, periodic and at once on a change
+    full: bool  # True: a replica of this node missing here is not running
+
+
+class Progress(TypedDict):
+    type: Literal["progress"]
+    replica: str
+    done: int
+    total: int
+
+
+class FileSpec(TypedDict):
+    sha256: str
+    name: str
+    size: int
+    url: str  # absolute URL of /mirror/<sha256> on the server
+
+
+class DesiredReplica(TypedDict):
+    name: str
+    model: str
+    engine: dict  # EngineVersion.spec(): name, kind, version, device, binary, command
+    args: dict  # Profile.args(): context_size, threads, gpu_layers, batch_size, parallel, extra_args
+    file: FileSpec
+    port: int
+    gpu_index: int | None
+    engine_key: str
+
+
+class Desired(TypedDict):
+    type: Literal["desired"]
+    replicas: list[DesiredReplica]  # the node's complete list: run these, stop anything else
+
+
+class RestartAgent(TypedDict):
+    type: Literal["restart_agent"]
+
+
+AgentMessage = Hello | Report | Progress
+ServerMessage = Desired | RestartAgent

@@ -1,0 +1,11 @@
+"""The Redis connection the control plane shares: reconciler lock, and later the gateway's counters."""
+
+import functools
+
+import redis
+from django.conf import settings
+
+
+@functools.cache
+def redis_client() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=3, socket_timeout=10)

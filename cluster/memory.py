@@ -1,0 +1,25 @@
+"""Memory a replica needs: weights + KV cache at the profile's context + a stated overhead."""
+
+MIB = 1024**2
+# llama.cpp's compute buffers, the HTTP server, the runtime: measured ~60-110 MiB for small models on CPU.
+OVERHEAD_BYTES = 128 * MIB
+OVERHEAD_FRACTION = 0.05  # plus 5 % of the weights for larger models' scratch buffers
+KV_BYTES_PER_ELEMENT = 2  # f16 K and V cache, llama.cpp's default
+
+
+def kv_cache_bytes(gguf: dict, context_size: int) -> int:
+    layers = int(gguf.get("block_count") or 0)
+    heads = int(gguf.get("head_count") or 0)
+    kv_heads = int(gguf.get("head_count_kv") or heads or 0)
+    embedding = int(gguf.get("embedding_length") or 0)
+    if not (layers and heads and embedding):
+        return 0
+    key_len = int(gguf.get("key_length") or embedding // heads)
+    value_len = int(gguf.get("value_length") or embedding // heads)
+    context = min(int(context_size), int(gguf.get("context_length") or context_size)) if context_size else 0
+    return layers * context * kv_heads * (key_len + value_len) * KV_BYTES_PER_ELEMENT
+
+
+def estimate(file_size: int, gguf: dict, context_size: int) -> int:
+    weights = int(file_size)
+    return weights + kv_cache_bytes(gguf or {}, context_size) + OVERHEAD_BYTES + int(weights * OVERHEAD_FRACTION)

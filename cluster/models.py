@@ -1,0 +1,288 @@
+"""The cluster's state: what should run (models, profiles, engines, files) and what does (nodes, replicas)."""
+
+import hashlib
+import re
+import secrets
+
+from django.core.validators import RegexValidator
+from django.db import models
+from django.utils import timezone
+
+from cluster import memory
+
+NAME_RE = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+name_validator = RegexValidator(
+    re.compile(NAME_RE), "use lower-case letters, digits, '.', '_' or '-', starting with a letter or digit (at most 63)"
+)
+
+GIB = 1024**3
+
+
+class Node(models.Model):
+    """A machine with an agent. Liveness is `last_seen` within a tolerance, not a flag to remember to clear."""
+
+    name = models.CharField(max_length=63, unique=True, validators=[name_validator])
+    token_hash = models.CharField(max_length=64, unique=True)
+    address = models.CharField(max_length=255, blank=True, default="")
+    facts = models.JSONField(default=dict, blank=True)  # cpu_count, memory_bytes, gpus, engines, port_range, hostname
+    memory_bytes = models.BigIntegerField(default=0)  # RAM the agent advertises for replicas
+    schedulable = models.BooleanField(default=True)
+    draining = models.BooleanField(default=False)
+    connected = models.BooleanField(default=False)
+    last_seen = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+    @staticmethod
+    def new_token() -> str:
+        return "lnt_" + secrets.token_urlsafe(32)
+
+    @staticmethod
+    def hash_token(token: str) -> str:
+        return hashlib.sha256(token.encode()).hexdigest()
+
+    @property
+    def gpus(self) -> list[dict]:
+        return list(self.facts.get("gpus") or [])
+
+    @property
+    def engines(self) -> dict:
+        return dict(self.facts.get("engines") or {})
+
+    def is_alive(self, now=None, tolerance: int | None = None) -> bool:
+        from django.conf import settings
+
+        if not self.connected or self.last_seen is None:
+            return False
+        now = now or timezone.now()
+        tolerance = settings.LLMGW_NODE_TOLERANCE if tolerance is None else tolerance
+        return (now - self.last_seen).total_seconds() <= tolerance
+
+
+class Profile(models.Model):
+    """A named set of engine arguments. Editing one changes no running replica (they keep their snapshot)."""
+
+    name = models.CharField(max_length=63, unique=True, validators=[name_validator])
+    context_size = models.PositiveIntegerField(default=4096)
+    threads = models.PositiveIntegerField(null=True, blank=True)
+    gpu_layers = models.IntegerField(null=True, blank=True)
+    batch_size = models.PositiveIntegerField(null=True, blank=True)
+    parallel = models.PositiveIntegerField(default=1)
+    extra_args = models.JSONField(default=list, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+    def args(self) -> dict:
+        return {
+            "context_size": self.context_size,
+            "threads": self.threads,
+            "gpu_layers": self.gpu_layers,
+            "batch_size": self.batch_size,
+            "parallel": self.parallel,
+            "extra_args": list(self.extra_args or []),
+        }
+
+
+class EngineVersion(models.Model):
+    """An engine kind and version, with how to find its binary on a node."""
+
+    class Device(models.TextChoices):
+        CPU = "cpu", "CPU (RAM)"
+        GPU = "gpu", "GPU (one GPU's memory)"
+
+    name = models.CharField(max_length=63, unique=True, validators=[name_validator])
+    kind = models.CharField(max_length=32)  # a key of agents.engines.DRIVERS
+    version = models.CharField(max_length=64, blank=True, default="")
+    device = models.CharField(max_length=8, choices=Device.choices, default=Device.CPU)
+    binary = models.CharField(max_length=500, blank=True, default="")  # empty: found on PATH on the node
+    command = models.TextField(blank=True, default="")  # the `command` kind's template
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+    def spec(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "version": self.version,
+            "device": self.device,
+            "binary": self.binary,
+            "command": self.command,
+        }
+
+
+class ModelFile(models.Model):
+    """A file in the mirror, stored as MIRROR_DIR/<sha256>."""
+
+    sha256 = models.CharField(max_length=64, unique=True)
+    name = models.CharField(max_length=255)
+    size = models.BigIntegerField()
+    format = models.CharField(max_length=16, default="other")  # "gguf" or "other"
+    gguf = models.JSONField(default=dict, blank=True)  # architecture, block_count, context_length, head_count_kv, ...
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name", "sha256"]
+
+    def __str__(self):
+        return f"{self.name} ({self.sha256[:12]})"
+
+    @property
+    def path(self):
+        from django.conf import settings
+
+        return settings.MIRROR_DIR / self.sha256
+
+
+class Model(models.Model):
+    """What to serve: a file on an engine with a profile, so many replicas."""
+
+    name = models.CharField(max_length=63, unique=True, validators=[name_validator])
+    file = models.ForeignKey(ModelFile, on_delete=models.PROTECT, related_name="models")
+    engine = models.ForeignKey(EngineVersion, on_delete=models.PROTECT, related_name="models")
+    profile = models.ForeignKey(Profile, on_delete=models.PROTECT, related_name="models")
+    replicas = models.PositiveIntegerField(default=1)
+    memory_bytes = models.BigIntegerField(null=True, blank=True)  # set by the operator; else estimated
+    nodes = models.JSONField(default=list, blank=True)  # placement constraint: node names allowed (empty: any)
+    wait_seconds = models.PositiveIntegerField(default=30)  # how long the gateway waits for a replica
+    removing = models.BooleanField(default=False)
+    failures = models.PositiveIntegerField(default=0)  # consecutive engine failures, for the back-off
+    backoff_until = models.DateTimeField(null=True, blank=True)
+    placement_note = models.CharField(max_length=500, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+    def memory_estimate(self) -> int:
+        if self.memory_bytes:
+            return self.memory_bytes
+        return memory.estimate(self.file.size, self.file.gguf, self.profile.context_size)
+
+
+class Replica(models.Model):
+    class State(models.TextChoices):
+        PENDING = "pending"
+        DOWNLOADING = "downloading"
+        STARTING = "starting"
+        READY = "ready"
+        DRAINING = "draining"
+        STOPPING = "stopping"
+        STOPPED = "stopped"
+        FAILED = "failed"
+
+    class Restart(models.TextChoices):
+        NONE = "none"
+        QUEUED = "queued"
+        REPLACING = "replacing"
+
+    # Counts toward its model (when its restart marker is not `replacing`).
+    COUNTING = frozenset({State.PENDING, State.DOWNLOADING, State.STARTING, State.READY})
+    # Holds memory on its node and is in the node's desired list.
+    RUNNING = frozenset({State.PENDING, State.DOWNLOADING, State.STARTING, State.READY, State.DRAINING})
+    TERMINAL = frozenset({State.STOPPED, State.FAILED})
+    COLOURS = {
+        State.PENDING: "grey",
+        State.DOWNLOADING: "blue",
+        State.STARTING: "blue",
+        State.READY: "green",
+        State.DRAINING: "orange",
+        State.STOPPING: "orange",
+        State.STOPPED: "grey",
+        State.FAILED: "red",
+    }
+
+    name = models.CharField(max_length=80, unique=True)
+    model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="replica_set")
+    node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True, blank=True, related_name="replicas")
+    gpu_index = models.IntegerField(null=True, blank=True)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING, db_index=True)
+    restart = models.CharField(max_length=16, choices=Restart.choices, default=Restart.NONE)
+    port = models.PositiveIntegerField(null=True, blank=True)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    memory_bytes = models.BigIntegerField(default=0)
+    reason = models.CharField(max_length=500, blank=True, default="")  # why it is not placed, or why it failed
+    log_tail = models.TextField(blank=True, default="")
+    snapshot = models.JSONField(default=dict, blank=True)  # profile args, engine, engine-key fingerprint at start
+    download_done = models.BigIntegerField(default=0)
+    download_total = models.BigIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    state_changed_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["model__name", "name"]
+        indexes = [models.Index(fields=["node", "state"])]
+
+    def __str__(self):
+        return self.name
+
+    @classmethod
+    def new_name(cls, model_name: str) -> str:
+        return f"{model_name}-{secrets.token_hex(4)}"
+
+    @property
+    def counts(self) -> bool:
+        return self.state in self.COUNTING and self.restart != self.Restart.REPLACING
+
+
+class ClusterSettings(models.Model):
+    """One row, read live."""
+
+    serving_stopped = models.BooleanField(default=False)
+    drain_grace_seconds = models.PositiveIntegerField(default=300)
+    reconcile_interval_seconds = models.PositiveIntegerField(default=5)
+    engine_key = models.CharField(max_length=128, blank=True, default="")
+    previous_engine_key = models.CharField(max_length=128, blank=True, default="")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "cluster settings"
+
+    def __str__(self):
+        return "cluster settings"
+
+    @classmethod
+    def load(cls) -> "ClusterSettings":
+        obj, _ = cls.objects.get_or_create(pk=1)
+        if not obj.engine_key:
+            obj.engine_key = "lek_" + secrets.token_urlsafe(32)
+            obj.save(update_fields=["engine_key"])
+        return obj
+
+    @staticmethod
+    def fingerprint(key: str) -> str:
+        return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+class Event(models.Model):
+    """Append-only: what happened, to what, and who or what did it."""
+
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    kind = models.CharField(max_length=64, db_index=True)  # e.g. model.added, replica.placed, replica.failed
+    actor = models.CharField(max_length=120)  # user:alice, reconciler, agent:gpu-1, system
+    subject = models.CharField(max_length=120, blank=True, default="", db_index=True)  # e.g. smollm2-3f2a91c0
+    message = models.CharField(max_length=1000)
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self):
+        return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.kind} {self.message}"

@@ -1,0 +1,415 @@
+"""Every change an operator can make, one function each. The CLI, the REST API and the dashboard call these.
+
+Each validates (raising OperationError with a one-line message, changing nothing), changes state in one
+transaction, writes an Event, and kicks the reconciler after commit.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from django.contrib.auth.models import Group, User
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.db.models import Count, Q
+from rest_framework.authtoken.models import Token
+
+from cluster import mirror
+from cluster.events import kick_reconciler, record
+from cluster.roles import ROLES
+from cluster.models import NAME_RE, ClusterSettings, EngineVersion, Model, ModelFile, Node, Profile, Replica
+
+GGUF_ENGINES = ("llama.cpp", "xllamacpp")
+
+
+class OperationError(Exception):
+    """A refused operation; the message is one line an operator can act on."""
+
+
+class NotFound(OperationError):
+    pass
+
+
+def _check_name(kind: str, name: str) -> None:
+    if not isinstance(name, str) or not re.match(NAME_RE, name):
+        raise OperationError(
+            f"invalid {kind} name {name!r}: use lower-case letters, digits, '.', '_' or '-' (at most 63)"
+        )
+
+
+def _get(model_cls, kind: str, name: str):
+    try:
+        return model_cls.objects.get(name=name)
+    except model_cls.DoesNotExist:
+        raise NotFound(f"no {kind} named {name!r}") from None
+
+
+def _check_count(label: str, value, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise OperationError(f"{label} must be a whole number of at least {minimum}, not {value!r}")
+    return value
+
+
+# Nodes
+
+
+def add_node(name: str, actor: str) -> tuple[Node, str]:
+    _check_name("node", name)
+    token = Node.new_token()
+    with transaction.atomic():
+        if Node.objects.filter(name=name).exists():
+            raise OperationError(f"a node named {name!r} already exists")
+        node = Node.objects.create(name=name, token_hash=Node.hash_token(token))
+        record("node.added", actor, f"node {name} added", subject=name)
+    return node, token
+
+
+def reset_node_token(name: str, actor: str) -> tuple[Node, str]:
+    token = Node.new_token()
+    with transaction.atomic():
+        node = _get(Node, "node", name)
+        node.token_hash = Node.hash_token(token)
+        node.save(update_fields=["token_hash"])
+        record("node.token_reset", actor, f"node {name}: new agent token", subject=name)
+    _notify_node(node.pk, "agent.close")
+    return node, token
+
+
+def remove_node(name: str, actor: str, force: bool = False) -> None:
+    with transaction.atomic():
+        node = _get(Node, "node", name)
+        running = list(node.replicas.exclude(state__in=Replica.TERMINAL).values_list("name", flat=True))
+        if running and not force:
+            raise OperationError(
+                f"node {name} still has {len(running)} replica(s) ({', '.join(running[:5])}); "
+                "scale them away first or use --force"
+            )
+        for replica_name in running:
+            record("replica.failed", actor, f"replica {replica_name} lost: node {name} removed", subject=replica_name)
+        node.replicas.exclude(state__in=Replica.TERMINAL).update(
+            state=Replica.State.FAILED, reason=f"node {name} removed"
+        )
+        node_pk = node.pk
+        node.delete()
+        record("node.removed", actor, f"node {name} removed", subject=name, replicas=running)
+        kick_reconciler()
+    _notify_node(node_pk, "agent.close")
+
+
+def _notify_node(node_pk: int, message_type: str) -> None:
+    from cluster.reconciler import notify_nodes
+
+    notify_nodes([node_pk], message_type)
+
+
+# Mirror
+
+
+def import_model_file(path: str, actor: str, name: str | None = None) -> tuple[ModelFile, bool]:
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise NotFound(f"no such file: {path}")
+    if not source.is_file():
+        raise OperationError(f"not a regular file: {path}")
+    gguf = {}
+    fmt = "other"
+    if mirror.is_gguf(source):
+        try:
+            gguf = mirror.gguf_facts(source)
+        except mirror.NotGGUF as exc:
+            raise OperationError(str(exc)) from None
+        fmt = "gguf"
+    sha, size, _ = mirror.store(source)
+    with transaction.atomic():
+        existing = ModelFile.objects.filter(sha256=sha).first()
+        if existing:
+            return existing, False
+        model_file = ModelFile.objects.create(sha256=sha, name=name or source.name, size=size, format=fmt, gguf=gguf)
+        record(
+            "file.imported", actor, f"file {model_file.name} ({sha[:12]}, {size} bytes) imported", subject=sha[:12]
+        )
+    return model_file, True
+
+
+def resolve_file(ref: str, actor: str) -> ModelFile:
+    """A sha256 (or a unique prefix of 8+ hex digits), a file name in the mirror, or a path to import."""
+    ref = (ref or "").strip()
+    if not ref:
+        raise OperationError("name a model file: a sha256, a file name in the mirror, or a path")
+    if re.fullmatch(r"[0-9a-f]{8,64}", ref):
+        matches = list(ModelFile.objects.filter(sha256__startswith=ref)[:2])
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            raise OperationError(f"sha256 prefix {ref} matches several files; give more digits")
+    by_name = list(ModelFile.objects.filter(name=ref)[:2])
+    if len(by_name) == 1:
+        return by_name[0]
+    if len(by_name) > 1:
+        raise OperationError(f"several files are named {ref!r}; give the sha256")
+    if "/" in ref or Path(ref).exists():
+        return import_model_file(ref, actor)[0]
+    raise NotFound(f"no model file {ref!r} in the mirror (give a sha256, a file name, or a path to import)")
+
+
+# Profiles
+
+PROFILE_FIELDS = ("context_size", "threads", "gpu_layers", "batch_size", "parallel", "extra_args")
+
+
+def _profile_values(values: dict) -> dict:
+    clean = {}
+    for key, value in values.items():
+        if key not in PROFILE_FIELDS:
+            raise OperationError(f"unknown profile field {key!r} (known: {', '.join(PROFILE_FIELDS)})")
+        if value is None and key in ("threads", "gpu_layers", "batch_size"):
+            clean[key] = None
+        elif key == "extra_args":
+            if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+                raise OperationError("extra_args must be a list of strings")
+            clean[key] = value
+        elif key == "gpu_layers":
+            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+                raise OperationError(f"gpu_layers must be -1 (all) or more, not {value!r}")
+            clean[key] = value
+        else:
+            clean[key] = _check_count(key.replace("_", " "), value, 1)
+    return clean
+
+
+def add_profile(name: str, actor: str, **values) -> Profile:
+    _check_name("profile", name)
+    clean = _profile_values(values)
+    with transaction.atomic():
+        if Profile.objects.filter(name=name).exists():
+            raise OperationError(f"a profile named {name!r} already exists")
+        profile = Profile.objects.create(name=name, **clean)
+        record("profile.added", actor, f"profile {name} added: {profile.args()}", subject=name)
+    return profile
+
+
+def set_profile(name: str, actor: str, **values) -> Profile:
+    clean = _profile_values(values)
+    with transaction.atomic():
+        profile = _get(Profile, "profile", name)
+        for key, value in clean.items():
+            setattr(profile, key, value)
+        profile.save()
+        record(
+            "profile.edited",
+            actor,
+            f"profile {name} edited: {profile.args()} (running replicas keep their arguments until restarted)",
+            subject=name,
+        )
+    return profile
+
+
+def remove_profile(name: str, actor: str) -> None:
+    with transaction.atomic():
+        profile = _get(Profile, "profile", name)
+        users = list(profile.models.values_list("name", flat=True))
+        if users:
+            raise OperationError(f"profile {name} is used by model(s) {', '.join(users)}")
+        profile.delete()
+        record("profile.removed", actor, f"profile {name} removed", subject=name)
+
+
+# Engines
+
+
+def add_engine(
+    name: str,
+    kind: str,
+    actor: str,
+    version: str = "",
+    device: str = EngineVersion.Device.CPU,
+    binary: str = "",
+    command: str = "",
+) -> EngineVersion:
+    from agents.engines import DRIVERS
+
+    _check_name("engine", name)
+    if kind not in DRIVERS:
+        raise OperationError(f"unknown engine kind {kind!r} (known: {', '.join(sorted(DRIVERS))})")
+    if device not in EngineVersion.Device.values:
+        raise OperationError(f"device must be cpu or gpu, not {device!r}")
+    if kind == "command" and not command.strip():
+        raise OperationError("a command engine needs --command, e.g. '{python} server.py --port {port}'")
+    if command:
+        try:
+            DRIVERS["command"].check_template(command)
+        except ValueError as exc:
+            raise OperationError(str(exc)) from None
+    with transaction.atomic():
+        if EngineVersion.objects.filter(name=name).exists():
+            raise OperationError(f"an engine named {name!r} already exists")
+        engine = EngineVersion.objects.create(
+            name=name, kind=kind, version=version, device=device, binary=binary, command=command
+        )
+        record("engine.added", actor, f"engine {name} ({kind} {version}, {device}) added", subject=name)
+    return engine
+
+
+# Models
+
+
+def _model_values(values: dict, actor: str) -> dict:
+    clean = {}
+    if "replicas" in values and values["replicas"] is not None:
+        clean["replicas"] = _check_count("replicas", values["replicas"])
+    if values.get("file") is not None:
+        clean["file"] = resolve_file(values["file"], actor)
+    if values.get("engine") is not None:
+        clean["engine"] = _get(EngineVersion, "engine", values["engine"])
+    if values.get("profile") is not None:
+        clean["profile"] = _get(Profile, "profile", values["profile"])
+    if "memory_bytes" in values:
+        memory = values["memory_bytes"]
+        clean["memory_bytes"] = None if memory in (None, 0) else _check_count("memory", memory, 1)
+    if values.get("nodes") is not None:
+        nodes = values["nodes"]
+        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+            raise OperationError("nodes must be a list of node names")
+        clean["nodes"] = sorted(set(nodes))
+    if values.get("wait_seconds") is not None:
+        clean["wait_seconds"] = _check_count("wait seconds", values["wait_seconds"])
+    return clean
+
+
+def _check_engine_file(engine: EngineVersion, model_file: ModelFile) -> None:
+    if engine.kind in GGUF_ENGINES and model_file.format != "gguf":
+        raise OperationError(f"file {model_file.name} is not GGUF; engine {engine.name} ({engine.kind}) needs GGUF")
+
+
+def add_model(
+    name: str,
+    actor: str,
+    file: str,
+    engine: str,
+    profile: str = "default",
+    replicas: int = 1,
+    memory_bytes: int | None = None,
+    nodes: list[str] | None = None,
+    wait_seconds: int | None = None,
+) -> Model:
+    _check_name("model", name)
+    existing = Model.objects.filter(name=name).first()
+    if existing:
+        state = " (it is being removed)" if existing.removing else ""
+        raise OperationError(f"a model named {name!r} already exists{state}")
+    clean = _model_values(
+        {
+            "file": file,
+            "engine": engine,
+            "profile": profile,
+            "replicas": replicas,
+            "memory_bytes": memory_bytes,
+            "nodes": nodes or [],
+            "wait_seconds": wait_seconds,
+        },
+        actor,
+    )
+    _check_engine_file(clean["engine"], clean["file"])
+    with transaction.atomic():
+        if Model.objects.filter(name=name).exists():
+            raise OperationError(f"a model named {name!r} already exists")
+        model = Model.objects.create(name=name, **clean)
+        record(
+            "model.added",
+            actor,
+            f"model {name} added: {model.file.name} on {model.engine.name}, profile {model.profile.name}, "
+            f"{model.replicas} replica(s), {model.memory_estimate()} bytes each",
+            subject=name,
+        )
+        kick_reconciler()
+    return model
+
+
+def set_model(name: str, actor: str, **values) -> Model:
+    clean = _model_values(values, actor)
+    with transaction.atomic():
+        model = _get(Model, "model", name)
+        if model.removing:
+            raise OperationError(f"model {name} is being removed")
+        engine = clean.get("engine", model.engine)
+        model_file = clean.get("file", model.file)
+        _check_engine_file(engine, model_file)
+        changed = {k: v for k, v in clean.items() if getattr(model, k) != v}
+        if not changed:
+            return model
+        for key, value in changed.items():
+            setattr(model, key, value)
+        model.save(update_fields=list(changed))
+        shown = ", ".join(f"{k}={getattr(v, 'name', v)}" for k, v in changed.items())
+        record("model.edited", actor, f"model {name} edited: {shown}", subject=name)
+        kick_reconciler()
+    return model
+
+
+def remove_model(name: str, actor: str) -> Model:
+    with transaction.atomic():
+        model = _get(Model, "model", name)
+        if model.removing:
+            return model
+        model.removing = True
+        model.save(update_fields=["removing"])
+        record("model.removing", actor, f"model {name} removed: its replicas are stopping", subject=name)
+        kick_reconciler()
+    return model
+
+
+# Users
+
+
+def add_user(name: str, role: str, actor: str, password: str | None = None) -> tuple[User, str]:
+    if role not in ROLES:
+        raise OperationError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+    if not re.fullmatch(r"[\w.@+-]{1,150}", name or ""):
+        raise OperationError(f"invalid user name {name!r}")
+    if password is not None and len(password) < 8:
+        raise OperationError("a password needs at least 8 characters")
+    with transaction.atomic():
+        if User.objects.filter(username=name).exists():
+            raise OperationError(f"a user named {name!r} already exists")
+        user = User(username=name, is_staff=role == "admin", is_superuser=role == "admin")
+        if password:
+            user.set_password(password)
+        else:
+            user.set_unusable_password()
+        try:
+            user.full_clean(exclude=["password"])
+        except ValidationError as exc:
+            raise OperationError("; ".join(m for ms in exc.message_dict.values() for m in ms)) from None
+        user.save()
+        user.groups.add(Group.objects.get_or_create(name=role)[0])
+        token = Token.objects.create(user=user)
+        record("user.added", actor, f"user {name} added as {role}", subject=name)
+    return user, token.key
+
+
+# Status
+
+
+def cluster_status() -> dict:
+    from django.utils import timezone
+
+    settings_row = ClusterSettings.load()
+    now = timezone.now()
+    nodes = list(Node.objects.all())
+    alive = [n for n in nodes if n.is_alive(now)]
+    by_state = dict(
+        Replica.objects.exclude(state__in=Replica.TERMINAL)
+        .values_list("state")
+        .annotate(n=Count("id"))
+        .values_list("state", "n")
+    )
+    models = Model.objects.annotate(
+        ready=Count("replica_set", filter=Q(replica_set__state=Replica.State.READY)),
+    ).values("name", "replicas", "ready", "removing", "placement_note")
+    return {
+        "serving": "stopped" if settings_row.serving_stopped else "serving",
+        "nodes": {"total": len(nodes), "connected": len(alive)},
+        "models": list(models),
+        "replicas": by_state,
+    }

@@ -1,0 +1,344 @@
+"""The reconciler: snapshot the cluster, ask the planner, apply its actions. One run at a time, under a Redis lock."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import redis
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from cluster import planner
+from cluster.events import record
+from cluster.locks import redis_client
+from cluster.memory import estimate
+from cluster.models import ClusterSettings, Model, Node, Replica
+
+log = logging.getLogger("llmgw.reconciler")
+ACTOR = "reconciler"
+LOCK_KEY = "llmgw:reconcile:lock"
+DIRTY_KEY = "llmgw:reconcile:dirty"
+LAST_RUN_KEY = "llmgw:reconcile:last"
+LOCK_TTL = 60  # seconds; a run takes well under one
+DEFAULT_PORT_RANGE = (20000, 20999)
+
+
+def node_group(node_pk: int) -> str:
+    return f"agent-node-{node_pk}"
+
+
+def notify_nodes(node_pks, message_type: str = "send.desired") -> None:
+    """After commit, tell each node's agent stream to send its desired list (or another message)."""
+    node_pks = sorted(set(pk for pk in node_pks if pk))
+    if not node_pks:
+        return
+
+    def send():
+        layer = get_channel_layer()
+        for pk in node_pks:
+            try:
+                async_to_sync(layer.group_send)(node_group(pk), {"type": message_type})
+            except Exception as exc:  # the agent gets the full list on its next connect or report anyway
+                log.warning("could not notify node %s: %s", pk, exc)
+
+    transaction.on_commit(send)
+
+
+def take_snapshot(now=None) -> planner.Snapshot:
+    now = now or timezone.now()
+    cluster = ClusterSettings.load()
+    nodes = tuple(
+        planner.NodeView(
+            id=n["id"],
+            name=n["name"],
+            connected=n["connected"],
+            last_seen=n["last_seen"].timestamp() if n["last_seen"] else None,
+            schedulable=n["schedulable"],
+            draining=n["draining"],
+            engines=frozenset((n["facts"] or {}).get("engines") or {}),
+            memory_bytes=n["memory_bytes"],
+            gpus=tuple(int(g.get("memory_bytes", 0)) for g in (n["facts"] or {}).get("gpus") or []),
+        )
+        for n in Node.objects.values(
+            "id", "name", "connected", "last_seen", "schedulable", "draining", "facts", "memory_bytes"
+        )
+    )
+    models = tuple(
+        planner.ModelView(
+            id=m["id"],
+            name=m["name"],
+            replicas=m["replicas"],
+            memory_bytes=m["memory_bytes"]
+            or estimate(m["file__size"], m["file__gguf"] or {}, m["profile__context_size"]),
+            engine_kind=m["engine__kind"],
+            uses_gpu=m["engine__device"] == "gpu",
+            nodes=frozenset(m["nodes"] or ()),
+            removing=m["removing"],
+            failures=m["failures"],
+            backoff_until=m["backoff_until"].timestamp() if m["backoff_until"] else None,
+            placement_note=m["placement_note"],
+        )
+        for m in Model.objects.values(
+            "id",
+            "name",
+            "replicas",
+            "memory_bytes",
+            "file__size",
+            "file__gguf",
+            "profile__context_size",
+            "engine__kind",
+            "engine__device",
+            "nodes",
+            "removing",
+            "failures",
+            "backoff_until",
+            "placement_note",
+        )
+    )
+    replicas = tuple(
+        planner.ReplicaView(
+            id=r["id"],
+            name=r["name"],
+            model_id=r["model_id"],
+            node_id=r["node_id"],
+            state=r["state"],
+            restart=r["restart"],
+            memory_bytes=r["memory_bytes"],
+            gpu_index=r["gpu_index"],
+            state_changed_at=r["state_changed_at"].timestamp(),
+            reason=r["reason"],
+        )
+        for r in Replica.objects.exclude(state__in=Replica.TERMINAL).values(
+            "id", "name", "model_id", "node_id", "state", "restart", "memory_bytes", "gpu_index",
+            "state_changed_at", "reason",
+        )
+    )
+    return planner.Snapshot(
+        now=now.timestamp(),
+        nodes=nodes,
+        models=models,
+        replicas=replicas,
+        serving_stopped=cluster.serving_stopped,
+        node_tolerance=settings.LLMGW_NODE_TOLERANCE,
+        node_lost_grace=settings.LLMGW_NODE_LOST_GRACE,
+        drain_grace=cluster.drain_grace_seconds,
+        inflight=inflight_counts(),
+    )
+
+
+def inflight_counts() -> dict[str, int]:
+    """Requests in flight per replica, as the gateway counts them in Redis (none before the gateway exists)."""
+    return {}
+
+
+class _Applier:
+    """Applies planner actions inside one transaction; remembers which nodes' desired lists changed."""
+
+    def __init__(self, snapshot: planner.Snapshot, now):
+        self.now = now
+        self.snapshot = snapshot
+        self.nodes = {n.id: n for n in snapshot.nodes}
+        self.models = {m.id: m for m in snapshot.models}
+        self.replicas = {r.id: r for r in snapshot.replicas}
+        self.touched_nodes: set[int] = set()
+        self._ports: dict[int, set[int]] = {}
+        self._port_ranges: dict[int, tuple[int, int]] = {}
+        self._cluster = None
+        self._model_rows: dict[int, Model] = {}
+
+    def cluster(self):
+        if self._cluster is None:
+            self._cluster = ClusterSettings.load()
+        return self._cluster
+
+    def free_port(self, node_id: int) -> int:
+        used = self._ports.get(node_id)
+        if used is None:
+            used = set(
+                Replica.objects.filter(node_id=node_id, port__isnull=False)
+                .exclude(state__in=Replica.TERMINAL)
+                .values_list("port", flat=True)
+            )
+            self._ports[node_id] = used
+            node_facts = Node.objects.filter(pk=node_id).values_list("facts", flat=True).first() or {}
+            self._port_ranges[node_id] = (node_facts.get("port_range") or DEFAULT_PORT_RANGE)[:2]
+        low, high = self._port_ranges[node_id]
+        free = [p for p in range(int(low), int(high) + 1) if p not in used]
+        if not free:
+            raise RuntimeError(f"node {self.nodes[node_id].name} has no free port in {low}-{high}")
+        port = random.choice(free)
+        used.add(port)
+        return port
+
+    def snapshot_of(self, model: Model) -> dict:
+        cluster = self.cluster()
+        return {
+            "profile": model.profile.name,
+            "args": model.profile.args(),
+            "engine": model.engine.spec(),
+            "file": model.file.sha256,
+            "engine_key": ClusterSettings.fingerprint(cluster.engine_key),
+        }
+
+    def set_state(self, replica_id: int, state: str, reason: str, **extra) -> Replica | None:
+        updated = Replica.objects.filter(pk=replica_id).exclude(state__in=Replica.TERMINAL)
+        n = updated.update(state=state, reason=reason[:500], state_changed_at=self.now, **extra)
+        if not n:
+            return None
+        replica = self.replicas[replica_id]
+        if replica.node_id:
+            self.touched_nodes.add(replica.node_id)
+        return replica
+
+    def apply(self, action) -> None:
+        getattr(self, "on_" + type(action).__name__)(action)
+
+    def on_MarkNodeDisconnected(self, a: planner.MarkNodeDisconnected):
+        Node.objects.filter(pk=a.node_id).update(connected=False)
+        name = self.nodes[a.node_id].name
+        record("node.disconnected", ACTOR, f"node {name} disconnected: {a.reason}", subject=name)
+
+    def prefetch_models(self, actions) -> None:
+        """Load, in one query, the models whose replicas the actions create or place (else a query each)."""
+        ids = {a.model_id for a in actions if isinstance(a, (planner.Create, planner.Unplaceable))}
+        ids |= {self.replicas[a.replica_id].model_id for a in actions if isinstance(a, planner.Assign)}
+        ids -= self._model_rows.keys()
+        if ids:
+            self._model_rows.update(Model.objects.select_related("profile", "engine", "file").in_bulk(ids))
+
+    def model(self, model_id: int) -> Model:
+        if model_id not in self._model_rows:
+            self._model_rows[model_id] = Model.objects.select_related("profile", "engine", "file").get(pk=model_id)
+        return self._model_rows[model_id]
+
+    def on_Create(self, a: planner.Create):
+        model = self.model(a.model_id)
+        node = self.nodes[a.node_id]
+        replica = Replica.objects.create(
+            name=Replica.new_name(model.name),
+            model=model,
+            node_id=a.node_id,
+            gpu_index=a.gpu_index,
+            port=self.free_port(a.node_id),
+            memory_bytes=a.memory_bytes,
+            snapshot=self.snapshot_of(model),
+            state_changed_at=self.now,
+        )
+        self.touched_nodes.add(a.node_id)
+        where = f"{node.name}" + (f" GPU {a.gpu_index}" if a.gpu_index is not None else "")
+        record("replica.placed", ACTOR, f"replica {replica.name} placed on {where}", subject=replica.name)
+
+    def on_Assign(self, a: planner.Assign):
+        replica = self.replicas[a.replica_id]
+        model = self.model(replica.model_id)
+        n = Replica.objects.filter(pk=a.replica_id, state=Replica.State.PENDING, node__isnull=True).update(
+            node_id=a.node_id,
+            gpu_index=a.gpu_index,
+            port=self.free_port(a.node_id),
+            memory_bytes=self.models[replica.model_id].memory_bytes,
+            reason="",
+            snapshot=self.snapshot_of(model),
+            state_changed_at=self.now,
+        )
+        if n:
+            self.touched_nodes.add(a.node_id)
+            record(
+                "replica.placed", ACTOR, f"replica {replica.name} placed on {self.nodes[a.node_id].name}",
+                subject=replica.name,
+            )
+
+    def on_Unplaceable(self, a: planner.Unplaceable):
+        model = self.model(a.model_id)
+        if a.replica_id is None:
+            replica = Replica.objects.create(
+                name=Replica.new_name(model.name),
+                model=model,
+                memory_bytes=a.memory_bytes,
+                reason=a.reason[:500],
+                state_changed_at=self.now,
+            )
+            name = replica.name
+        else:
+            Replica.objects.filter(pk=a.replica_id).update(reason=a.reason[:500])
+            name = self.replicas[a.replica_id].name
+        record("replica.unplaceable", ACTOR, f"replica {name} cannot be placed: {a.reason}", subject=name)
+
+    def on_Drain(self, a: planner.Drain):
+        replica = self.set_state(a.replica_id, Replica.State.DRAINING, a.reason)
+        if replica:
+            record("replica.draining", ACTOR, f"replica {replica.name} draining: {a.reason}", subject=replica.name)
+
+    def on_Stop(self, a: planner.Stop):
+        replica = self.replicas[a.replica_id]
+        state = Replica.State.STOPPING if replica.node_id else Replica.State.STOPPED
+        if self.set_state(a.replica_id, state, a.reason):
+            record("replica.stopping", ACTOR, f"replica {replica.name} stopping: {a.reason}", subject=replica.name)
+
+    def on_Fail(self, a: planner.Fail):
+        replica = self.set_state(a.replica_id, Replica.State.FAILED, a.reason)
+        if replica:
+            record("replica.failed", ACTOR, f"replica {replica.name} failed: {a.reason}", subject=replica.name)
+
+    def on_MarkStopped(self, a: planner.MarkStopped):
+        replica = self.set_state(a.replica_id, Replica.State.STOPPED, a.reason)
+        if replica:
+            record("replica.stopped", ACTOR, f"replica {replica.name} stopped: {a.reason}", subject=replica.name)
+
+    def on_SetModelNote(self, a: planner.SetModelNote):
+        Model.objects.filter(pk=a.model_id).update(placement_note=a.note[:500])
+
+    def on_DeleteModel(self, a: planner.DeleteModel):
+        name = self.models[a.model_id].name
+        Model.objects.filter(pk=a.model_id, removing=True).delete()
+        record("model.removed", ACTOR, f"model {name} removed: all its replicas stopped", subject=name)
+
+
+def reconcile_once() -> int:
+    """One pass: snapshot, plan, apply. Returns how many actions were applied."""
+    now = timezone.now()
+    snapshot = take_snapshot(now)
+    actions = planner.plan(snapshot)
+    if not actions:
+        return 0
+    with transaction.atomic():
+        applier = _Applier(snapshot, now)
+        applier.prefetch_models(actions)
+        for action in actions:
+            applier.apply(action)
+        notify_nodes(applier.touched_nodes)
+    return len(actions)
+
+
+def reconcile(max_passes: int = 5) -> int | None:
+    """Run under the lock; if someone asked again meanwhile (dirty), run again. None if another run holds it."""
+    r = redis_client()
+    r.set(DIRTY_KEY, 1, ex=60)
+    lock = r.lock(LOCK_KEY, timeout=LOCK_TTL, blocking=False)
+    if not lock.acquire():
+        return None  # the holder will see the dirty flag and go round again
+    applied = 0
+    try:
+        for _ in range(max_passes):
+            if not r.delete(DIRTY_KEY):
+                break
+            applied += reconcile_once()
+            r.set(LAST_RUN_KEY, time.time(), ex=3600)
+    finally:
+        try:
+            lock.release()
+        except redis.exceptions.LockError:  # it expired under a very slow run; nothing of ours to release
+            pass
+    return applied
+
+
+def due() -> bool:
+    """Beat ticks every second; run when the cluster's interval has passed since the last run."""
+    last = redis_client().get(LAST_RUN_KEY)
+    interval = ClusterSettings.load().reconcile_interval_seconds
+    return last is None or time.time() - float(last) >= interval

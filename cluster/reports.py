@@ -1,0 +1,219 @@
+"""The server's side of the agent stream: what an agent reports changes replicas; what it is told to run."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from agents import protocol
+from cluster.events import kick_reconciler, record
+from cluster.models import ClusterSettings, Model, Node, Replica
+
+log = logging.getLogger("llmgw.agents")
+S = Replica.State
+FORWARD = {S.PENDING: 0, S.DOWNLOADING: 1, S.STARTING: 2, S.READY: 3}
+
+
+def node_for_token(token: str) -> Node | None:
+    if not token:
+        return None
+    return Node.objects.filter(token_hash=Node.hash_token(token)).first()
+
+
+def connected(node_pk: int, address: str) -> Node:
+    now = timezone.now()
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node_pk)
+        node.connected, node.last_seen, node.address = True, now, address
+        node.save(update_fields=["connected", "last_seen", "address"])
+        record("node.connected", f"agent:{node.name}", f"node {node.name} connected from {address}", subject=node.name)
+        kick_reconciler()
+    return node
+
+
+def disconnected(node_pk: int) -> None:
+    with transaction.atomic():
+        node = Node.objects.filter(pk=node_pk).first()
+        if node is None or not node.connected:
+            return
+        Node.objects.filter(pk=node_pk).update(connected=False)
+        record("node.disconnected", f"agent:{node.name}", f"node {node.name}: agent stream closed", subject=node.name)
+        kick_reconciler()
+
+
+def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus]) -> None:
+    now = timezone.now()
+    facts = _clean_facts(facts)
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node_pk)
+        changed = node.facts != facts
+        node.facts = facts
+        node.memory_bytes = facts["memory_bytes"]
+        node.last_seen, node.connected = now, True
+        node.save(update_fields=["facts", "memory_bytes", "last_seen", "connected"])
+        if changed:
+            engines = ", ".join(f"{k} {v}".strip() for k, v in sorted(facts["engines"].items())) or "none"
+            record(
+                "node.facts",
+                f"agent:{node.name}",
+                f"node {node.name}: {facts['cpu_count']} CPUs, {facts['memory_bytes'] / 1024**3:.1f} GiB offered, "
+                f"{len(facts['gpus'])} GPU(s), engines: {engines}",
+                subject=node.name,
+            )
+            kick_reconciler()
+    report(node_pk, replicas, full=False)
+
+
+def _clean_facts(facts: dict) -> dict:
+    if not isinstance(facts, dict):
+        raise ValueError("facts must be an object")
+    gpus = [
+        {"index": int(g.get("index", i)), "name": str(g.get("name", "")), "memory_bytes": int(g["memory_bytes"])}
+        for i, g in enumerate(facts.get("gpus") or [])
+    ]
+    port_range = facts.get("port_range") or [20000, 20999]
+    return {
+        "hostname": str(facts.get("hostname", "")),
+        "cpu_count": int(facts.get("cpu_count") or 0),
+        "memory_bytes": max(0, int(facts.get("memory_bytes") or 0)),
+        "memory_total_bytes": max(0, int(facts.get("memory_total_bytes") or 0)),
+        "gpus": gpus,
+        "engines": {str(k): str(v or "") for k, v in (facts.get("engines") or {}).items()},
+        "port_range": [int(port_range[0]), int(port_range[1])],
+        "agent_version": str(facts.get("agent_version", "")),
+    }
+
+
+def report(node_pk: int, statuses: list[protocol.ReplicaStatus], full: bool) -> bool:
+    """Apply an agent's report. Returns True when a replica left the node's desired list (send it again)."""
+    now = timezone.now()
+    terminal_change = False
+    any_change = False
+    with transaction.atomic():
+        node = Node.objects.filter(pk=node_pk).first()
+        if node is None:
+            return False
+        Node.objects.filter(pk=node_pk).update(last_seen=now, connected=True)
+        actor = f"agent:{node.name}"
+        rows = {r.name: r for r in Replica.objects.filter(node_id=node_pk).exclude(state__in=Replica.TERMINAL)}
+        seen = set()
+        for status in statuses:
+            replica = rows.get(str(status.get("name")))
+            if replica is None:
+                continue  # not ours (any more): it is not in the desired list, so the agent stops it
+            seen.add(replica.name)
+            change = _transition(replica, status, now, actor)
+            any_change |= change is not None
+            terminal_change |= change in Replica.TERMINAL
+        if full:
+            for replica in rows.values():
+                if replica.name not in seen and replica.state == S.STOPPING:
+                    _set(replica, S.STOPPED, now, reason=replica.reason)
+                    record("replica.stopped", actor, f"replica {replica.name} stopped", subject=replica.name)
+                    any_change = terminal_change = True
+        if any_change:
+            kick_reconciler()
+    return terminal_change
+
+
+def _set(replica: Replica, state: str, now, **fields) -> None:
+    replica.state = state
+    replica.state_changed_at = now
+    for key, value in fields.items():
+        setattr(replica, key, value)
+    replica.save(update_fields=["state", "state_changed_at", *fields])
+
+
+def _transition(replica: Replica, status: dict, now, actor: str) -> str | None:
+    """Move the replica as the agent says, where the lifecycle allows. Returns the new state if it changed."""
+    new = status.get("state")
+    if new not in protocol.AGENT_STATES:
+        log.warning("%s reported unknown state %r for %s", actor, new, replica.name)
+        return None
+    extra = {}
+    if status.get("pid") and status.get("pid") != replica.pid:
+        extra["pid"] = int(status["pid"])
+    if replica.state == S.STOPPING:
+        if new in (S.STOPPED, S.FAILED):
+            _set(replica, S.STOPPED, now, **extra)
+            record("replica.stopped", actor, f"replica {replica.name} stopped", subject=replica.name)
+            return S.STOPPED
+        return None
+    if new == S.FAILED or (new == S.STOPPED and replica.state != S.STOPPING):
+        reason = str(status.get("reason") or "engine stopped without being asked")[:500]
+        _set(replica, S.FAILED, now, reason=reason, log_tail=str(status.get("log_tail") or "")[-8000:], **extra)
+        _back_off(replica.model_id, now)
+        record("replica.failed", actor, f"replica {replica.name} failed: {reason}", subject=replica.name)
+        return S.FAILED
+    if replica.state == S.DRAINING:
+        return None  # a draining replica stays draining until it is stopped
+    if FORWARD.get(new, -1) <= FORWARD.get(replica.state, -1):
+        if extra:
+            Replica.objects.filter(pk=replica.pk).update(**extra)
+        return None  # no going back (an adopted engine re-checking its health stays ready)
+    _set(replica, new, now, reason="", **extra)
+    if new == S.READY:
+        Model.objects.filter(pk=replica.model_id).update(failures=0, backoff_until=None)
+    where = f" on port {replica.port}" if new == S.STARTING else ""
+    record(f"replica.{new}", actor, f"replica {replica.name} {new}{where}", subject=replica.name)
+    return new
+
+
+def _back_off(model_id: int, now) -> None:
+    model = Model.objects.select_for_update().get(pk=model_id)
+    model.failures += 1
+    delay = min(settings.LLMGW_BACKOFF_CAP, settings.LLMGW_BACKOFF_BASE * 2 ** (model.failures - 1))
+    model.backoff_until = now + timedelta(seconds=delay)
+    model.save(update_fields=["failures", "backoff_until"])
+
+
+def progress(node_pk: int, name: str, done: int, total: int) -> None:
+    """Download progress; the first word of it moves a pending replica to downloading, however fast the rest is."""
+    with transaction.atomic():
+        replica = Replica.objects.select_for_update().filter(node_id=node_pk, name=name).first()
+        if replica is None:
+            return
+        replica.download_done, replica.download_total = int(done), int(total)
+        fields = ["download_done", "download_total"]
+        if replica.state == S.PENDING:
+            replica.state, replica.state_changed_at = S.DOWNLOADING, timezone.now()
+            fields += ["state", "state_changed_at"]
+            record("replica.downloading", f"agent:{replica.node.name}", f"replica {replica.name} downloading", subject=replica.name)
+        replica.save(update_fields=fields)
+
+
+def desired(node_pk: int, mirror_base: str) -> protocol.Desired:
+    """The complete list of replicas this node should run, with all it needs to run each."""
+    engine_key = ClusterSettings.load().engine_key
+    rows = (
+        Replica.objects.filter(node_id=node_pk, state__in=Replica.RUNNING)
+        .select_related("model__file", "model__engine", "model__profile")
+        .order_by("name")
+    )
+    replicas: list[protocol.DesiredReplica] = []
+    for r in rows:
+        # A replica runs what it was started with; a new engine key or profile reaches it by restart.
+        snap = r.snapshot or {}
+        model_file = r.model.file
+        replicas.append(
+            {
+                "name": r.name,
+                "model": r.model.name,
+                "engine": snap.get("engine") or r.model.engine.spec(),
+                "args": snap.get("args") or r.model.profile.args(),
+                "file": {
+                    "sha256": model_file.sha256,
+                    "name": model_file.name,
+                    "size": model_file.size,
+                    "url": f"{mirror_base.rstrip('/')}/mirror/{model_file.sha256}",
+                },
+                "port": r.port,
+                "gpu_index": r.gpu_index,
+                "engine_key": engine_key,
+            }
+        )
+    return {"type": "desired", "replicas": replicas}

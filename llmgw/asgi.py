@@ -1,0 +1,19 @@
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")
+
+from django.core.asgi import get_asgi_application  # noqa: E402
+
+django_asgi_app = get_asgi_application()
+
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.urls import path  # noqa: E402
+
+from agents.consumers import AgentConsumer  # noqa: E402
+
+application = ProtocolTypeRouter(
+    {
+        "http": django_asgi_app,
+        "websocket": URLRouter([path("ws/agent/", AgentConsumer.as_asgi())]),
+    }
+)

