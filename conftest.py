@@ -23,6 +23,12 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _valkey is not None:
         _valkey.stop()
+    if os.environ.get("LLMGW_TEST_HOME_IS_TEMPORARY"):
+        import shutil
+
+        from django.conf import settings
+
+        shutil.rmtree(settings.LLMGW_HOME, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -7,18 +7,20 @@ from asgiref.sync import sync_to_async
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
 from cluster.models import ModelFile
+from cluster.permissions import WRITE_ROLES
 from cluster.reports import node_for_token
+from cluster.roles import role_of
 
 CHUNK = 1024 * 1024
 RANGE_RE = re.compile(r"^bytes=(\d+)-(\d*)$")
 
 
 def _allowed(request) -> bool:
+    """Agents with their node token; people who may change the cluster. Viewers do not fetch model files."""
     auth = request.headers.get("Authorization", "")
     if auth.lower().startswith("bearer ") and node_for_token(auth[7:].strip()) is not None:
         return True
-    user = request.user
-    return bool(user and user.is_authenticated)
+    return role_of(request.user) in WRITE_ROLES
 
 
 async def _chunks(path, start: int, length: int):
@@ -35,7 +37,7 @@ async def _chunks(path, start: int, length: int):
 
 async def mirror_file(request, sha256: str):
     if not await sync_to_async(_allowed)(request):
-        return JsonResponse({"detail": "a node token or a login is needed"}, status=401)
+        return JsonResponse({"detail": "a node token, or a login with the operator or admin role, is needed"}, status=401)
     model_file = await ModelFile.objects.filter(sha256=sha256).afirst()
     if model_file is None or not model_file.path.exists():
         return JsonResponse({"detail": f"no file {sha256} in the mirror"}, status=404)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from django.conf import settings
 from django.contrib.auth.models import Group, User
 from django.core.exceptions import ValidationError
 from django.db import transaction
@@ -21,6 +22,7 @@ from cluster.roles import ROLES
 from cluster.models import NAME_RE, ClusterSettings, EngineVersion, Model, ModelFile, Node, Profile, Replica
 
 GGUF_ENGINES = ("llama.cpp", "xllamacpp")
+DEFAULT_PROFILE = "default"
 
 
 class OperationError(Exception):
@@ -45,10 +47,14 @@ def _get(model_cls, kind: str, name: str):
         raise NotFound(f"no {kind} named {name!r}") from None
 
 
-def _check_count(label: str, value, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise OperationError(f"{label} must be a whole number of at least {minimum}, not {value!r}")
+def _check_count(label: str, value, minimum: int = 0, maximum: int = 2**31 - 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise OperationError(f"{label} must be a whole number from {minimum} to {maximum}, not {value!r}")
     return value
+
+
+MAX_REPLICAS = 1000
+MAX_MEMORY = 2**50  # a PiB: anything above is a typo
 
 
 # Nodes
@@ -106,21 +112,39 @@ def _notify_node(node_pk: int, message_type: str) -> None:
 # Mirror
 
 
+def _check_import_path(source: Path, actor: str) -> None:
+    """The CLI runs on the server with its owner's rights; over the API and the dashboard (actor `user:…`),
+    a path must lie in one of LLMGW_IMPORT_DIRS, or any file the server can read would be up for grabs."""
+    if not actor.startswith("user:"):
+        return
+    roots = [Path(d).resolve() for d in settings.LLMGW_IMPORT_DIRS]
+    resolved = source.resolve()
+    if not any(resolved.is_relative_to(root) for root in roots):
+        allowed = ", ".join(str(r) for r in roots) or "none (set LLMGW_IMPORT_DIRS)"
+        raise OperationError(f"imports by path must come from the import directories: {allowed}")
+
+
 def import_model_file(path: str, actor: str, name: str | None = None) -> tuple[ModelFile, bool]:
     source = Path(path).expanduser()
+    _check_import_path(source, actor)
     if not source.exists():
         raise NotFound(f"no such file: {path}")
     if not source.is_file():
         raise OperationError(f"not a regular file: {path}")
+    if name is not None and not (isinstance(name, str) and 0 < len(name) <= 255 and "/" not in name):
+        raise OperationError("a file name must be 1 to 255 characters without '/'")
     gguf = {}
     fmt = "other"
-    if mirror.is_gguf(source):
-        try:
-            gguf = mirror.gguf_facts(source)
-        except mirror.NotGGUF as exc:
-            raise OperationError(str(exc)) from None
-        fmt = "gguf"
-    sha, size, _ = mirror.store(source)
+    try:
+        if mirror.is_gguf(source):
+            try:
+                gguf = mirror.gguf_facts(source)
+            except mirror.NotGGUF as exc:
+                raise OperationError(str(exc)) from None
+            fmt = "gguf"
+        sha, size, _ = mirror.store(source)
+    except OSError as exc:
+        raise OperationError(f"cannot import {path}: {exc.strerror or exc}") from None
     with transaction.atomic():
         existing = ModelFile.objects.filter(sha256=sha).first()
         if existing:
@@ -156,6 +180,7 @@ def resolve_file(ref: str, actor: str) -> ModelFile:
 # Profiles
 
 PROFILE_FIELDS = ("context_size", "threads", "gpu_layers", "batch_size", "parallel", "extra_args")
+PROFILE_MAXIMA = {"context_size": 10_000_000, "threads": 4096, "batch_size": 1_000_000, "parallel": 1024}
 
 
 def _profile_values(values: dict) -> dict:
@@ -170,11 +195,11 @@ def _profile_values(values: dict) -> dict:
                 raise OperationError("extra_args must be a list of strings")
             clean[key] = value
         elif key == "gpu_layers":
-            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-                raise OperationError(f"gpu_layers must be -1 (all) or more, not {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value <= 100_000:
+                raise OperationError(f"gpu_layers must be -1 (all) or a layer count, not {value!r}")
             clean[key] = value
         else:
-            clean[key] = _check_count(key.replace("_", " "), value, 1)
+            clean[key] = _check_count(key.replace("_", " "), value, 1, PROFILE_MAXIMA.get(key, 2**31 - 1))
     return clean
 
 
@@ -193,9 +218,12 @@ def set_profile(name: str, actor: str, **values) -> Profile:
     clean = _profile_values(values)
     with transaction.atomic():
         profile = _get(Profile, "profile", name)
-        for key, value in clean.items():
-            setattr(profile, key, value)
-        profile.save()
+        changed = [key for key, value in clean.items() if getattr(profile, key) != value]
+        if not changed:
+            return profile
+        for key in changed:
+            setattr(profile, key, clean[key])
+        profile.save(update_fields=[*changed, "updated_at"])
         record(
             "profile.edited",
             actor,
@@ -208,6 +236,8 @@ def set_profile(name: str, actor: str, **values) -> Profile:
 def remove_profile(name: str, actor: str) -> None:
     with transaction.atomic():
         profile = _get(Profile, "profile", name)
+        if name == DEFAULT_PROFILE:
+            raise OperationError("the default profile cannot be removed (models use it when none is named)")
         users = list(profile.models.values_list("name", flat=True))
         if users:
             raise OperationError(f"profile {name} is used by model(s) {', '.join(users)}")
@@ -257,23 +287,25 @@ def add_engine(
 def _model_values(values: dict, actor: str) -> dict:
     clean = {}
     if "replicas" in values and values["replicas"] is not None:
-        clean["replicas"] = _check_count("replicas", values["replicas"])
-    if values.get("file") is not None:
-        clean["file"] = resolve_file(values["file"], actor)
+        clean["replicas"] = _check_count("replicas", values["replicas"], 0, MAX_REPLICAS)
     if values.get("engine") is not None:
         clean["engine"] = _get(EngineVersion, "engine", values["engine"])
     if values.get("profile") is not None:
         clean["profile"] = _get(Profile, "profile", values["profile"])
     if "memory_bytes" in values:
         memory = values["memory_bytes"]
-        clean["memory_bytes"] = None if memory in (None, 0) else _check_count("memory", memory, 1)
+        clean["memory_bytes"] = None if memory in (None, 0) else _check_count("memory", memory, 1, MAX_MEMORY)
     if values.get("nodes") is not None:
         nodes = values["nodes"]
         if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
             raise OperationError("nodes must be a list of node names")
+        for node_name in nodes:
+            _check_name("node", node_name)
         clean["nodes"] = sorted(set(nodes))
     if values.get("wait_seconds") is not None:
-        clean["wait_seconds"] = _check_count("wait seconds", values["wait_seconds"])
+        clean["wait_seconds"] = _check_count("wait seconds", values["wait_seconds"], 0, 3600)
+    if values.get("file") is not None:  # last: a path is imported, and everything else must be valid first
+        clean["file"] = resolve_file(values["file"], actor)
     return clean
 
 
@@ -298,20 +330,21 @@ def add_model(
     if existing:
         state = " (it is being removed)" if existing.removing else ""
         raise OperationError(f"a model named {name!r} already exists{state}")
-    clean = _model_values(
-        {
-            "file": file,
-            "engine": engine,
-            "profile": profile,
-            "replicas": replicas,
-            "memory_bytes": memory_bytes,
-            "nodes": nodes or [],
-            "wait_seconds": wait_seconds,
-        },
-        actor,
-    )
-    _check_engine_file(clean["engine"], clean["file"])
+    # One transaction: a file imported by path on the way is not recorded if the model is refused after all.
     with transaction.atomic():
+        clean = _model_values(
+            {
+                "file": file,
+                "engine": engine,
+                "profile": profile,
+                "replicas": replicas,
+                "memory_bytes": memory_bytes,
+                "nodes": nodes or [],
+                "wait_seconds": wait_seconds,
+            },
+            actor,
+        )
+        _check_engine_file(clean["engine"], clean["file"])
         if Model.objects.filter(name=name).exists():
             raise OperationError(f"a model named {name!r} already exists")
         model = Model.objects.create(name=name, **clean)
@@ -327,9 +360,9 @@ def add_model(
 
 
 def set_model(name: str, actor: str, **values) -> Model:
-    clean = _model_values(values, actor)
     with transaction.atomic():
         model = _get(Model, "model", name)
+        clean = _model_values(values, actor)
         if model.removing:
             raise OperationError(f"model {name} is being removed")
         engine = clean.get("engine", model.engine)

@@ -137,6 +137,10 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = LLMGW_HOME / "static"
+try:
+    STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # WhiteNoise warns about a missing root on every request
+except OSError:
+    pass
 STATICFILES_DIRS = [BASE_DIR / "static"]
 WHITENOISE_USE_FINDERS = True
 LOGIN_URL = "login"
@@ -198,6 +202,8 @@ LLMGW_NODE_LOST_GRACE = envint("LLMGW_NODE_LOST_GRACE", 60)  # seconds a gone no
 LLMGW_AGENT_REPORT_INTERVAL = envint("LLMGW_AGENT_REPORT_INTERVAL", 5)
 LLMGW_BACKOFF_BASE = envint("LLMGW_BACKOFF_BASE", 5)
 LLMGW_BACKOFF_CAP = envint("LLMGW_BACKOFF_CAP", 300)
+# Where the API and the dashboard may import model files from by path (the CLI may import any path).
+LLMGW_IMPORT_DIRS = [d for d in envstr("LLMGW_IMPORT_DIRS", str(LLMGW_HOME / "import")).split(":") if d]
 LLMGW_PUBLIC_URL = envstr("LLMGW_PUBLIC_URL", "")  # what agents on other machines dial; default from the request
 
 LOGGING = {

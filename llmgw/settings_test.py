@@ -3,7 +3,9 @@
 import os
 import tempfile
 
-os.environ.setdefault("LLMGW_HOME", tempfile.mkdtemp(prefix="llmgw-test-"))
+if "LLMGW_HOME" not in os.environ:
+    os.environ["LLMGW_HOME"] = tempfile.mkdtemp(prefix="llmgw-test-")
+    os.environ["LLMGW_TEST_HOME_IS_TEMPORARY"] = "1"  # conftest removes it at the end of the run
 
 from llmgw.settings import *  # noqa: E402,F403
 

