@@ -331,7 +331,7 @@ def run_child(backend: str, nodes: int, replicas: int, runs: int, redis_url: str
         proc = subprocess.run(cmd, env=env, cwd=str(ROOT), stdout=subprocess.PIPE, text=True)
         for line in reversed(proc.stdout.splitlines()):
             if line.startswith(RESULT_MARK):
-                return json.loads(line[len(RESULT_MARK):])
+                return dict(json.loads(line[len(RESULT_MARK):]), backend=backend)
         raise RuntimeError(f"the {backend} {nodes}x{replicas} run exited with code {proc.returncode}, no result")
     finally:
         if admin is not None:
@@ -341,6 +341,13 @@ def run_child(backend: str, nodes: int, replicas: int, runs: int, redis_url: str
                 admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname)))
             admin.close()
         shutil.rmtree(home, ignore_errors=True)
+
+
+def load_average() -> str:
+    try:
+        return "/".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
 
 
 def machine_header() -> list[str]:
@@ -426,7 +433,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"NODESxREPLICAS, comma-separated (default {DEFAULT_SIZES})")
     ap.add_argument("--backends", default="sqlite,postgres", help="sqlite and/or postgres (default both)")
-    ap.add_argument("--runs", type=int, default=None, help="timed runs per measure (default 20; 7 above 1,000 replicas)")
+    ap.add_argument(
+        "--runs", type=int, default=None, help="timed runs per measure (default 20; 7 above 1,000 replicas)"
+    )
     ap.add_argument("--child", metavar="SIZE", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -449,6 +458,7 @@ def main() -> int:
     valkey = None
     redis_url = os.environ.get("REDIS_URL", "")
     results = []
+    load_before = load_average()
     try:
         if not redis_url:
             from llmgw.valkey import EmbeddedValkey
@@ -459,7 +469,7 @@ def main() -> int:
         for backend in backends:
             for nodes, replicas in sizes:
                 runs = args.runs or default_runs(replicas)
-                print(f"{backend} {nodes:,} nodes x {replicas:,} replicas, {runs} runs ...", file=sys.stderr, flush=True)
+                print(f"{backend} {nodes:,} x {replicas:,}, {runs} runs ...", file=sys.stderr, flush=True)
                 try:
                     results.append(run_child(backend, nodes, replicas, runs, redis_url))
                 except Exception as exc:
@@ -474,7 +484,9 @@ def main() -> int:
     print()
     for line in machine_header():
         print(line)
-    print("Databases: " + (", ".join(versions) or "-") + f"; Redis: {'REDIS_URL' if valkey is None else 'embedded Valkey'}")
+    redis_kind = "REDIS_URL" if valkey is None else "embedded Valkey"
+    print("Databases: " + (", ".join(versions) or "-") + f"; Redis: {redis_kind}")
+    print(f"Load average (1/5/15 min) before: {load_before}, after: {load_average()} (other work shows in p99)")
     print("med = median, p99 = nearest rank (the slowest run below 100 runs); ratios use the median")
     print()
     for line in table(results):

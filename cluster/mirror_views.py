@@ -46,13 +46,13 @@ async def mirror_file(request, sha256: str):
     requested = request.headers.get("Range", "")
     if requested:
         match = RANGE_RE.match(requested.strip())
-        if not match or int(match.group(1)) >= size and size > 0:
+        first = int(match.group(1)) if match else size
+        last = int(match.group(2)) if match and match.group(2) else size - 1
+        if first >= size or last < first:  # unreadable, past the end (of an empty file too), or backwards
             response = HttpResponse(status=416)
             response["Content-Range"] = f"bytes */{size}"
             return response
-        start = int(match.group(1))
-        end = min(int(match.group(2)), size - 1) if match.group(2) else size - 1
-        status = 206
+        start, end, status = first, min(last, size - 1), 206
     length = max(0, end - start + 1)
     response = StreamingHttpResponse(
         _chunks(model_file.path, start, length), status=status, content_type="application/octet-stream"

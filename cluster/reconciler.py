@@ -157,7 +157,8 @@ class _Applier:
             self._cluster = ClusterSettings.load()
         return self._cluster
 
-    def free_port(self, node_id: int) -> int:
+    def free_port(self, node_id: int) -> int | None:
+        """A port of the node's range no live replica of it holds; None when all are taken."""
         used = self._ports.get(node_id)
         if used is None:
             used = set(
@@ -171,10 +172,14 @@ class _Applier:
         low, high = self._port_ranges[node_id]
         free = [p for p in range(int(low), int(high) + 1) if p not in used]
         if not free:
-            raise RuntimeError(f"node {self.nodes[node_id].name} has no free port in {low}-{high}")
+            return None
         port = random.choice(free)
         used.add(port)
         return port
+
+    def no_port_reason(self, node_id: int) -> str:
+        low, high = self._port_ranges[node_id]
+        return f"node {self.nodes[node_id].name} has no free port in {low}-{high}"
 
     def snapshot_of(self, model: Model) -> dict:
         cluster = self.cluster()
@@ -220,12 +225,16 @@ class _Applier:
     def on_Create(self, a: planner.Create):
         model = self.model(a.model_id)
         node = self.nodes[a.node_id]
+        port = self.free_port(a.node_id)
+        if port is None:  # the memory fits but every port is taken: wait unplaced, saying why (not fail the run)
+            self.on_Unplaceable(planner.Unplaceable(a.model_id, None, self.no_port_reason(a.node_id), a.memory_bytes))
+            return
         replica = Replica.objects.create(
             name=Replica.new_name(model.name),
             model=model,
             node_id=a.node_id,
             gpu_index=a.gpu_index,
-            port=self.free_port(a.node_id),
+            port=port,
             memory_bytes=a.memory_bytes,
             snapshot=self.snapshot_of(model),
             state_changed_at=self.now,
@@ -237,10 +246,16 @@ class _Applier:
     def on_Assign(self, a: planner.Assign):
         replica = self.replicas[a.replica_id]
         model = self.model(replica.model_id)
+        port = self.free_port(a.node_id)
+        if port is None:
+            reason = self.no_port_reason(a.node_id)
+            if reason != replica.reason:
+                self.on_Unplaceable(planner.Unplaceable(replica.model_id, a.replica_id, reason))
+            return
         n = Replica.objects.filter(pk=a.replica_id, state=Replica.State.PENDING, node__isnull=True).update(
             node_id=a.node_id,
             gpu_index=a.gpu_index,
-            port=self.free_port(a.node_id),
+            port=port,
             memory_bytes=self.models[replica.model_id].memory_bytes,
             reason="",
             snapshot=self.snapshot_of(model),

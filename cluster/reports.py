@@ -71,26 +71,38 @@ def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus]) -> 
 def _clean_facts(facts: dict) -> dict:
     if not isinstance(facts, dict):
         raise ValueError("facts must be an object")
-    gpus = [
-        {"index": int(g.get("index", i)), "name": str(g.get("name", "")), "memory_bytes": int(g["memory_bytes"])}
-        for i, g in enumerate(facts.get("gpus") or [])
-    ]
-    port_range = facts.get("port_range") or [20000, 20999]
-    return {
-        "hostname": str(facts.get("hostname", "")),
-        "cpu_count": int(facts.get("cpu_count") or 0),
-        "memory_bytes": max(0, int(facts.get("memory_bytes") or 0)),
-        "memory_total_bytes": max(0, int(facts.get("memory_total_bytes") or 0)),
-        "gpus": gpus,
-        "engines": {str(k): str(v or "") for k, v in (facts.get("engines") or {}).items()},
-        "port_range": [int(port_range[0]), int(port_range[1])],
-        "agent_version": str(facts.get("agent_version", "")),
-    }
+    # Anything an agent sends wrong is a ValueError: the stream ignores the message instead of dying on it.
+    try:
+        gpus = [
+            {"index": int(g.get("index", i)), "name": str(g.get("name", "")), "memory_bytes": int(g["memory_bytes"])}
+            for i, g in enumerate(facts.get("gpus") or [])
+        ]
+        port_range = facts.get("port_range") or [20000, 20999]
+        clean = {
+            "hostname": str(facts.get("hostname", "")),
+            "cpu_count": int(facts.get("cpu_count") or 0),
+            "memory_bytes": max(0, int(facts.get("memory_bytes") or 0)),
+            "memory_total_bytes": max(0, int(facts.get("memory_total_bytes") or 0)),
+            "gpus": gpus,
+            "engines": {str(k): str(v or "") for k, v in (facts.get("engines") or {}).items()},
+            "port_range": [int(port_range[0]), int(port_range[1])],
+            "agent_version": str(facts.get("agent_version", "")),
+        }
+    except (AttributeError, IndexError, KeyError, TypeError) as exc:
+        raise ValueError(f"malformed facts: {exc}") from None
+    if not 1 <= clean["port_range"][0] <= clean["port_range"][1] <= 65535:
+        raise ValueError(f"port_range {clean['port_range']} is not LOW <= HIGH within 1-65535")
+    sizes = (clean["memory_bytes"], clean["memory_total_bytes"], *(g["memory_bytes"] for g in gpus))
+    if not all(0 <= n < 2**63 for n in sizes):
+        raise ValueError("memory sizes must be between 0 and 2**63 - 1")
+    return clean
 
 
 def report(node_pk: int, statuses: list[protocol.ReplicaStatus], full: bool) -> bool:
     """Apply an agent's report. Returns True when a replica left the node's desired list (send it again)."""
     now = timezone.now()
+    if not all(isinstance(s, dict) for s in statuses):
+        raise ValueError("each replica status must be an object")
     terminal_change = False
     any_change = False
     with transaction.atomic():
@@ -137,6 +149,8 @@ def _transition(replica: Replica, status: dict, now, actor: str) -> str | None:
     extra = {}
     if status.get("pid") and status.get("pid") != replica.pid:
         extra["pid"] = int(status["pid"])
+        if not 0 < extra["pid"] < 2**31:  # the column's range; Linux pids stay far below it
+            raise ValueError(f"pid {extra['pid']} out of range")
     if replica.state == S.STOPPING:
         if new in (S.STOPPED, S.FAILED):
             _set(replica, S.STOPPED, now, **extra)
@@ -173,6 +187,8 @@ def _back_off(model_id: int, now) -> None:
 
 def progress(node_pk: int, name: str, done: int, total: int) -> None:
     """Download progress; the first word of it moves a pending replica to downloading, however fast the rest is."""
+    if not (0 <= int(done) < 2**63 and 0 <= int(total) < 2**63):
+        raise ValueError(f"progress {done}/{total} out of range")
     with transaction.atomic():
         replica = Replica.objects.select_for_update().filter(node_id=node_pk, name=name).first()
         if replica is None:

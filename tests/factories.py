@@ -81,3 +81,24 @@ def row_counts() -> dict[str, int]:
     """Rows of everything an operation could change: equal before and after a refused request."""
     tables = (Node, Profile, EngineVersion, ModelFile, Model, Replica, Event, User)
     return {cls.__name__: cls.objects.count() for cls in tables}
+
+
+def node_facts(memory_bytes: int = 16 * 1024**3, engines: dict | None = None, port_range=(21000, 21009), **fields) -> dict:
+    """Facts as an agent's hello gives them (already in the shape reports._clean_facts keeps)."""
+    facts = {
+        "hostname": "host-test",
+        "cpu_count": 8,
+        "memory_bytes": memory_bytes,
+        "memory_total_bytes": memory_bytes,
+        "gpus": [],
+        "engines": {"llama.cpp": "b4000"} if engines is None else engines,
+        "port_range": list(port_range),
+        "agent_version": "test",
+    }
+    facts.update(fields)
+    return facts
+
+
+def make_agent_node(name: str | None = None, memory_bytes: int = 16 * 1024**3, **facts) -> Node:
+    """A connected node that has said hello: facts with engines and a port range, memory as offered."""
+    return make_node(name, memory_bytes=memory_bytes, facts=node_facts(memory_bytes=memory_bytes, **facts))

