@@ -18,6 +18,7 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
+from agents.agent.processes import port_free
 from cluster import operations
 from llmgw.valkey import EmbeddedValkey, use
 
@@ -61,16 +62,6 @@ class Child:
         except subprocess.TimeoutExpired:
             self.signal(signal.SIGKILL)
             self.process.wait()
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _local_node_name() -> str:
@@ -163,7 +154,7 @@ def up(o, out):
     port, host = o["port"], o["host"]
     if not 0 < port < 65536:
         raise CommandError(f"--port must be between 1 and 65535, not {port}")
-    if not _port_free(host, port):
+    if not port_free(port, host):
         raise CommandError(f"port {port} on {host} is in use; pick another with --port")
     agent_memory = None
     if o.get("agent_memory"):

@@ -98,6 +98,20 @@ async def test_an_unsatisfiable_range_is_416(stored, node, header):
     assert response["Content-Range"] == f"bytes */{len(DATA)}"
 
 
+async def test_an_empty_file_has_no_range_to_give(node, tmp_path):
+    source = tmp_path / "empty"
+    source.write_bytes(b"")
+    sha, _, _ = mirror.store(source)
+    await sync_to_async(make_file)("empty", size=0, gguf=False, sha256=sha)
+    try:
+        response = await fetch(sha)
+        assert (response.status_code, response["Content-Length"], await body(response)) == (200, "0", b"")
+        response = await fetch(sha, Range="bytes=0-")
+        assert (response.status_code, response["Content-Range"]) == (416, "bytes */0")
+    finally:
+        mirror.remove(sha)
+
+
 async def test_an_unknown_file_is_404_json(node):
     sha = hashlib.sha256(b"absent").hexdigest()
     response = await fetch(sha)
