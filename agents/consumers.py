@@ -55,9 +55,19 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             await database_sync_to_async(reports.disconnected)(self.node_pk)
         log.info("agent for node %s disconnected (%s)", self.node_name, code)
 
+    async def receive(self, text_data=None, bytes_data=None, **kwargs):
+        # The base class raises on a binary frame or on text that is not JSON, which would end the stream.
+        try:
+            content = await self.decode_json(text_data or "")
+        except ValueError:
+            log.warning("node %s sent a frame that is not JSON text", self.node_name)
+            return
+        await self.receive_json(content, **kwargs)
+
     async def receive_json(self, content, **kwargs):
         kind = content.get("type") if isinstance(content, dict) else None
-        handler = {"hello": self.on_hello, "report": self.on_report, "progress": self.on_progress}.get(kind)
+        handlers = {"hello": self.on_hello, "report": self.on_report, "progress": self.on_progress}
+        handler = handlers.get(kind) if isinstance(kind, str) else None  # a list or dict `type` is unhashable
         if handler is None:
             log.warning("node %s sent an unknown message type %r", self.node_name, kind)
             return

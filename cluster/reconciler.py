@@ -293,7 +293,7 @@ class _Applier:
         replica = self.replicas[a.replica_id]
         state = Replica.State.STOPPING if replica.node_id else Replica.State.STOPPED
         if self.set_state(a.replica_id, state, a.reason):
-            record("replica.stopping", ACTOR, f"replica {replica.name} stopping: {a.reason}", subject=replica.name)
+            record(f"replica.{state}", ACTOR, f"replica {replica.name} {state}: {a.reason}", subject=replica.name)
 
     def on_Fail(self, a: planner.Fail):
         replica = self.set_state(a.replica_id, Replica.State.FAILED, a.reason)

@@ -65,7 +65,7 @@ def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus]) -> 
                 subject=node.name,
             )
             kick_reconciler()
-    report(node_pk, replicas, full=False)
+        report(node_pk, replicas, full=False)  # in the same transaction: a bad replica list refuses the whole hello
 
 
 def _clean_facts(facts: dict) -> dict:

@@ -83,7 +83,9 @@ def row_counts() -> dict[str, int]:
     return {cls.__name__: cls.objects.count() for cls in tables}
 
 
-def node_facts(memory_bytes: int = 16 * 1024**3, engines: dict | None = None, port_range=(21000, 21009), **fields) -> dict:
+def node_facts(
+    memory_bytes: int = 16 * 1024**3, engines: dict | None = None, port_range=(21000, 21009), **fields
+) -> dict:
     """Facts as an agent's hello gives them (already in the shape reports._clean_facts keeps)."""
     facts = {
         "hostname": "host-test",
@@ -102,3 +104,13 @@ def node_facts(memory_bytes: int = 16 * 1024**3, engines: dict | None = None, po
 def make_agent_node(name: str | None = None, memory_bytes: int = 16 * 1024**3, **facts) -> Node:
     """A connected node that has said hello: facts with engines and a port range, memory as offered."""
     return make_node(name, memory_bytes=memory_bytes, facts=node_facts(memory_bytes=memory_bytes, **facts))
+
+
+def seed_defaults() -> None:
+    """What migration 0002 seeds (the `default` profile, the engines, the role groups), again: a transactional
+    test's flush removes it. Idempotent."""
+    import importlib
+
+    from django.apps import apps
+
+    importlib.import_module("cluster.migrations.0002_defaults").forwards(apps, None)

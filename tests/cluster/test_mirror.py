@@ -4,7 +4,9 @@ import hashlib
 import os
 
 import pytest
+import pytest_asyncio
 from asgiref.sync import sync_to_async
+from django.db import connections
 from django.test import AsyncClient
 
 from cluster import mirror
@@ -15,6 +17,14 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
 
 DATA = os.urandom(3 * 1024 * 1024 + 123)  # more than one of the view's 1 MiB chunks
 NODE_TOKEN = "lnt_mirror-test-token"
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def _close_the_views_connection():
+    """The test client keeps Django from closing the view's database connection (in asgiref's one sync thread)
+    when a request ends; close it, or PostgreSQL cannot drop the test database at the end."""
+    yield
+    await sync_to_async(connections.close_all)()
 
 
 @pytest.fixture

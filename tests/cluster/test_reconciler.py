@@ -13,7 +13,7 @@ from django.utils import timezone
 from cluster import operations, reconciler, reports
 from cluster.locks import redis_client
 from cluster.models import ClusterSettings, Event, Model, Node, Replica
-from tests.factories import make_agent_node, make_model, make_node, make_replica
+from tests.factories import make_agent_node, make_model, make_replica
 
 S = Replica.State
 GIB = 1024**3

@@ -408,3 +408,14 @@ def test_node_for_token(db):
     assert reports.node_for_token("token-gpu-1") == node
     assert reports.node_for_token("token-gpu-2") is None
     assert reports.node_for_token("") is None
+
+
+def test_hello_with_a_bad_replica_list_changes_nothing(node, model):
+    replica = make_replica(model, node, S.PENDING)
+    before, facts = row_counts(), dict(node.facts)
+    with pytest.raises(ValueError):
+        reports.hello(node.pk, node_facts(memory_bytes=1), [{"name": replica.name, "state": "ready"}, "garbage"])
+    node.refresh_from_db()
+    assert (node.facts, node.memory_bytes) == (facts, facts["memory_bytes"])
+    assert Replica.objects.get(pk=replica.pk).state == S.PENDING
+    assert row_counts() == before
