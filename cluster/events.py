@@ -5,6 +5,7 @@ import logging
 from django.db import transaction
 
 from cluster.models import Event
+from gateway.runtime import notify_change
 
 log = logging.getLogger("llmgw.events")
 
@@ -26,3 +27,4 @@ def kick_reconciler() -> None:
             log.warning("could not kick the reconciler (%s); its next tick will pick the change up", exc)
 
     transaction.on_commit(send)
+    notify_change()

@@ -446,3 +446,133 @@ def cluster_status() -> dict:
         "models": list(models),
         "replicas": by_state,
     }
+
+
+# Client keys (the gateway's)
+
+
+def create_key(
+    name: str,
+    actor: str,
+    models: list[str] | None = None,
+    rpm: int | None = None,
+    tpm: int | None = None,
+    expires_at=None,
+) -> tuple["ApiKey", str]:
+    """A new client key for /v1/. The secret is returned once and stored only as a hash."""
+    from django.utils import timezone
+
+    from gateway.models import ApiKey
+
+    _check_name("key", name)
+    models = sorted(set(models or []))
+    for model_name in models:
+        _check_name("model", model_name)
+    if rpm is not None:
+        _check_count("rpm", rpm, 1)
+    if tpm is not None:
+        _check_count("tpm", tpm, 1)
+    if expires_at is not None and expires_at <= timezone.now():
+        raise OperationError(f"the expiry {expires_at:%Y-%m-%d %H:%M} is in the past")
+    secret = ApiKey.new_secret()
+    with transaction.atomic():
+        if ApiKey.objects.filter(name=name).exists():
+            raise OperationError(f"a key named {name!r} already exists")
+        key = ApiKey.objects.create(
+            name=name,
+            prefix=secret[:14],
+            key_hash=ApiKey.hash(secret),
+            allowed_models=models,
+            rpm=rpm,
+            tpm=tpm,
+            expires_at=expires_at,
+        )
+        limits = ", ".join(
+            part
+            for part in (
+                f"models {', '.join(models)}" if models else "all models",
+                f"{rpm} requests/min" if rpm else "",
+                f"{tpm} tokens/min" if tpm else "",
+                f"expires {expires_at:%Y-%m-%d %H:%M}" if expires_at else "",
+            )
+            if part
+        )
+        record("key.created", actor, f"key {name} ({key.prefix}…) created: {limits}", subject=name)
+        _gateways_reload()
+    return key, secret
+
+
+def revoke_key(name: str, actor: str) -> "ApiKey":
+    from django.utils import timezone
+
+    from gateway.models import ApiKey
+
+    with transaction.atomic():
+        key = _get(ApiKey, "key", name)
+        if key.revoked_at is not None:
+            raise OperationError(f"key {name} is already revoked")
+        key.revoked_at = timezone.now()
+        key.save(update_fields=["revoked_at"])
+        record("key.revoked", actor, f"key {name} ({key.prefix}…) revoked", subject=name)
+        _gateways_reload()
+    return key
+
+
+def _gateways_reload() -> None:
+    from gateway.runtime import notify_change
+
+    notify_change()
+
+
+def usage_report(key: str | None = None, model: str | None = None, since=None) -> list[dict]:
+    """Tokens per key, model and hour, newest first."""
+    from gateway.models import ApiKey, Usage
+
+    rows = Usage.objects.select_related("key")
+    if key:
+        if not ApiKey.objects.filter(name=key).exists():
+            raise NotFound(f"no key named {key!r}")
+        rows = rows.filter(key__name=key)
+    if model:
+        rows = rows.filter(model=model)
+    if since:
+        rows = rows.filter(hour__gte=since.replace(minute=0, second=0, microsecond=0))
+    return [
+        {
+            "key": r.key.name,
+            "model": r.model,
+            "hour": r.hour,
+            "requests": r.requests,
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+        }
+        for r in rows.order_by("-hour", "key__name", "model")[:5000]
+    ]
+
+
+# The system: stop and start serving
+
+
+def stop_serving(actor: str) -> ClusterSettings:
+    """Every model to zero replicas, /v1/ answers 503 system_stopped; no model's definition changes."""
+    with transaction.atomic():
+        cluster = ClusterSettings.objects.select_for_update().get(pk=ClusterSettings.load().pk)
+        if cluster.serving_stopped:
+            raise OperationError("llmgw is already stopped")
+        cluster.serving_stopped = True
+        cluster.save(update_fields=["serving_stopped", "updated_at"])
+        record("system.stopped", actor, "serving stopped: every model goes to zero replicas; /v1/ answers 503")
+        kick_reconciler()
+    return cluster
+
+
+def start_serving(actor: str) -> ClusterSettings:
+    with transaction.atomic():
+        cluster = ClusterSettings.objects.select_for_update().get(pk=ClusterSettings.load().pk)
+        if not cluster.serving_stopped:
+            raise OperationError("llmgw is already serving")
+        cluster.serving_stopped = False
+        cluster.save(update_fields=["serving_stopped", "updated_at"])
+        record("system.started", actor, "serving started: every model is placed again as it asks")
+        kick_reconciler()
+    return cluster

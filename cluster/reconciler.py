@@ -19,6 +19,7 @@ from cluster.events import record
 from cluster.locks import redis_client
 from cluster.memory import estimate
 from cluster.models import ClusterSettings, Model, Node, Replica
+from gateway.runtime import notify_change
 
 log = logging.getLogger("llmgw.reconciler")
 ACTOR = "reconciler"
@@ -133,8 +134,10 @@ def take_snapshot(now=None) -> planner.Snapshot:
 
 
 def inflight_counts() -> dict[str, int]:
-    """Requests in flight per replica, as the gateway counts them in Redis (none before the gateway exists)."""
-    return {}
+    """Requests in flight per replica, as the web processes count them in Redis."""
+    from gateway.runtime import inflight_totals
+
+    return inflight_totals(redis_client())
 
 
 class _Applier:
@@ -327,6 +330,7 @@ def reconcile_once() -> int:
         for action in actions:
             applier.apply(action)
         notify_nodes(applier.touched_nodes)
+        notify_change()
     return len(actions)
 
 

@@ -10,10 +10,11 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
 
 from agents.consumers import AgentConsumer  # noqa: E402
+from gateway.handler import GatewayHandler, http_router  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        "http": http_router(django_asgi_app, GatewayHandler()),
         "websocket": URLRouter([path("ws/agent/", AgentConsumer.as_asgi())]),
     }
 )

@@ -194,6 +194,7 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 3, "socket_timeout"
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE = {
     "reconcile": {"task": "cluster.tasks.reconcile_tick", "schedule": 1.0, "options": {"expires": 5}},
+    "usage": {"task": "gateway.tasks.flush_usage", "schedule": 15.0, "options": {"expires": 30}},
 }
 
 # Cluster knobs.
@@ -205,6 +206,15 @@ LLMGW_BACKOFF_CAP = envint("LLMGW_BACKOFF_CAP", 300)
 # Where the API and the dashboard may import model files from by path (the CLI may import any path).
 LLMGW_IMPORT_DIRS = [d for d in envstr("LLMGW_IMPORT_DIRS", str(LLMGW_HOME / "import")).split(":") if d]
 LLMGW_PUBLIC_URL = envstr("LLMGW_PUBLIC_URL", "")  # what agents on other machines dial; default from the request
+
+# Gateway knobs.
+LLMGW_UPSTREAM_TIMEOUT = envint("LLMGW_UPSTREAM_TIMEOUT", 600)  # seconds an engine may take between bytes
+LLMGW_UPSTREAM_CONNECT_TIMEOUT = envint("LLMGW_UPSTREAM_CONNECT_TIMEOUT", 5)
+LLMGW_GATEWAY_REFRESH = envint("LLMGW_GATEWAY_REFRESH", 5)  # seconds between routing-table reloads without events
+LLMGW_GATEWAY_TRIES = envint("LLMGW_GATEWAY_TRIES", 3)  # replicas tried before the answer's first byte
+LLMGW_MAX_BODY_BYTES = envint("LLMGW_MAX_BODY_BYTES", 8 * 1024 * 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = max(LLMGW_MAX_BODY_BYTES, 2_621_440)
+LLMGW_METRICS_TOKEN = envstr("LLMGW_METRICS_TOKEN", "")
 
 LOGGING = {
     "version": 1,

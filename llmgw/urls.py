@@ -14,4 +14,5 @@ urlpatterns = [
     path("api/v1/", include("cluster.api_urls")),
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("mirror/<str:sha256>", mirror_file, name="mirror-file"),
+    path("", include("gateway.urls")),
 ]

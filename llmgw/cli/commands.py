@@ -160,6 +160,16 @@ def status(o, out):
         out.write(f"  {m['name']}: {m['ready']}/{m['replicas']} ready{note}\n")
 
 
+def system_stop(o, out):
+    operations.stop_serving(CLI_ACTOR)
+    out.write("llmgw stopped: every model goes to zero replicas and /v1/ answers 503 until `llmgw start`\n")
+
+
+def system_start(o, out):
+    operations.start_serving(CLI_ACTOR)
+    out.write("llmgw started: models are placed again; watch with: llmgw ctl replicas\n")
+
+
 # user
 
 
@@ -355,6 +365,71 @@ def engine_add(o, out):
     out.write(f"engine {engine.name} ({engine.kind}, {engine.device}) added\n")
 
 
+# ctl: keys and usage
+
+
+def _when(text: str | None, flag: str):
+    if not text:
+        return None
+    from datetime import date, datetime, time as dtime
+
+    when = parse_datetime(text)
+    if when is None:
+        try:
+            when = datetime.combine(date.fromisoformat(text), dtime.min)
+        except ValueError:
+            raise CommandError(f"{flag} wants a date like 2026-12-31 or 2026-12-31T18:00:00Z, not {text!r}") from None
+    return timezone.make_aware(when) if timezone.is_naive(when) else when
+
+
+def keys_create(o, out):
+    key, secret = operations.create_key(
+        o["name"], CLI_ACTOR, models=o["models"] or [], rpm=o["rpm"], tpm=o["tpm"],
+        expires_at=_when(o["expires"], "--expires"),
+    )
+    out.write(f"key {key.name} created; the key (shown once, keep it): {secret}\n")
+
+
+def keys_list(o, out):
+    from gateway.models import ApiKey
+
+    keys = ApiKey.objects.all()
+    now = timezone.now()
+    data = [
+        {
+            "name": k.name, "prefix": k.prefix, "models": k.allowed_models, "rpm": k.rpm, "tpm": k.tpm,
+            "expires_at": k.expires_at, "revoked_at": k.revoked_at, "last_used_at": k.last_used_at,
+        }
+        for k in keys
+    ]
+    if o.get("json"):
+        return as_json(data, out)
+    rows = [
+        [k.name, k.prefix + "…", ", ".join(k.allowed_models) or "all", k.rpm or "-", k.tpm or "-",
+         f"{k.expires_at:%Y-%m-%d %H:%M}" if k.expires_at else "never",
+         "revoked" if k.revoked_at else ("expired" if k.expires_at and k.expires_at <= now else "active"),
+         age(k.last_used_at, now) + (" ago" if k.last_used_at else "")]
+        for k in keys
+    ]
+    table(["NAME", "PREFIX", "MODELS", "RPM", "TPM", "EXPIRES", "STATE", "LAST USED"], rows, out)
+
+
+def keys_revoke(o, out):
+    operations.revoke_key(o["name"], CLI_ACTOR)
+    out.write(f"key {o['name']} revoked\n")
+
+
+def usage_list(o, out):
+    rows = operations.usage_report(key=o["key"], model=o["model"], since=_when(o["since"], "--since"))
+    if o.get("json"):
+        return as_json(rows, out)
+    table(
+        ["HOUR", "KEY", "MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS"],
+        [[f"{r['hour']:%Y-%m-%d %H:00}", r["key"], r["model"], r["requests"], r["prompt_tokens"], r["completion_tokens"]] for r in rows],
+        out,
+    )
+
+
 # ctl: engine key
 
 
@@ -460,6 +535,11 @@ def build(parser) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=status)
 
+    p = sub.add_parser("stop", help="stop serving: every model to zero replicas, /v1/ answers 503")
+    p.set_defaults(func=system_stop)
+    p = sub.add_parser("start", help="serve again after stop")
+    p.set_defaults(func=system_start)
+
     user = sub.add_parser("user", help="users").add_subparsers(
         dest="user_command", required=True, parser_class=OneLineParser, metavar="ACTION"
     )
@@ -547,6 +627,30 @@ def build(parser) -> None:
     )
     p = key.add_parser("show", help="print the engine key (to talk to an engine directly)")
     p.set_defaults(func=engine_key_show)
+
+    keys = ctl.add_parser("keys", help="client keys for /v1/").add_subparsers(
+        dest="keys_command", required=True, parser_class=OneLineParser, metavar="ACTION"
+    )
+    p = keys.add_parser("create", help="create a key; prints it once")
+    p.add_argument("name")
+    p.add_argument("--models", nargs="+", default=None, help="only these models (default: all)")
+    p.add_argument("--rpm", type=int, default=None, help="requests per minute")
+    p.add_argument("--tpm", type=int, default=None, help="tokens per minute")
+    p.add_argument("--expires", default=None, help="date (and time) it stops working")
+    p.set_defaults(func=keys_create)
+    p = keys.add_parser("list", help="list keys")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=keys_list)
+    p = keys.add_parser("revoke", help="revoke a key")
+    p.add_argument("name")
+    p.set_defaults(func=keys_revoke)
+
+    p = ctl.add_parser("usage", help="tokens per key, model and hour")
+    p.add_argument("--key", default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--since", default=None, help="date (and time)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=usage_list)
 
     engine = ctl.add_parser("engine", help="add an engine").add_subparsers(
         dest="engine_command", required=True, parser_class=OneLineParser, metavar="ACTION"

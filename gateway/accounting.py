@@ -1,0 +1,83 @@
+"""Rate limits, usage and last use: counted in Redis, never a database write per request.
+
+- Requests per minute: one INCR per request on a per-key, per-minute counter (keys with a limit only).
+- Tokens per minute: the same counter for tokens, added when the engine says how many were used; a request is
+  refused while the key's tokens this minute are at or over its limit.
+- Usage per key, model and hour, and each key's last use, gather in this process and go to Redis every second;
+  a Celery beat task moves them into the database.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from gateway.errors import GatewayError
+
+USAGE_HASH = "llmgw:usage"
+LAST_USED_HASH = "llmgw:keys:last_used"
+
+
+def _minute(now: float) -> int:
+    return int(now // 60)
+
+
+async def check_limits(redis, key, now: float | None = None) -> None:
+    if not key.rpm and not key.tpm:
+        return
+    now = now or time.time()
+    minute = _minute(now)
+    retry = 60 - int(now % 60)
+    async with redis.pipeline(transaction=False) as pipe:
+        if key.rpm:
+            pipe.incr(f"llmgw:rl:r:{key.id}:{minute}")
+            pipe.expire(f"llmgw:rl:r:{key.id}:{minute}", 120)
+        if key.tpm:
+            pipe.get(f"llmgw:rl:t:{key.id}:{minute}")
+        results = await pipe.execute()
+    if key.rpm and int(results[0]) > key.rpm:
+        raise GatewayError(429, "rate_limited", f"key {key.name} is limited to {key.rpm} requests per minute", retry)
+    if key.tpm:
+        used = int(results[-1] or 0)
+        if used >= key.tpm:
+            raise GatewayError(429, "rate_limited", f"key {key.name} is limited to {key.tpm} tokens per minute", retry)
+
+
+async def count_tokens(redis, key, tokens: int, now: float | None = None) -> None:
+    if key.tpm and tokens:
+        name = f"llmgw:rl:t:{key.id}:{_minute(now or time.time())}"
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.incrby(name, tokens)
+            pipe.expire(name, 120)
+            await pipe.execute()
+
+
+class Ledger:
+    """This process's usage and last-use since the last flush."""
+
+    def __init__(self):
+        self.usage: dict[tuple[int, int, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+        self.last_used: dict[int, float] = {}
+
+    def add(self, key_id: int, model: str, prompt: int, completion: int, now: float | None = None) -> None:
+        now = now or time.time()
+        row = self.usage[(int(now // 3600) * 3600, key_id, model)]
+        row[0] += 1
+        row[1] += prompt
+        row[2] += completion
+        self.last_used[key_id] = now
+
+    async def flush(self, redis) -> None:
+        if not self.usage and not self.last_used:
+            return
+        usage, self.usage = self.usage, defaultdict(lambda: [0, 0, 0])
+        last_used, self.last_used = self.last_used, {}
+        async with redis.pipeline(transaction=False) as pipe:
+            for (hour, key_id, model), (requests, prompt, completion) in usage.items():
+                base = f"{hour}|{key_id}|{model}"
+                pipe.hincrby(USAGE_HASH, base + "|requests", requests)
+                pipe.hincrby(USAGE_HASH, base + "|prompt", prompt)
+                pipe.hincrby(USAGE_HASH, base + "|completion", completion)
+            if last_used:
+                pipe.hset(LAST_USED_HASH, mapping={str(k): v for k, v in last_used.items()})
+            await pipe.execute()

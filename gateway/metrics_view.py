@@ -1,0 +1,27 @@
+"""`/metrics` in Prometheus format: with LLMGW_METRICS_TOKEN as a bearer token when it is set, else any
+llmgw API token (from `llmgw user add`)."""
+
+import hmac
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.http import HttpResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.errors import error_response
+
+
+def _token_ok(token: str) -> bool:
+    if settings.LLMGW_METRICS_TOKEN:
+        return hmac.compare_digest(token, settings.LLMGW_METRICS_TOKEN)
+    from rest_framework.authtoken.models import Token
+
+    return Token.objects.filter(key=token, user__is_active=True).exists()
+
+
+async def metrics_view(request):
+    header = request.headers.get("Authorization", "")
+    token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+    if not token or not await sync_to_async(_token_ok)(token):
+        return error_response(401, "invalid_api_key", "metrics need `Authorization: Bearer <token>`")
+    return HttpResponse(generate_latest(), content_type=CONTENT_TYPE_LATEST)

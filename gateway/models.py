@@ -1,0 +1,57 @@
+"""Client keys for /v1/ and the token usage they run up, per hour."""
+
+import hashlib
+import secrets
+
+from django.db import models
+from django.utils import timezone
+
+KEY_PREFIX = "sk-llmgw-"
+
+
+class ApiKey(models.Model):
+    """A client key. Stored hashed; shown once at creation; its first characters stay visible as `prefix`."""
+
+    name = models.CharField(max_length=63, unique=True)
+    prefix = models.CharField(max_length=24)
+    key_hash = models.CharField(max_length=64, unique=True)
+    allowed_models = models.JSONField(default=list, blank=True)  # model names it may use; empty: all
+    rpm = models.PositiveIntegerField(null=True, blank=True)  # requests per minute
+    tpm = models.PositiveIntegerField(null=True, blank=True)  # tokens per minute
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)  # flushed from Redis, not written per request
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return f"{self.name} ({self.prefix}…)"
+
+    @staticmethod
+    def new_secret() -> str:
+        return KEY_PREFIX + secrets.token_urlsafe(32)
+
+    @staticmethod
+    def hash(secret: str) -> str:
+        return hashlib.sha256(secret.encode()).hexdigest()
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None and (self.expires_at is None or self.expires_at > timezone.now())
+
+
+class Usage(models.Model):
+    """Tokens and requests per key, model and hour."""
+
+    key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="usage")
+    model = models.CharField(max_length=63)
+    hour = models.DateTimeField()
+    requests = models.BigIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-hour", "key", "model"]
+        constraints = [models.UniqueConstraint(fields=["key", "model", "hour"], name="usage_key_model_hour")]

@@ -1,0 +1,91 @@
+"""What the gateway routes by, loaded from the database in one go and cached per process.
+
+Refreshed when replicas, models, keys or the system state change (a channel-layer event to the `gateway`
+group) and by a short timer; a request never queries the database for it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from cluster.models import ClusterSettings, Model, Replica
+from gateway.models import ApiKey
+
+WAITING_STATES = (Replica.State.PENDING, Replica.State.DOWNLOADING, Replica.State.STARTING)
+
+
+@dataclass(frozen=True)
+class Upstream:
+    replica: str
+    base_url: str  # http://host:port
+    engine_key: str
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    name: str
+    wait_seconds: int
+    ready: tuple[Upstream, ...] = ()
+    coming: int = 0  # replicas on their way (pending, downloading, starting): worth waiting for
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    id: int
+    name: str
+    prefix: str
+    models: frozenset[str]
+    rpm: int | None
+    tpm: int | None
+    expires_at: float | None
+    revoked: bool
+
+
+@dataclass(frozen=True)
+class Table:
+    serving_stopped: bool
+    models: dict[str, ModelRoute]
+    keys: dict[str, KeyInfo]  # by key hash
+    loaded_at: float = field(default_factory=time.monotonic)
+
+
+def _host(node_address: str, facts: dict) -> str:
+    host = (facts or {}).get("advertise_address") or node_address or "127.0.0.1"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def load() -> Table:
+    cluster = ClusterSettings.load()
+    keys_by_fingerprint = {
+        ClusterSettings.fingerprint(k): k for k in (cluster.engine_key, cluster.previous_engine_key) if k
+    }
+    ready: dict[str, list[Upstream]] = {}
+    coming: dict[str, int] = {}
+    rows = Replica.objects.filter(
+        state__in=(Replica.State.READY, *WAITING_STATES), model__removing=False
+    ).values_list("name", "state", "port", "snapshot", "model__name", "node__address", "node__facts")
+    for name, state, port, snapshot, model, address, facts in rows:
+        if state == Replica.State.READY and port:
+            key = keys_by_fingerprint.get((snapshot or {}).get("engine_key"), cluster.engine_key)
+            ready.setdefault(model, []).append(Upstream(name, f"http://{_host(address, facts)}:{port}", key))
+        elif state in WAITING_STATES:
+            coming[model] = coming.get(model, 0) + 1
+    models = {
+        name: ModelRoute(name, wait, tuple(sorted(ready.get(name, []), key=lambda u: u.replica)), coming.get(name, 0))
+        for name, wait in Model.objects.filter(removing=False).values_list("name", "wait_seconds")
+    }
+    keys = {
+        k["key_hash"]: KeyInfo(
+            id=k["id"],
+            name=k["name"],
+            prefix=k["prefix"],
+            models=frozenset(k["allowed_models"] or ()),
+            rpm=k["rpm"],
+            tpm=k["tpm"],
+            expires_at=k["expires_at"].timestamp() if k["expires_at"] else None,
+            revoked=k["revoked_at"] is not None,
+        )
+        for k in ApiKey.objects.values("id", "name", "prefix", "key_hash", "allowed_models", "rpm", "tpm", "expires_at", "revoked_at")
+    }
+    return Table(serving_stopped=cluster.serving_stopped, models=models, keys=keys)
