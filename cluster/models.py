@@ -27,7 +27,9 @@ class Node(models.Model):
     facts = models.JSONField(default=dict, blank=True)  # cpu_count, memory_bytes, gpus, engines, port_range, hostname
     memory_bytes = models.BigIntegerField(default=0)  # RAM the agent advertises for replicas
     schedulable = models.BooleanField(default=True)
-    draining = models.BooleanField(default=False)
+    draining = models.BooleanField(default=False)  # takes no new replicas; its replicas are replaced elsewhere
+    drain_force = models.BooleanField(default=False)  # a replica with nowhere else to go is stopped anyway
+    drain_note = models.CharField(max_length=500, blank=True, default="")  # why the drain is blocked, if it is
     connected = models.BooleanField(default=False)
     last_seen = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -53,6 +55,14 @@ class Node(models.Model):
     @property
     def engines(self) -> dict:
         return dict(self.facts.get("engines") or {})
+
+    def drain_state(self, replicas_left: int) -> str:
+        """'' (not draining), 'draining', 'blocked' (a replica has nowhere else to go) or 'drained' (none left)."""
+        if not self.draining:
+            return ""
+        if replicas_left == 0:
+            return "drained"
+        return "blocked" if self.drain_note else "draining"
 
     def is_alive(self, now=None, tolerance: int | None = None) -> bool:
         from django.conf import settings

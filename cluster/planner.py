@@ -20,6 +20,7 @@ COUNTING = frozenset({PENDING, DOWNLOADING, STARTING, READY})
 RUNNING = frozenset({PENDING, DOWNLOADING, STARTING, READY, DRAINING})  # hold memory, in the node's desired list
 TERMINAL = frozenset({STOPPED, FAILED})
 RESTART_NONE, RESTART_QUEUED, RESTART_REPLACING = "none", "queued", "replacing"
+NOTE_MAX = 500  # the longest note a model or node keeps
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class NodeView:
     engines: frozenset[str]  # driver kinds installed
     memory_bytes: int  # RAM offered for replicas
     gpus: tuple[int, ...] = ()  # memory of each GPU, by index
+    drain_force: bool = False  # draining with --force: a replica with nowhere else to go is stopped anyway
+    drain_note: str = ""  # why the drain is blocked, as last written
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,11 @@ class Unplaceable:
 
 @dataclass(frozen=True)
 class Drain:
+    """No new requests; stopped once idle or after the drain grace. `outage`: no copy of it serves meanwhile."""
+
     replica_id: int
     reason: str
+    outage: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,8 +162,37 @@ class DeleteModel:
     model_id: int
 
 
+@dataclass(frozen=True)
+class MarkReplacing:
+    """A restart (or a node drain) begins for this replica: it keeps serving but stops counting, so a
+    replacement is placed. `room` False: no second copy fits anywhere, so it stops first (an outage)."""
+
+    replica_id: int
+    reason: str  # "restart queued", "node n1 is draining"
+    room: bool = True
+
+
+@dataclass(frozen=True)
+class SetNodeNote:
+    """Why a draining node's drain is blocked ("" once it is not)."""
+
+    node_id: int
+    note: str
+
+
 Action = (
-    MarkNodeDisconnected | Create | Assign | Unplaceable | Drain | Stop | Fail | MarkStopped | SetModelNote | DeleteModel
+    MarkNodeDisconnected
+    | Create
+    | Assign
+    | Unplaceable
+    | Drain
+    | Stop
+    | Fail
+    | MarkStopped
+    | SetModelNote
+    | DeleteModel
+    | MarkReplacing
+    | SetNodeNote
 )
 
 
@@ -165,8 +200,20 @@ def plan(snapshot: Snapshot) -> list[Action]:
     """Everything the reconciler should do now to move the cluster one step toward what the models ask.
 
     The order of the actions is the order of concern: nodes first (disconnects, lost nodes' replicas),
-    then each model by name (surplus, finished drains, deletion, placement, its note), then replicas
-    of models that are gone. The same snapshot always gives the same list.
+    then each model by name (surplus, finished drains, deletion, restarts, placement, hand-overs, its
+    note), then replicas of models that are gone, then the notes of draining nodes. The same snapshot
+    always gives the same list.
+
+    Restarts and node drains replace one replica of a model at a time, different models in parallel.
+    A replica to replace (restart `queued`, or on a draining node) is marked `replacing` only while no
+    other replica of its model is being replaced and the model is whole (as many counting replicas as it
+    wants, all placed and ready). Marked, it keeps serving but stops counting, so a replacement is placed;
+    once the model is whole again, it drains and stops. Where the replacement fits nowhere:
+    - if freeing the replica's own memory makes room (a restart on a full fleet), it drains now and the
+      new one starts in its place: the one case with an outage, and the Drain says so;
+    - else (its node drains, or it no longer fits where it is) it keeps serving, and the model's note
+      and the draining node's note say the drain or restart is blocked; a node drained with force stops
+      it anyway (drain, then stop once idle or after the grace).
     """
     return _Planner(snapshot).run()
 
@@ -405,6 +452,7 @@ class _Planner:
     def __init__(self, snapshot: Snapshot):
         self.s = snapshot
         self.actions: list[Action] = []
+        self.blocked: dict[int, list[str]] = {}  # draining node id -> why its drain is blocked
 
     def run(self) -> list[Action]:
         s = self.s
@@ -417,6 +465,7 @@ class _Planner:
             self._model(m, by_model.get(m.id, []))
         for model_id in sorted(set(by_model) - known):
             self._orphans(by_model[model_id])
+        self._node_notes()
         return self.actions
 
     # 1. nodes
@@ -503,7 +552,8 @@ class _Planner:
         # 3. surplus
         removed: list[ReplicaView] = []
         if len(counting) > desired:
-            removed = _choose_surplus(counting, len(counting) - desired)
+            leaving = {r.id for r in counting if self._to_replace(r)}  # going anyway: they go first
+            removed = _choose_surplus(counting, len(counting) - desired, leaving)
             gone = {r.id for r in removed}
             counting = [r for r in counting if r.id not in gone]
         if desired == 0:  # nothing stays, not even a replica being replaced: nothing will replace it
@@ -521,8 +571,16 @@ class _Planner:
                 act(DeleteModel(m.id))
             return
 
-        # 6. missing and unplaced replicas
-        note = ""
+        # 6. restarts and node drains: one replica of the model at a time is marked replacing
+        # (Not in a run that removes surplus: one step at a time.)
+        marked, waiting = (None, [])
+        if desired > 0 and not removed:
+            marked, waiting = self._start_replacement(m, replicas, counting, desired)
+        if marked is not None:
+            counting = [r for r in counting if r.id != marked.id]
+
+        # 7. missing and unplaced replicas
+        note = unplaceable = ""
         unplaced = [r for r in counting if r.node_id is None]
         missing = desired - len(counting)
         if desired > 0 and (unplaced or missing > 0):
@@ -532,9 +590,131 @@ class _Planner:
                 plural = "failure" if m.failures == 1 else "failures"
                 note = f"backing off after {m.failures} {plural}; next try at {until} UTC"
             else:
-                note = self._place(m, unplaced, missing)
+                note = unplaceable = self._place(m, unplaced, missing)
+
+        # 8. hand-overs: a replaced replica drains once the model is whole again, or at once if needs be
+        if desired > 0:
+            note = self._hand_over(m, replicas, counting, desired, unplaceable, marked, waiting) or note
         if note != m.placement_note:
             act(SetModelNote(m.id, note))
+
+    # 6. and 8. restarts and node drains
+
+    def _to_replace(self, r: ReplicaView) -> bool:
+        """A placed replica a restart or its node's drain wants replaced (and not yet being replaced)."""
+        if r.node_id is None or r.restart == RESTART_REPLACING:
+            return False
+        return r.restart == RESTART_QUEUED or self.nodes[r.node_id].draining
+
+    def _start_replacement(
+        self, m: ModelView, replicas: list[ReplicaView], counting: list[ReplicaView], desired: int
+    ) -> tuple[ReplicaView | None, list[ReplicaView]]:
+        """Mark the next replica of the model to replace, if the model may begin one now.
+
+        Returns (the replica marked or None, the ones left waiting to be replaced)."""
+        if any(r.restart == RESTART_REPLACING for r in replicas):
+            return None, []  # one at a time: it is busy with another (still serving, draining or stopping)
+        wanted = [r for r in counting if self._to_replace(r)]
+        if not wanted:
+            return None, []
+        if self.s.now < (m.backoff_until or 0):
+            return None, wanted
+        placed = [r for r in counting if r.node_id is not None]
+        if any(r.state != READY for r in placed):
+            return None, wanted  # something of it is on its way: wait until it is ready
+        if not len(placed) == len(counting) == desired:
+            # Short of replicas (some fit nowhere): wait, except on a node drained with force, where
+            # nothing may be left anyway.
+            forced = [r for r in wanted if self.nodes[r.node_id].drain_force]
+            if not forced:
+                return None, wanted
+            wanted = forced
+        r = min(wanted, key=lambda r: (r.state != READY, r.id))  # the oldest
+        node = self.nodes[r.node_id]
+        self._marked_at = len(self.actions)
+        self.actions.append(MarkReplacing(r.id, f"node {node.name} is draining" if node.draining else "restart queued"))
+        return r, [w for w in wanted if w is not r]
+
+    def _hand_over(
+        self,
+        m: ModelView,
+        replicas: list[ReplicaView],
+        counting: list[ReplicaView],
+        desired: int,
+        unplaceable: str,
+        marked: ReplicaView | None,
+        waiting: list[ReplicaView],
+    ) -> str:
+        """Drain the replicas being replaced whose time has come; the model's note when one is blocked."""
+        act = self.actions.append
+        whole = len(counting) == desired and all(r.node_id is not None and r.state == READY for r in counting)
+        note = ""
+        for r in replicas:
+            if (r.restart != RESTART_REPLACING and r is not marked) or r.state not in COUNTING or r.node_id is None:
+                continue
+            if whole:
+                why = f"replaced by {max(counting, key=lambda c: c.id).name}"
+                act(Drain(r.id, why) if r.state == READY else Stop(r.id, why))
+                continue
+            if not unplaceable:
+                continue  # its replacement is on its way
+            node = self.nodes[r.node_id]
+            if self._room_if_freed(m, r):
+                why = "no room for a second copy: stopping it first, the new one starts in its place"
+                if not any(c.state == READY and c.node_id is not None for c in counting):
+                    why += f" (model {m.name} has no other ready replica meanwhile)"
+                if marked is r:
+                    self.actions[self._marked_at] = MarkReplacing(r.id, self.actions[self._marked_at].reason, False)
+                act(Drain(r.id, why, outage=True) if r.state == READY else Stop(r.id, why))
+            elif node.draining and node.drain_force:
+                why = f"node {node.name} drained with force: nowhere else to go ({unplaceable})"
+                act(Drain(r.id, why, outage=True) if r.state == READY else Stop(r.id, why))
+            elif node.draining:
+                note = f"drain of node {node.name} is blocked for replica {r.name}: nowhere else to go ({unplaceable})"
+                self.blocked.setdefault(node.id, []).append(
+                    f"replica {r.name} has nowhere else to go ({unplaceable})"
+                )
+            else:
+                note = f"restart of replica {r.name} waits: no room for a second copy, nor in its place ({unplaceable})"
+        if unplaceable and marked is None:  # none could begin: say so on the draining nodes
+            for r in waiting:
+                if self.nodes[r.node_id].draining and not self.nodes[r.node_id].drain_force:
+                    self.blocked.setdefault(r.node_id, []).append(
+                        f"replica {r.name} waits: model {m.name} is short of replicas ({unplaceable})"
+                    )
+        return note
+
+    def _room_if_freed(self, m: ModelView, r: ReplicaView) -> bool:
+        """Would a new replica of the model fit where `r` runs, once `r` has stopped? If so, reserve it there."""
+        ns = self.fleet.by_id.get(r.node_id)  # only an open node: not draining, schedulable, alive
+        if ns is None or m.engine_kind not in ns.node.engines or (m.nodes and ns.name not in m.nodes):
+            return False
+        if m.uses_gpu:
+            fits = [
+                i
+                for i, free in enumerate(ns.free_gpu)
+                if free + (r.memory_bytes if i == r.gpu_index else 0) >= m.memory_bytes
+            ]
+            if not fits:
+                return False
+            gpu = r.gpu_index if r.gpu_index in fits else fits[0]
+        else:
+            freed = r.memory_bytes if r.gpu_index is None else 0
+            if ns.free_ram + freed < m.memory_bytes:
+                return False
+            gpu = None
+        # What the new one needs beyond what `r` frees is promised: later placements in this run must not take it.
+        extra = m.memory_bytes - (r.memory_bytes if gpu == r.gpu_index else 0)
+        if extra > 0:
+            self.fleet.commit(ns, gpu, extra)
+        return True
+
+    def _node_notes(self) -> None:
+        for n in sorted(self.s.nodes, key=lambda n: (n.name, n.id)):
+            note = "; ".join(self.blocked.get(n.id, ())) if n.draining else ""
+            note = note[:NOTE_MAX]
+            if note != n.drain_note:
+                self.actions.append(SetNodeNote(n.id, note))
 
     def _drains(self, replicas: list[ReplicaView]) -> None:
         s = self.s
@@ -634,9 +814,10 @@ class _Planner:
         return f"needs {format_bytes(m.memory_bytes)} RAM; the most free is {format_bytes(free)} on {name}"
 
 
-def _choose_surplus(counting: list[ReplicaView], n: int) -> list[ReplicaView]:
+def _choose_surplus(counting: list[ReplicaView], n: int, leaving=frozenset()) -> list[ReplicaView]:
     """Which `n` of the counting replicas go: unplaced ones, then ones not ready yet (newest first), then
-    ready ones from the node holding the most replicas of the model (newest first there)."""
+    ready ones to be replaced anyway (ids in `leaving`, newest first), then ready ones from the node
+    holding the most replicas of the model (newest first there)."""
     newest = lambda r: (-r.state_changed_at, -r.id)  # noqa: E731
     unplaced = sorted((r for r in counting if r.node_id is None), key=newest)
     not_ready = sorted((r for r in counting if r.node_id is not None and r.state != READY), key=newest)
@@ -644,10 +825,16 @@ def _choose_surplus(counting: list[ReplicaView], n: int) -> list[ReplicaView]:
     n -= len(chosen)
     if n <= 0:
         return chosen
+    going = sorted((r for r in counting if r.id in leaving and r.node_id is not None and r.state == READY), key=newest)
+    chosen += going[:n]
+    n -= len(going[:n])
+    if n <= 0:
+        return chosen
+    taken = {r.id for r in going}
     # Every unplaced and not-ready replica is already chosen: only ready ones are left on the nodes.
     per_node: dict[int, list[ReplicaView]] = {}
     for r in counting:
-        if r.node_id is not None and r.state == READY:
+        if r.node_id is not None and r.state == READY and r.id not in taken:
             per_node.setdefault(r.node_id, []).append(r)
     for rs in per_node.values():
         rs.sort(key=newest)

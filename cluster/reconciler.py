@@ -65,9 +65,12 @@ def take_snapshot(now=None) -> planner.Snapshot:
             engines=frozenset((n["facts"] or {}).get("engines") or {}),
             memory_bytes=n["memory_bytes"],
             gpus=tuple(int(g.get("memory_bytes", 0)) for g in (n["facts"] or {}).get("gpus") or []),
+            drain_force=n["drain_force"],
+            drain_note=n["drain_note"],
         )
         for n in Node.objects.values(
-            "id", "name", "connected", "last_seen", "schedulable", "draining", "facts", "memory_bytes"
+            "id", "name", "connected", "last_seen", "schedulable", "draining", "facts", "memory_bytes",
+            "drain_force", "drain_note",
         )
     )
     models = tuple(
@@ -290,7 +293,13 @@ class _Applier:
     def on_Drain(self, a: planner.Drain):
         replica = self.set_state(a.replica_id, Replica.State.DRAINING, a.reason)
         if replica:
-            record("replica.draining", ACTOR, f"replica {replica.name} draining: {a.reason}", subject=replica.name)
+            if a.outage:  # the one case where the system chooses an outage: the log says so plainly
+                record(
+                    "replica.draining", ACTOR, f"replica {replica.name} draining, an outage chosen: {a.reason}",
+                    subject=replica.name, outage=True,
+                )
+            else:
+                record("replica.draining", ACTOR, f"replica {replica.name} draining: {a.reason}", subject=replica.name)
 
     def on_Stop(self, a: planner.Stop):
         replica = self.replicas[a.replica_id]
@@ -310,6 +319,31 @@ class _Applier:
 
     def on_SetModelNote(self, a: planner.SetModelNote):
         Model.objects.filter(pk=a.model_id).update(placement_note=a.note[:500])
+
+    def on_MarkReplacing(self, a: planner.MarkReplacing):
+        replica = self.replicas[a.replica_id]
+        n = Replica.objects.filter(
+            pk=a.replica_id,
+            restart__in=(Replica.Restart.NONE, Replica.Restart.QUEUED),
+            state__in=Replica.COUNTING,
+        ).update(restart=Replica.Restart.REPLACING)
+        if not n:
+            return  # it changed meanwhile (failed, stopped): the next run sees it as it is
+        if a.room:
+            where = "elsewhere" if self.nodes[replica.node_id].draining else "beside it"
+            then = f"a new replica starts {where}; it keeps serving until that one is ready"
+        else:
+            then = "no room for a second copy: it stops first and the new one starts in its place"
+        record("replica.replacing", ACTOR, f"replica {replica.name} being replaced ({a.reason}): {then}",
+               subject=replica.name)
+
+    def on_SetNodeNote(self, a: planner.SetNodeNote):
+        Node.objects.filter(pk=a.node_id).update(drain_note=a.note[: planner.NOTE_MAX])
+        name = self.nodes[a.node_id].name
+        if a.note:
+            record("node.drain_blocked", ACTOR, f"drain of node {name} blocked: {a.note}", subject=name)
+        elif self.nodes[a.node_id].draining:
+            record("node.drain_unblocked", ACTOR, f"drain of node {name} goes on", subject=name)
 
     def on_DeleteModel(self, a: planner.DeleteModel):
         name = self.models[a.model_id].name

@@ -204,7 +204,9 @@ def progress(node_pk: int, name: str, done: int, total: int) -> None:
 
 def desired(node_pk: int, mirror_base: str) -> protocol.Desired:
     """The complete list of replicas this node should run, with all it needs to run each."""
-    engine_key = ClusterSettings.load().engine_key
+    cluster = ClusterSettings.load()
+    # During a key rotation a replica keeps the key it started with (the snapshot's fingerprint names it).
+    keys = {ClusterSettings.fingerprint(k): k for k in (cluster.engine_key, cluster.previous_engine_key) if k}
     rows = (
         Replica.objects.filter(node_id=node_pk, state__in=Replica.RUNNING)
         .select_related("model__file", "model__engine", "model__profile")
@@ -229,7 +231,7 @@ def desired(node_pk: int, mirror_base: str) -> protocol.Desired:
                 },
                 "port": r.port,
                 "gpu_index": r.gpu_index,
-                "engine_key": engine_key,
+                "engine_key": keys.get(snap.get("engine_key"), cluster.engine_key),
             }
         )
     return {"type": "desired", "replicas": replicas}

@@ -72,12 +72,25 @@ class Ledger:
             return
         usage, self.usage = self.usage, defaultdict(lambda: [0, 0, 0])
         last_used, self.last_used = self.last_used, {}
-        async with redis.pipeline(transaction=False) as pipe:
-            for (hour, key_id, model), (requests, prompt, completion) in usage.items():
-                base = f"{hour}|{key_id}|{model}"
-                pipe.hincrby(USAGE_HASH, base + "|requests", requests)
-                pipe.hincrby(USAGE_HASH, base + "|prompt", prompt)
-                pipe.hincrby(USAGE_HASH, base + "|completion", completion)
-            if last_used:
-                pipe.hset(LAST_USED_HASH, mapping={str(k): v for k, v in last_used.items()})
-            await pipe.execute()
+        try:
+            # MULTI/EXEC: all of it arrives or none, so what a failed flush keeps for the next is not counted twice
+            async with redis.pipeline(transaction=True) as pipe:
+                for (hour, key_id, model), (requests, prompt, completion) in usage.items():
+                    base = f"{hour}|{key_id}|{model}"
+                    pipe.hincrby(USAGE_HASH, base + "|requests", requests)
+                    pipe.hincrby(USAGE_HASH, base + "|prompt", prompt)
+                    pipe.hincrby(USAGE_HASH, base + "|completion", completion)
+                if last_used:
+                    pipe.hset(LAST_USED_HASH, mapping={str(k): v for k, v in last_used.items()})
+                await pipe.execute()
+        except BaseException:  # Redis away: keep the counts for the next flush instead of losing them
+            self._keep(usage, last_used)
+            raise
+
+    def _keep(self, usage, last_used) -> None:
+        for where, counts in usage.items():
+            row = self.usage[where]
+            for i, n in enumerate(counts):
+                row[i] += n
+        for key_id, when in last_used.items():
+            self.last_used[key_id] = max(when, self.last_used.get(key_id, 0.0))

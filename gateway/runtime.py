@@ -49,6 +49,7 @@ class Gateway:
         self.table: routing.Table | None = None
         self.changed = asyncio.Condition()
         self._refreshing: asyncio.Task | None = None
+        self._first_load: asyncio.Task | None = None
         self._stale = True
         self.local: Counter[str] = Counter()
         self.shared: dict[str, int] = {}
@@ -75,8 +76,12 @@ class Gateway:
 
     async def current(self) -> routing.Table:
         if self.table is None:
-            await self.refresh()
-            self._start_background()
+            # the first requests of a process share one load (not one each) and start the background tasks once
+            if self._first_load is None or self._first_load.done():
+                self._first_load = asyncio.get_running_loop().create_task(self.refresh())
+            await asyncio.shield(self._first_load)
+            if not self._tasks:
+                self._start_background()
         elif self._stale or time.monotonic() - self.table.loaded_at > settings.LLMGW_GATEWAY_REFRESH:
             self._refresh_soon()
         return self.table

@@ -64,12 +64,13 @@ def load() -> Table:
     coming: dict[str, int] = {}
     rows = Replica.objects.filter(
         state__in=(Replica.State.READY, *WAITING_STATES), model__removing=False
-    ).values_list("name", "state", "port", "snapshot", "model__name", "node__address", "node__facts")
-    for name, state, port, snapshot, model, address, facts in rows:
+    ).values_list("name", "state", "port", "snapshot", "model__name", "node__address", "node__facts", "node_id")
+    for name, state, port, snapshot, model, address, facts, node_id in rows:
         if state == Replica.State.READY and port:
             key = keys_by_fingerprint.get((snapshot or {}).get("engine_key"), cluster.engine_key)
             ready.setdefault(model, []).append(Upstream(name, f"http://{_host(address, facts)}:{port}", key))
-        elif state in WAITING_STATES:
+        elif state in WAITING_STATES and (node_id is not None or state != Replica.State.PENDING):
+            # a pending replica with no node is one that cannot be placed: nothing is on its way
             coming[model] = coming.get(model, 0) + 1
     models = {
         name: ModelRoute(name, wait, tuple(sorted(ready.get(name, []), key=lambda u: u.replica)), coming.get(name, 0))

@@ -134,6 +134,9 @@ async def proxy(request, endpoint: str):
     except GatewayError as exc:
         call.finish(exc.status)
         return exc.response()
+    except asyncio.CancelledError:  # the client went away before the answer: still one access-log line
+        call.finish(499)
+        raise
     except Exception:  # a bug of ours must still not become a 500 for the client
         log.exception("gateway error on %s", request.path)
         call.finish(503)
@@ -201,7 +204,9 @@ async def _choose(gw, call, tried: set[str]):
         if deadline is None:
             deadline = time.monotonic() + route.wait_seconds
         left = deadline - time.monotonic()
-        if route.coming == 0 and not tried or left <= 0:
+        if tried and route.coming == 0:
+            raise GatewayError(502, "upstream_error", f"every ready replica of {call.model} failed this request")
+        if route.coming == 0 or left <= 0:
             what = "none is on its way" if route.coming == 0 else f"waited {route.wait_seconds}s"
             raise GatewayError(503, "no_replica_ready", f"no replica of {call.model} is ready ({what})", 5)
         await gw.wait_for_change(min(left, 1.0))
@@ -234,6 +239,10 @@ async def _send(gw, call, endpoint, payload):
             metrics.INFLIGHT.labels(call.model).dec()
             last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} failed: {type(exc).__name__}")
             continue
+        except BaseException:  # cancelled: the client went away before the engine answered; the count must not leak
+            gw.end(upstream.replica)
+            metrics.INFLIGHT.labels(call.model).dec()
+            raise
         if response.status_code in RETRYABLE_STATUS:
             await response.aclose()
             gw.end(upstream.replica)

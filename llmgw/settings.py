@@ -225,5 +225,6 @@ LOGGING = {
     "loggers": {
         "django.channels.server": {"level": "WARNING"},
         "daphne": {"level": "WARNING"},
+        "httpx": {"level": "WARNING"},  # a line per upstream call; llmgw.access already has one per request
     },
 }

@@ -2,12 +2,14 @@
 
     LLMGW_ENGINE_KEY=k python tests/engine.py --port N [--host H] [--load-seconds S] [--fail-after S]
         [--exit-code C] [--ignore-sigterm] [--answer TEXT] [--model-path P] [--model-name M] [--delay-ms MS]
-        [--no-auth]
+        [--no-auth] [--echo-body]
 
 Every endpoint but /health needs `Authorization: Bearer <LLMGW_ENGINE_KEY>`. While loading (the first
 --load-seconds) /health and /v1/models answer 503, like llama-server. Answers are the words of --answer, one word
 per token; `max_tokens` cuts them short with finish_reason "length". Responses carry `X-Test-Engine: <port>` so
-a test can tell replicas apart.
+a test can tell replicas apart. With --echo-body, a non-streamed answer carries `"echo": {"body": <the JSON
+received>, "headers": <the request headers>}`, and a body with `"test_engine_status": N` is answered with status N
+and an OpenAI-shaped error (a test's way to make an engine fail one request).
 """
 
 from __future__ import annotations
@@ -62,12 +64,15 @@ def embedding(text: str, dims: int = 8) -> list[float]:
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # small SSE chunks go out at once
     server_version = "llmgw-test-engine/1"
     engine: Engine
 
     # Plumbing
 
     def _send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
+        if self.engine.args.echo_body and status == 200 and self.command == "POST":
+            body = {**body, "echo": {"body": self._received, "headers": {k.lower(): v for k, v in self.headers.items()}}}
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -150,6 +155,10 @@ class Handler(BaseHTTPRequestHandler):
         # Read the whole body first: the connection is kept alive, so none of it may be left for the next request.
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
+        try:
+            self._received = json.loads(raw) if self.engine.args.echo_body and raw else None
+        except ValueError:
+            self._received = None
         route = routes.get(self.path)
         if route is None:
             self._error(404, f"no route POST {self.path}", "invalid_request_error", "not_found")
@@ -157,8 +166,13 @@ class Handler(BaseHTTPRequestHandler):
         if not self._authorized() or not self._loaded():
             return
         body = self._body(raw)
-        if body is not None:
-            route(body)
+        if body is None:
+            return
+        if self.engine.args.echo_body and isinstance(body.get("test_engine_status"), int):
+            status = body["test_engine_status"]
+            self._error(status, f"failing with {status} on purpose", "server_error", "test_engine_status")
+            return
+        route(body)
 
     def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
         return {
@@ -253,6 +267,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default="", help="the id /v1/models shows")
     p.add_argument("--delay-ms", type=float, default=0.0, help="pause before each streamed token")
     p.add_argument("--no-auth", action="store_true", help="answer without the key (an engine the agent must refuse)")
+    p.add_argument("--echo-body", action="store_true", help="echo the request in answers; obey test_engine_status")
     return p
 
 
@@ -277,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
         threading.Timer(args.fail_after, fail).start()
     Handler.engine = Engine(args, key)
+    ThreadingHTTPServer.request_queue_size = 128  # many clients connecting at once must not be reset
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     args.port = server.server_address[1]
     print(f"test engine: listening on {args.host}:{server.server_address[1]}", file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@ from rest_framework import routers
 from cluster.api import schema  # noqa: F401  (registers the bearer token scheme with drf-spectacular)
 from cluster.api.errors import exception_handler
 from cluster.api.views import (
+    ApiKeyViewSet,
     EngineViewSet,
     EventViewSet,
     ModelFileViewSet,
@@ -16,6 +17,8 @@ from cluster.api.views import (
     ReplicaViewSet,
     ServedModelViewSet,
     StatusView,
+    SystemViewSet,
+    UsageViewSet,
     UserViewSet,
 )
 
@@ -36,3 +39,6 @@ router.register("engines", EngineViewSet, basename="engine")
 router.register("model-files", ModelFileViewSet, basename="model-file")
 router.register("events", EventViewSet, basename="event")
 router.register("users", UserViewSet, basename="user")
+router.register("keys", ApiKeyViewSet, basename="key")
+router.register("usage", UsageViewSet, basename="usage")
+router.register("system", SystemViewSet, basename="system")

@@ -9,6 +9,7 @@ from rest_framework import serializers
 from agents.engines import DRIVERS
 from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
 from cluster.roles import ROLES
+from gateway.models import ApiKey
 
 INT_MAX = 2**31 - 1  # PostgreSQL's integer: a bigger number must be a 400 here, not a database error
 BIGINT_MAX = 2**63 - 1
@@ -29,6 +30,10 @@ class StrictSerializer(serializers.Serializer):
 
 class NodeSerializer(serializers.ModelSerializer):
     connected = serializers.SerializerMethodField(help_text="the agent is connected and was heard from lately")
+    drain = serializers.SerializerMethodField(
+        help_text="null (not draining), draining, blocked (a replica has nowhere else to go: see drain_note) "
+        "or drained (nothing left on it)"
+    )
     replica_count = serializers.IntegerField(read_only=True, help_text="replicas on the node that are not over")
 
     class Meta:
@@ -40,6 +45,9 @@ class NodeSerializer(serializers.ModelSerializer):
             "last_seen",
             "schedulable",
             "draining",
+            "drain",
+            "drain_force",
+            "drain_note",
             "memory_bytes",
             "facts",
             "replica_count",
@@ -50,6 +58,12 @@ class NodeSerializer(serializers.ModelSerializer):
     @extend_schema_field(OpenApiTypes.BOOL)
     def get_connected(self, node: Node) -> bool:
         return node.is_alive()
+
+    @extend_schema_field(
+        serializers.ChoiceField(choices=["draining", "blocked", "drained"], allow_null=True),
+    )
+    def get_drain(self, node: Node) -> str | None:
+        return node.drain_state(node.replica_count) or None
 
 
 class NodeCreateSerializer(StrictSerializer):
@@ -158,6 +172,10 @@ class ServedModelCreateSerializer(StrictSerializer):
 class ReplicaSerializer(serializers.ModelSerializer):
     model = serializers.CharField(source="model.name", read_only=True)
     node = serializers.CharField(source="node.name", read_only=True, allow_null=True)
+    stale = serializers.SerializerMethodField(
+        help_text="why it no longer matches what it would start with now (profile edited, engine version, "
+        "engine key, model file), or null; `POST /api/v1/restart/` with stale: true replaces it"
+    )
 
     class Meta:
         model = Replica
@@ -168,6 +186,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "gpu_index",
             "state",
             "restart",
+            "stale",
             "port",
             "pid",
             "reason",
@@ -179,6 +198,17 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "download_total",
         ]
         read_only_fields = fields
+
+
+    @extend_schema_field(OpenApiTypes.STR)
+    def get_stale(self, replica: Replica) -> str | None:
+        from cluster.models import ClusterSettings
+        from cluster.operations import staleness
+
+        cluster = self.context.get("cluster")
+        if cluster is None:
+            cluster = self.context["cluster"] = ClusterSettings.load()
+        return staleness(replica, replica.model, cluster)
 
 
 class ReplicaDetailSerializer(ReplicaSerializer):
@@ -304,3 +334,103 @@ class NewUserSerializer(serializers.Serializer):
     name = serializers.CharField()
     role = serializers.ChoiceField(choices=ROLES)
     token = serializers.CharField(help_text="the API token; shown this once")
+
+
+# Client keys and usage (the gateway's)
+
+KEY_STATES = ["active", "revoked", "expired"]
+
+
+class ApiKeySerializer(serializers.ModelSerializer):
+    models = serializers.ListField(
+        source="allowed_models",
+        child=serializers.CharField(),
+        read_only=True,
+        help_text="models it may use; empty: all",
+    )
+    state = serializers.SerializerMethodField(help_text="active, revoked or expired")
+
+    class Meta:
+        model = ApiKey
+        fields = [
+            "name",
+            "prefix",
+            "models",
+            "rpm",
+            "tpm",
+            "expires_at",
+            "revoked_at",
+            "last_used_at",
+            "state",
+            "created_at",
+        ]
+        read_only_fields = fields
+
+    # A plain string in the schema: an enum named `state` would collide with the replicas' states.
+    @extend_schema_field(OpenApiTypes.STR)
+    def get_state(self, key: ApiKey) -> str:
+        if key.revoked_at is not None:
+            return "revoked"
+        return "active" if key.active else "expired"
+
+
+class NewApiKeySerializer(ApiKeySerializer):
+    key = serializers.CharField(read_only=True, help_text="the key for `Authorization: Bearer`; shown this once")
+
+    class Meta(ApiKeySerializer.Meta):
+        fields = ApiKeySerializer.Meta.fields + ["key"]
+        read_only_fields = fields
+
+
+class ApiKeyCreateSerializer(StrictSerializer):
+    name = serializers.CharField(max_length=63)
+    models = serializers.ListField(child=serializers.CharField(), default=list, help_text="model names; empty: all")
+    rpm = serializers.IntegerField(
+        min_value=1, max_value=INT_MAX, allow_null=True, default=None, help_text="requests per minute; null: no limit"
+    )
+    tpm = serializers.IntegerField(
+        min_value=1, max_value=INT_MAX, allow_null=True, default=None, help_text="tokens per minute; null: no limit"
+    )
+    expires_at = serializers.DateTimeField(allow_null=True, default=None, help_text="null: never")
+
+
+class UsageSerializer(serializers.Serializer):
+    key = serializers.CharField()
+    model = serializers.CharField()
+    hour = serializers.DateTimeField(help_text="the start of the hour")
+    requests = serializers.IntegerField()
+    prompt_tokens = serializers.IntegerField()
+    completion_tokens = serializers.IntegerField()
+
+
+# Restart and drain
+
+
+class RestartSerializer(StrictSerializer):
+    replicas = serializers.ListField(child=serializers.CharField(), default=list, help_text="replica names")
+    models = serializers.ListField(child=serializers.CharField(), default=list, help_text="every replica of these")
+    all = serializers.BooleanField(default=False, help_text="every replica")
+    stale = serializers.BooleanField(
+        default=False, help_text="only stale replicas (of those named; of all when none is named)"
+    )
+
+
+class RestartSkippedSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    why = serializers.CharField(help_text="e.g. already queued for restart")
+
+
+class RestartQueuedSerializer(serializers.Serializer):
+    queued = serializers.ListField(child=serializers.CharField(), help_text="replicas queued for restart")
+    skipped = RestartSkippedSerializer(many=True, help_text="replicas for which there was nothing to do")
+
+
+class NodeDrainSerializer(StrictSerializer):
+    force = serializers.BooleanField(
+        default=False, help_text="a replica with nowhere else to go drains and stops instead of staying"
+    )
+
+
+class EngineKeyRotatedSerializer(serializers.Serializer):
+    fingerprint = serializers.CharField(help_text="of the new key; replicas' snapshots name their key by it")
+    stale = serializers.IntegerField(help_text="running replicas still on the old key until restarted")

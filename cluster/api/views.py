@@ -11,6 +11,7 @@ from django.utils.dateparse import parse_datetime
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import exceptions, mixins, serializers, status, viewsets
+from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -19,13 +20,18 @@ from cluster.api.errors import refused
 from cluster.api.schema import MISSING, REFUSED
 from cluster.api.serializers import (
     STATES,
+    ApiKeyCreateSerializer,
+    ApiKeySerializer,
     EngineCreateSerializer,
+    EngineKeyRotatedSerializer,
     EngineSerializer,
     EventSerializer,
     ModelFileImportSerializer,
     ModelFileSerializer,
+    NewApiKeySerializer,
     NewNodeSerializer,
     NewUserSerializer,
+    NodeDrainSerializer,
     NodeCreateSerializer,
     NodeSerializer,
     ProfileCreateSerializer,
@@ -33,13 +39,17 @@ from cluster.api.serializers import (
     ProfileUpdateSerializer,
     ReplicaDetailSerializer,
     ReplicaSerializer,
+    RestartQueuedSerializer,
+    RestartSerializer,
     ServedModelCreateSerializer,
     ServedModelSerializer,
     ServedModelUpdateSerializer,
     StatusSerializer,
+    UsageSerializer,
     UserCreateSerializer,
 )
 from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
+from gateway.models import ApiKey
 
 
 class ClusterViewSet(viewsets.GenericViewSet):
@@ -117,6 +127,27 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ClusterViewS
             operations.remove_node(node.name, self.actor, force=force)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
+    @extend_schema(request=NodeDrainSerializer, responses={200: NodeSerializer, **REFUSED, **MISSING})
+    @action(detail=True, methods=["post"])
+    def drain(self, request, name=None):
+        """It takes no new replicas; its replicas are replaced elsewhere, one at a time per model, each serving
+        until its replacement is ready. One with nowhere else to go stays (the drain is `blocked`), unless
+        `force`. `drain` shows `drained` once nothing is left on it."""
+        node = self.get_object()
+        data = self.parsed(NodeDrainSerializer) if request.data else {"force": False}
+        with refused():
+            node = operations.drain_node(node.name, self.actor, force=data["force"])
+        return self.shown(node)
+
+    @extend_schema(request=None, responses={200: NodeSerializer, **REFUSED, **MISSING})
+    @action(detail=True, methods=["post"])
+    def undrain(self, request, name=None):
+        """It takes new replicas again; replicas not yet moved off it stay."""
+        node = self.get_object()
+        with refused():
+            node = operations.undrain_node(node.name, self.actor)
+        return self.shown(node)
+
 
 def _with_replica_counts(queryset):
     not_replacing = ~Q(replica_set__restart=Replica.Restart.REPLACING)
@@ -181,8 +212,16 @@ class ReplicaViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ClusterVi
     def get_serializer_class(self):
         return ReplicaDetailSerializer if self.action == "retrieve" else ReplicaSerializer
 
+    def get_serializer_context(self):
+        from cluster.models import ClusterSettings
+
+        # The engine key (and the rest) once per request, for every replica's `stale`.
+        return {**super().get_serializer_context(), "cluster": ClusterSettings.load()}
+
     def get_queryset(self):
-        queryset = Replica.objects.select_related("model", "node").order_by("model__name", "name")
+        queryset = Replica.objects.select_related(
+            "model__profile", "model__engine", "model__file", "node"
+        ).order_by("model__name", "name")
         if self.action != "list":
             return queryset
         params = self.request.query_params
@@ -333,3 +372,131 @@ class UserViewSet(ClusterViewSet):
         with refused():
             user, token = operations.add_user(data["name"], data["role"], self.actor, password=data.get("password"))
         return Response({"name": user.username, "role": data["role"], "token": token}, status=status.HTTP_201_CREATED)
+
+
+class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ClusterViewSet):
+    """Client keys for /v1/. The key itself is shown once, when it is created; only its hash is kept."""
+
+    serializer_class = ApiKeySerializer
+    missing = "no key named {value!r}"
+    queryset = ApiKey.objects.order_by("name")
+
+    @extend_schema(request=ApiKeyCreateSerializer, responses={201: NewApiKeySerializer, **REFUSED})
+    def create(self, request):
+        data = self.parsed(ApiKeyCreateSerializer)
+        with refused():
+            key, secret = operations.create_key(data.pop("name"), self.actor, **data)
+        key.key = secret
+        return Response(NewApiKeySerializer(key).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses={200: ApiKeySerializer, **REFUSED, **MISSING})
+    @action(detail=True, methods=["post"])
+    def revoke(self, request, name=None):
+        """The key stops working at once, in every web process; its usage stays."""
+        key = self.get_object()
+        with refused():
+            key = operations.revoke_key(key.name, self.actor)
+        return self.shown(key)
+
+
+@extend_schema_view(
+    list=extend_schema(
+        parameters=[
+            OpenApiParameter("key", str, description="only this key's usage (a key name)"),
+            OpenApiParameter("model", str, description="only this model's usage"),
+            OpenApiParameter("since", OpenApiTypes.DATETIME, description="only the hours from this ISO 8601 time on"),
+        ]
+    )
+)
+class UsageViewSet(viewsets.GenericViewSet):
+    """Requests and tokens per key, model and hour, newest first. The gateway's counts reach it within a minute."""
+
+    serializer_class = UsageSerializer
+
+    def list(self, request):
+        params = request.query_params
+        since = _datetime_param("since", params["since"]) if params.get("since") else None
+        try:
+            rows = operations.usage_report(
+                key=params.get("key") or None, model=params.get("model") or None, since=since
+            )
+        except operations.NotFound as exc:
+            raise serializers.ValidationError({"key": [str(exc)]}) from None
+        page = self.paginate_queryset(rows)
+        return self.get_paginated_response(self.get_serializer(page, many=True).data)
+
+
+class SystemViewSet(ClusterViewSet):
+    """The whole system: stop serving (every model to zero replicas, /v1/ answers 503), start again, status."""
+
+    serializer_class = StatusSerializer
+
+    @extend_schema(request=None, responses={200: StatusSerializer, **REFUSED})
+    @action(detail=False, methods=["post"])
+    def stop(self, request):
+        """Every model goes to zero replicas, freeing every GPU; /v1/ answers 503 `system_stopped` until start."""
+        with refused():
+            operations.stop_serving(self.actor)
+        return Response(operations.cluster_status())
+
+    @extend_schema(request=None, responses={200: StatusSerializer, **REFUSED})
+    @action(detail=False, methods=["post"])
+    def start(self, request):
+        """Every model is placed again as it asks; /v1/ answers again."""
+        with refused():
+            operations.start_serving(self.actor)
+        return Response(operations.cluster_status())
+
+    @extend_schema(responses=StatusSerializer)
+    @action(detail=False, methods=["get"])
+    def status(self, request):
+        """The cluster's summary, saying when serving is stopped (the same as /api/v1/status/)."""
+        return Response(operations.cluster_status())
+
+
+# Restart and drain (node drains are actions on NodeViewSet)
+
+
+class RestartView(APIView):
+    """Replace replicas without taking them out of service first: each keeps serving while a replacement
+    starts beside it, then drains. One at a time per model; different models in parallel."""
+
+    @extend_schema(request=RestartSerializer, responses={202: RestartQueuedSerializer, **REFUSED})
+    def post(self, request):
+        serializer = RestartSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        with refused():
+            queued = operations.restart_replicas(
+                f"user:{request.user.username}",
+                replicas=data["replicas"],
+                models=data["models"],
+                all=data["all"],
+                stale=data["stale"],
+            )
+        skipped = [{"name": name, "why": why} for name, why in queued.skipped.items()]
+        return Response({"queued": list(queued), "skipped": skipped}, status=status.HTTP_202_ACCEPTED)
+
+
+class RestartNoSlashView(RestartView):
+    """`POST /api/v1/restart` as the issue spells it (a POST cannot follow a redirect to the slash)."""
+
+    schema = None  # the same endpoint as restart/, listed once
+
+
+class EngineKeyRotateView(APIView):
+    """A new engine key. Running replicas keep the old one until restarted (the gateway uses each replica's
+    own key meanwhile); refused while a replica still runs with the key before the current one."""
+
+    @extend_schema(request=None, responses={200: EngineKeyRotatedSerializer, **REFUSED})
+    def post(self, request):
+        from cluster.models import ClusterSettings
+
+        with refused():
+            cluster = operations.rotate_engine_key(f"user:{request.user.username}")
+        stale = (
+            Replica.objects.exclude(state__in=Replica.TERMINAL)
+            .filter(snapshot__engine_key=ClusterSettings.fingerprint(cluster.previous_engine_key))
+            .count()
+        )
+        return Response({"fingerprint": ClusterSettings.fingerprint(cluster.engine_key), "stale": stale})

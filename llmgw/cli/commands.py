@@ -65,6 +65,7 @@ def nodes_list(o, out):
     now = timezone.now()
     nodes = Node.objects.annotate(
         running=Count("replicas", filter=Q(replicas__state__in=Replica.RUNNING)),
+        left=Count("replicas", filter=~Q(replicas__state__in=Replica.TERMINAL)),
     )
     used = dict(
         Replica.objects.filter(state__in=Replica.RUNNING | {Replica.State.STOPPING}, node__isnull=False)
@@ -76,7 +77,12 @@ def nodes_list(o, out):
     for n in nodes:
         alive = n.is_alive(now)
         status = "connected" if alive else ("never connected" if n.last_seen is None else "disconnected")
-        flags = [f for f, on in (("draining", n.draining), ("unschedulable", not n.schedulable)) if on]
+        drain = n.drain_state(n.left)
+        if drain and n.drain_force and drain != "drained":
+            drain += " (forced)"
+        flags = [f for f, on in ((drain, bool(drain)), ("unschedulable", not n.schedulable)) if on]
+        if n.drain_note and drain.startswith("blocked"):
+            flags.append(f"- {n.drain_note}")
         gpus = ", ".join(size(g["memory_bytes"]) for g in n.gpus) or "-"
         engines = ", ".join(sorted(n.engines)) or "-"
         mem = f"{size(used.get(n.pk, 0))} / {size(n.memory_bytes)}"
@@ -93,6 +99,9 @@ def nodes_list(o, out):
                 "engines": n.engines,
                 "schedulable": n.schedulable,
                 "draining": n.draining,
+                "drain": n.drain_state(n.left) or None,
+                "drain_force": n.drain_force,
+                "drain_note": n.drain_note,
                 "address": n.address,
             }
         )
@@ -253,10 +262,12 @@ def model_remove(o, out):
 # ctl: replicas
 
 
-def replica_note(r: Replica) -> str:
+def replica_note(r: Replica, stale: str | None = None) -> str:
     notes = []
-    if r.restart != Replica.Restart.NONE:
+    if r.restart != Replica.Restart.NONE and r.state not in Replica.TERMINAL:
         notes.append(f"(restart {r.restart})")
+    if stale:
+        notes.append(f"(stale: {stale})")
     if r.state == Replica.State.DOWNLOADING and r.download_total:
         notes.append(f"{100 * r.download_done // r.download_total}% of {size(r.download_total)}")
     if r.reason:
@@ -265,7 +276,10 @@ def replica_note(r: Replica) -> str:
 
 
 def replicas_list(o, out):
-    qs = Replica.objects.select_related("model", "node")
+    from cluster.models import ClusterSettings
+
+    cluster = ClusterSettings.load()
+    qs = Replica.objects.select_related("model__profile", "model__engine", "model__file", "node")
     if o.get("model"):
         if not Model.objects.filter(name=o["model"]).exists():
             raise CommandError(f"no model named {o['model']!r}")
@@ -289,6 +303,7 @@ def replicas_list(o, out):
                     "node": r.node.name if r.node else None,
                     "state": r.state,
                     "restart": r.restart,
+                    "stale": operations.staleness(r, r.model, cluster),
                     "port": r.port,
                     "pid": r.pid,
                     "reason": r.reason,
@@ -299,7 +314,8 @@ def replicas_list(o, out):
             out,
         )
     rows = [
-        [r.name, r.model.name, r.node.name if r.node else "-", r.state, r.port or "-", age(r.created_at, now), replica_note(r)]
+        [r.name, r.model.name, r.node.name if r.node else "-", r.state, r.port or "-", age(r.created_at, now),
+         replica_note(r, operations.staleness(r, r.model, cluster))]
         for r in qs
     ]
     table(["NAME", "MODEL", "NODE", "STATE", "PORT", "AGE", "NOTE"], rows, out)
@@ -437,6 +453,43 @@ def engine_key_show(o, out):
     from cluster.models import ClusterSettings
 
     out.write(ClusterSettings.load().engine_key + "\n")
+
+
+def engine_key_rotate(o, out):
+    from cluster.models import ClusterSettings
+
+    cluster = operations.rotate_engine_key(CLI_ACTOR)
+    fingerprint = ClusterSettings.fingerprint(cluster.engine_key)
+    out.write(
+        f"engine key rotated (fingerprint {fingerprint}); running replicas keep the old key until restarted: "
+        "llmgw ctl restart --stale\n"
+    )
+
+
+# ctl: restart and drain
+
+
+def restart(o, out):
+    queued = operations.restart_replicas(
+        CLI_ACTOR, replicas=o["replicas"], models=o["model"] or [], all=o["all"], stale=o["stale"]
+    )
+    for name, why in queued.skipped.items():
+        out.write(f"{name}: {why}; nothing to do\n")
+    out.write(f"{len(queued)} replica(s) queued for restart; watch with: llmgw ctl replicas\n")
+
+
+def drain(o, out):
+    node = operations.drain_node(o["name"], CLI_ACTOR, force=o["force"])
+    forced = "; forced: a replica with nowhere else to go drains and stops" if node.drain_force else ""
+    out.write(
+        f"node {node.name} draining: its replicas are replaced elsewhere, one at a time per model{forced}; "
+        "watch with: llmgw ctl nodes\n"
+    )
+
+
+def undrain(o, out):
+    operations.undrain_node(o["name"], CLI_ACTOR)
+    out.write(f"node {o['name']} undrained: it takes new replicas again\n")
 
 
 # ctl: events
@@ -627,6 +680,24 @@ def build(parser) -> None:
     )
     p = key.add_parser("show", help="print the engine key (to talk to an engine directly)")
     p.set_defaults(func=engine_key_show)
+    p = key.add_parser("rotate", help="a new engine key; running replicas keep the old one until restarted")
+    p.set_defaults(func=engine_key_rotate)
+
+    p = ctl.add_parser(
+        "restart", help="replace replicas without taking them out of service first (one at a time per model)"
+    )
+    p.add_argument("replicas", nargs="*", metavar="REPLICA")
+    p.add_argument("--model", action="append", default=None, help="every replica of this model (repeatable)")
+    p.add_argument("--all", action="store_true", help="every replica")
+    p.add_argument("--stale", action="store_true", help="only replicas started with older settings")
+    p.set_defaults(func=restart)
+    p = ctl.add_parser("drain", help="move a node's replicas elsewhere; it takes no new ones")
+    p.add_argument("name", metavar="NODE")
+    p.add_argument("--force", action="store_true", help="a replica with nowhere else to go drains and stops")
+    p.set_defaults(func=drain)
+    p = ctl.add_parser("undrain", help="let a drained node take replicas again")
+    p.add_argument("name", metavar="NODE")
+    p.set_defaults(func=undrain)
 
     keys = ctl.add_parser("keys", help="client keys for /v1/").add_subparsers(
         dest="keys_command", required=True, parser_class=OneLineParser, metavar="ACTION"

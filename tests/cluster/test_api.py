@@ -428,6 +428,7 @@ def test_replica_list_filters_and_detail(cluster, viewer):
         "gpu_index",
         "state",
         "restart",
+        "stale",
         "port",
         "pid",
         "reason",
@@ -480,8 +481,11 @@ def test_replica_list_query_count_does_not_grow(db, viewer, django_assert_max_nu
         for node in nodes:
             make_replica(model, node)
     make_replica(model, None, state=Replica.State.PENDING)
-    # token, role, count, page
-    with django_assert_max_num_queries(4):
+    from cluster.models import ClusterSettings
+
+    ClusterSettings.load()  # its row exists in a running system
+    # token, role, cluster settings (for `stale`), count, page
+    with django_assert_max_num_queries(5):
         response = viewer.get(f"{API}/replicas/")
     assert response.json()["count"] == 21
 
@@ -752,4 +756,15 @@ def test_exception_handler_maps_unwrapped_refusals(error, status):
 
 def test_api_root_lists_the_resources(viewer):
     body = viewer.get(f"{API}/").json()
-    assert set(body) == {"nodes", "models", "replicas", "profiles", "engines", "model-files", "events", "users"}
+    assert set(body) == {
+        "nodes",
+        "models",
+        "replicas",
+        "profiles",
+        "engines",
+        "model-files",
+        "events",
+        "users",
+        "keys",
+        "usage",
+    }

@@ -57,6 +57,18 @@ def test_schema_covers_every_endpoint(schema):
         ("/api/v1/events/", "get"),
         ("/api/v1/status/", "get"),
         ("/api/v1/users/", "post"),
+        ("/api/v1/keys/", "get"),
+        ("/api/v1/keys/", "post"),
+        ("/api/v1/keys/{name}/", "get"),
+        ("/api/v1/keys/{name}/revoke/", "post"),
+        ("/api/v1/usage/", "get"),
+        ("/api/v1/system/stop/", "post"),
+        ("/api/v1/system/start/", "post"),
+        ("/api/v1/system/status/", "get"),
+        ("/api/v1/restart/", "post"),
+        ("/api/v1/nodes/{name}/drain/", "post"),
+        ("/api/v1/nodes/{name}/undrain/", "post"),
+        ("/api/v1/engine-key/rotate/", "post"),
     }
     assert operations == expected
 

@@ -289,3 +289,12 @@ def make_model_file(system: System, name: str = "tiny.bin", size: int = 2 * MiB)
     path.write_bytes(os.urandom(size))
     out = system.cli("mirror", "import", str(path)).stdout
     return out.split("sha256 ")[1].split(",")[0]
+
+
+def start_web(system: System, name: str = "web2") -> str:
+    """Another daphne on the same database, Redis and settings (a second web process); returns its URL."""
+    port = free_port()
+    system.spawn(name, [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "llmgw.asgi:application"])
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _http_ok(url + "/login/"), 60, what=f"{name} to answer")
+    return url

@@ -1,0 +1,270 @@
+#!/usr/bin/env python
+"""A fast fake OpenAI-compatible engine for benchmarks: answers at once, never thinks.
+
+    python bench/fake_upstream.py --port 9100 --key lek_... [--chunks 20] [--host 127.0.0.1]
+
+A raw asyncio HTTP/1.1 server (uvloop when it imports), keep-alive, no framework, stdlib only, so it costs the
+benchmark as little as possible. It honours `Authorization: Bearer <key>` (401 OpenAI-shaped otherwise; with no
+--key, any bearer key passes) and answers:
+
+- `POST /v1/chat/completions`, `POST /v1/completions`: a completion with `usage`; with `"stream": true`, the
+  role chunk, `--chunks` content chunks, the finish chunk, the usage chunk (when `stream_options.include_usage`
+  asks for it, as OpenAI does) and `data: [DONE]`, each event its own HTTP chunk and its own write;
+- `POST /v1/embeddings`: one small vector per input, with `usage`;
+- `GET /v1/models`, `GET /health`.
+
+Prints `READY <port>` on stdout once it listens. Stops on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+
+MAX_HEAD = 64 * 1024
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed"}
+
+
+def _error(status: int, code: str, message: str) -> tuple[int, bytes]:
+    return status, json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}}).encode()
+
+
+class Engine:
+    """What the fake engine says; the parts of every answer that do not change are built once."""
+
+    def __init__(self, key: str | None, chunks: int, word: str = "hello"):
+        self.auth = f"Bearer {key}".encode() if key else None
+        self.chunks = chunks
+        self.word = word
+        self.counter = 0
+        self.created = int(time.time())
+
+    def next_id(self) -> str:
+        self.counter += 1
+        return f"{self.counter:x}"
+
+    def usage(self, prompt: int, completion: int) -> dict:
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def chat(self, body: dict) -> bytes:
+        model = body.get("model", "fake")
+        prompt = sum(len(str(m.get("content", "")).split()) for m in body.get("messages") or [] if isinstance(m, dict))
+        return json.dumps(
+            {
+                "id": "chatcmpl-" + self.next_id(),
+                "object": "chat.completion",
+                "created": self.created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": " ".join([self.word] * self.chunks)},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": self.usage(prompt or 1, self.chunks),
+            }
+        ).encode()
+
+    def completion(self, body: dict) -> bytes:
+        model = body.get("model", "fake")
+        return json.dumps(
+            {
+                "id": "cmpl-" + self.next_id(),
+                "object": "text_completion",
+                "created": self.created,
+                "model": model,
+                "choices": [{"index": 0, "text": " ".join([self.word] * self.chunks), "finish_reason": "stop"}],
+                "usage": self.usage(len(str(body.get("prompt", "")).split()) or 1, self.chunks),
+            }
+        ).encode()
+
+    def embeddings(self, body: dict) -> bytes:
+        inputs = body.get("input")
+        inputs = inputs if isinstance(inputs, list) else [inputs]
+        data = [{"object": "embedding", "index": i, "embedding": [0.0, 0.5, 1.0, 0.25]} for i in range(len(inputs))]
+        return json.dumps(
+            {"object": "list", "data": data, "model": body.get("model", "fake"), "usage": {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}}
+        ).encode()
+
+    def events(self, body: dict, chat: bool) -> list[bytes]:
+        """The SSE events of one streamed answer, each `data: ...\\n\\n`."""
+        model = body.get("model", "fake")
+        rid = ("chatcmpl-" if chat else "cmpl-") + self.next_id()
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        head = {"id": rid, "object": kind, "created": self.created, "model": model}
+        out = []
+
+        def event(choices, **extra) -> None:
+            out.append(b"data: " + json.dumps({**head, "choices": choices, **extra}).encode() + b"\n\n")
+
+        if chat:
+            event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            piece = json.dumps({**head, "choices": [{"index": 0, "delta": {"content": " " + self.word}, "finish_reason": None}]}).encode()
+            out.extend([b"data: " + piece + b"\n\n"] * self.chunks)
+            event([{"index": 0, "delta": {}, "finish_reason": "stop"}])
+        else:
+            piece = json.dumps({**head, "choices": [{"index": 0, "text": " " + self.word, "finish_reason": None}]}).encode()
+            out.extend([b"data: " + piece + b"\n\n"] * self.chunks)
+            event([{"index": 0, "text": "", "finish_reason": "stop"}])
+        if include_usage:
+            event([], usage=self.usage(1, self.chunks))
+        out.append(b"data: [DONE]\n\n")
+        return out
+
+
+class Connection(asyncio.Protocol):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.transport = None
+        self.buffer = bytearray()
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def connection_lost(self, exc):
+        self.transport = None
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while self.transport is not None:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buffer) > MAX_HEAD:
+                    self.transport.close()
+                return
+            lines = bytes(self.buffer[:end]).split(b"\r\n")
+            try:
+                method, target, version = lines[0].split(b" ", 2)
+            except ValueError:
+                self.transport.close()
+                return
+            headers = {}
+            for line in lines[1:]:
+                name, _, value = line.partition(b":")
+                headers[name.strip().lower()] = value.strip()
+            start = end + 4
+            if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+                parsed = _dechunk(self.buffer, start)
+                if parsed is None:
+                    return
+                body, used = parsed
+                del self.buffer[:used]
+            else:
+                length = int(headers.get(b"content-length", b"0") or 0)
+                if len(self.buffer) < start + length:
+                    return
+                body = bytes(self.buffer[start : start + length])
+                del self.buffer[: start + length]
+            connection = headers.get(b"connection", b"").lower()
+            close = connection == b"close" or (version == b"HTTP/1.0" and connection != b"keep-alive")
+            self.handle(method, target.split(b"?", 1)[0], headers, body, close)
+
+    def handle(self, method: bytes, path: bytes, headers: dict, body: bytes, close: bool) -> None:
+        engine = self.engine
+        if path == b"/health":
+            return self.reply(200, b'{"status":"ok"}', close)
+        if engine.auth is not None and headers.get(b"authorization") != engine.auth:
+            return self.reply(*_error(401, "invalid_api_key", "wrong or missing engine key"), close)
+        if path == b"/v1/models":
+            if method != b"GET":
+                return self.reply(*_error(405, "method_not_allowed", "GET only"), close)
+            return self.reply(200, b'{"object":"list","data":[{"id":"fake","object":"model","created":0,"owned_by":"bench"}]}', close)
+        endpoint = {b"/v1/chat/completions": "chat", b"/v1/completions": "completions", b"/v1/embeddings": "embeddings"}.get(path)
+        if endpoint is None:
+            return self.reply(*_error(404, "not_found", f"no such endpoint {path.decode(errors='replace')}"), close)
+        if method != b"POST":
+            return self.reply(*_error(405, "method_not_allowed", "POST only"), close)
+        try:
+            data = json.loads(body)
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            return self.reply(*_error(400, "invalid_request", f"bad JSON: {exc}"), close)
+        if endpoint == "embeddings":
+            return self.reply(200, engine.embeddings(data), close)
+        if data.get("stream"):
+            return self.stream(engine.events(data, endpoint == "chat"), close)
+        return self.reply(200, engine.chat(data) if endpoint == "chat" else engine.completion(data), close)
+
+    def reply(self, status: int, payload: bytes, close: bool) -> None:
+        head = (
+            f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(payload)}\r\n{'connection: close' if close else 'connection: keep-alive'}\r\n\r\n"
+        ).encode()
+        self.transport.write(head + payload)
+        if close:
+            self.transport.close()
+
+    def stream(self, events: list[bytes], close: bool) -> None:
+        write = self.transport.write
+        write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+            b"transfer-encoding: chunked\r\n" + (b"connection: close" if close else b"connection: keep-alive") + b"\r\n\r\n"
+        )
+        for event in events:  # one write per event, as an engine sends token by token
+            write(b"%x\r\n%s\r\n" % (len(event), event))
+        write(b"0\r\n\r\n")
+        if close:
+            self.transport.close()
+
+
+def _dechunk(buffer: bytearray, start: int) -> tuple[bytes, int] | None:
+    """A chunked request body starting at `start`: (body, bytes used) or None while incomplete."""
+    body = bytearray()
+    pos = start
+    while True:
+        eol = buffer.find(b"\r\n", pos)
+        if eol < 0:
+            return None
+        size = int(bytes(buffer[pos:eol]).split(b";")[0], 16)
+        if size == 0:
+            trailer_end = buffer.find(b"\r\n\r\n", eol)
+            if trailer_end < 0:
+                return None
+            return bytes(body), trailer_end + 4
+        if len(buffer) < eol + 2 + size + 2:
+            return None
+        body += buffer[eol + 2 : eol + 2 + size]
+        pos = eol + 2 + size + 2
+
+
+async def serve(host: str, port: int, engine: Engine) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: Connection(engine), host, port, backlog=4096, reuse_address=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"READY {server.sockets[0].getsockname()[1]}", flush=True)
+    async with server:
+        await stop.wait()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
+    parser.add_argument("--key", default="", help="the engine key clients must send as a bearer token")
+    parser.add_argument("--chunks", type=int, default=20, help="content chunks per streamed answer")
+    parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
+    o = parser.parse_args(argv)
+    engine = Engine(o.key or None, o.chunks)
+    run = asyncio.run
+    if o.loop != "asyncio":
+        try:
+            import uvloop
+
+            run = uvloop.run
+        except ImportError:
+            if o.loop == "uvloop":
+                sys.exit("uvloop is not installed")
+    run(serve(o.host, o.port, engine))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""The REST API's keys, usage and system endpoints: parsing, status codes, fields, who may do what."""
+
+import hashlib
+from datetime import datetime, timedelta, timezone as dt_timezone
+
+import pytest
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from cluster import operations
+from cluster.models import ClusterSettings, Event
+from gateway.models import KEY_PREFIX, ApiKey, Usage
+from tests.factories import make_user
+
+API = "/api/v1"
+
+
+def client_for(role: str | None) -> APIClient:
+    client = APIClient()
+    if role:
+        _, token = make_user(role)
+        client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+    return client
+
+
+@pytest.fixture
+def operator(db):
+    return client_for("operator")
+
+
+@pytest.fixture
+def viewer(db):
+    return client_for("viewer")
+
+
+@pytest.fixture
+def admin(db):
+    return client_for("admin")
+
+
+def state() -> dict:
+    """Everything a keys, usage or system request could change: equal before and after a refused one."""
+    keys = {k.name: (k.key_hash, k.revoked_at, k.rpm, k.tpm) for k in ApiKey.objects.all()}
+    return {
+        "keys": keys,
+        "usage": list(Usage.objects.values_list("key__name", "model", "hour", "requests")),
+        "events": Event.objects.count(),
+        "stopped": ClusterSettings.load().serving_stopped,
+    }
+
+
+def refused(response, status: int, *words: str):
+    assert response.status_code == status, response.content
+    text = str(response.json())
+    for word in words:
+        assert word in text, text
+
+
+# Keys
+
+
+def test_create_shows_the_key_once_and_stores_only_its_hash(operator):
+    expires = (timezone.now() + timedelta(days=30)).replace(microsecond=0)
+    body = {"name": "ci", "models": ["qwen2.5-7b", "smollm2"], "rpm": 60, "tpm": 10000, "expires_at": expires}
+    response = operator.post(f"{API}/keys/", body, format="json")
+    assert response.status_code == 201, response.content
+    shown = response.json()
+    secret = shown["key"]
+    assert secret.startswith(KEY_PREFIX) and len(secret) > 40
+    assert shown["prefix"] == secret[:14]
+    assert (shown["name"], shown["models"], shown["rpm"], shown["tpm"]) == ("ci", ["qwen2.5-7b", "smollm2"], 60, 10000)
+    assert datetime.fromisoformat(shown["expires_at"]) == expires
+    assert (shown["state"], shown["revoked_at"], shown["last_used_at"]) == ("active", None, None)
+
+    key = ApiKey.objects.get(name="ci")
+    assert key.key_hash == hashlib.sha256(secret.encode()).hexdigest()
+    stored = [str(v) for v in ApiKey.objects.filter(name="ci").values().get().values()]
+    assert not any(secret in v for v in stored)  # the secret itself is nowhere in the row
+    event = Event.objects.get(kind="key.created")
+    assert event.subject == "ci" and event.actor.startswith("user:operator-") and secret not in event.message
+
+    # never again: not in the list, not in the detail
+    for path in (f"{API}/keys/", f"{API}/keys/ci/"):
+        text = operator.get(path).content.decode()
+        assert secret not in text and '"key"' not in text and "key_hash" not in text
+
+
+def test_create_with_defaults(operator):
+    shown = operator.post(f"{API}/keys/", {"name": "all"}, format="json").json()
+    assert (shown["models"], shown["rpm"], shown["tpm"], shown["expires_at"]) == ([], None, None, None)
+    assert ApiKey.objects.get(name="all").allowed_models == []
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({}, ["name", "required"]),
+        ({"name": ""}, ["name", "blank"]),
+        ({"name": "CI Key"}, ["invalid key name"]),
+        ({"name": "taken"}, ["already exists"]),
+        ({"name": "k", "models": "qwen"}, ["models", "list"]),
+        ({"name": "k", "models": ["Not A Model"]}, ["invalid model name"]),
+        ({"name": "k", "rpm": 0}, ["rpm", "greater than or equal to 1"]),
+        ({"name": "k", "rpm": -5}, ["rpm"]),
+        ({"name": "k", "rpm": "lots"}, ["rpm", "valid integer"]),
+        ({"name": "k", "rpm": True}, ["rpm", "valid integer"]),
+        ({"name": "k", "tpm": 2**40}, ["tpm", "less than or equal"]),
+        ({"name": "k", "expires_at": "tomorrow"}, ["expires_at", "Datetime has wrong format"]),
+        ({"name": "k", "expires_at": "2001-01-01T00:00:00Z"}, ["in the past"]),
+        ({"name": "k", "secret": "mine"}, ["secret", "unknown field"]),
+    ],
+)
+def test_create_refusals_change_nothing(operator, body, words):
+    operations.create_key("taken", "test")
+    before = state()
+    refused(operator.post(f"{API}/keys/", body, format="json"), 400, *words)
+    assert state() == before
+
+
+@pytest.mark.parametrize("body", [[], ["k"], "k", 5])
+def test_create_with_a_body_that_is_not_an_object_is_a_400(operator, body):
+    assert operator.post(f"{API}/keys/", body, format="json").status_code == 400
+    assert not ApiKey.objects.exists() and not Event.objects.filter(kind="key.created").exists()
+
+
+def test_list_shows_state_and_no_secrets(viewer):
+    operations.create_key("active", "test", models=["qwen"], rpm=5)
+    operations.create_key("revoked", "test")
+    operations.revoke_key("revoked", "test")
+    operations.create_key("expired", "test", expires_at=timezone.now() + timedelta(days=1))
+    ApiKey.objects.filter(name="expired").update(expires_at=timezone.now() - timedelta(hours=1))
+    used = timezone.now() - timedelta(minutes=3)
+    ApiKey.objects.filter(name="active").update(last_used_at=used)
+
+    response = viewer.get(f"{API}/keys/")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["count"] == 3
+    rows = {k["name"]: k for k in body["results"]}
+    assert [k["name"] for k in body["results"]] == ["active", "expired", "revoked"]
+    assert {name: k["state"] for name, k in rows.items()} == {
+        "active": "active",
+        "revoked": "revoked",
+        "expired": "expired",
+    }
+    assert set(rows["active"]) == {
+        "name",
+        "prefix",
+        "models",
+        "rpm",
+        "tpm",
+        "expires_at",
+        "revoked_at",
+        "last_used_at",
+        "state",
+        "created_at",
+    }
+    assert rows["active"]["models"] == ["qwen"] and rows["active"]["rpm"] == 5
+    assert datetime.fromisoformat(rows["active"]["last_used_at"]) == used
+    assert rows["revoked"]["revoked_at"] is not None
+    assert viewer.get(f"{API}/keys/active/").json() == rows["active"]
+    refused(viewer.get(f"{API}/keys/nope/"), 404, "no key named 'nope'")
+
+
+def test_key_list_makes_a_fixed_number_of_queries(viewer, django_assert_max_num_queries):
+    for i in range(20):
+        operations.create_key(f"key-{i}", "test")
+    with django_assert_max_num_queries(6):  # the user and its groups, the count, the page
+        assert len(viewer.get(f"{API}/keys/").json()["results"]) == 20
+
+
+def test_revoke(operator):
+    operations.create_key("ci", "test")
+    response = operator.post(f"{API}/keys/ci/revoke/")
+    assert response.status_code == 200, response.content
+    assert response.json()["state"] == "revoked" and response.json()["revoked_at"]
+    assert ApiKey.objects.get(name="ci").revoked_at is not None
+    event = Event.objects.get(kind="key.revoked")
+    assert event.subject == "ci" and event.actor.startswith("user:operator-")
+
+    before = state()
+    refused(operator.post(f"{API}/keys/ci/revoke/"), 400, "already revoked")
+    refused(operator.post(f"{API}/keys/nope/revoke/"), 404, "no key named 'nope'")
+    assert state() == before
+
+
+def test_keys_cannot_be_edited_or_deleted(operator):
+    operations.create_key("ci", "test")
+    before = state()
+    assert operator.patch(f"{API}/keys/ci/", {"rpm": 5}, format="json").status_code == 405
+    assert operator.delete(f"{API}/keys/ci/").status_code == 405
+    assert state() == before
+
+
+WRITES = [
+    ("post", "keys/", {"name": "mine"}),
+    ("post", "keys/ci/revoke/", None),
+    ("post", "system/stop/", None),
+    ("post", "system/start/", None),
+]
+
+
+@pytest.mark.parametrize("method, path, body", WRITES)
+def test_viewer_may_not_write(viewer, method, path, body):
+    operations.create_key("ci", "test")
+    before = state()
+    refused(getattr(viewer, method)(f"{API}/{path}", body, format="json"), 403, "role")
+    assert state() == before
+
+
+@pytest.mark.parametrize("method, path, body", WRITES)
+def test_anonymous_may_not_write(db, method, path, body):
+    operations.create_key("ci", "test")
+    before = state()
+    assert getattr(APIClient(), method)(f"{API}/{path}", body, format="json").status_code == 401
+    assert state() == before
+
+
+@pytest.mark.parametrize("path", ["keys/", "usage/", "system/status/"])
+def test_anonymous_may_not_look(db, path):
+    response = APIClient().get(f"{API}/{path}")
+    assert response.status_code == 401 and response["WWW-Authenticate"] == "Bearer"
+
+
+def test_admin_may_create_and_revoke(admin):
+    assert admin.post(f"{API}/keys/", {"name": "a"}, format="json").status_code == 201
+    assert admin.post(f"{API}/keys/a/revoke/").status_code == 200
+
+
+# Usage
+
+
+@pytest.fixture
+def usage(db):
+    a, _ = operations.create_key("alice", "test")
+    b, _ = operations.create_key("bob", "test")
+    h = lambda hour: datetime(2026, 3, 1, hour, tzinfo=dt_timezone.utc)  # noqa: E731
+    Usage.objects.create(key=a, model="qwen", hour=h(9), requests=3, prompt_tokens=30, completion_tokens=7)
+    Usage.objects.create(key=a, model="qwen", hour=h(11), requests=1, prompt_tokens=10, completion_tokens=2)
+    Usage.objects.create(key=a, model="smol", hour=h(11), requests=2, prompt_tokens=4, completion_tokens=4)
+    Usage.objects.create(key=b, model="qwen", hour=h(10), requests=5, prompt_tokens=50, completion_tokens=9)
+
+
+ALL = [("alice", "qwen", "11"), ("alice", "smol", "11"), ("bob", "qwen", "10"), ("alice", "qwen", "09")]
+
+
+def rows(response) -> list[tuple]:
+    assert response.status_code == 200, response.content
+    return [(r["key"], r["model"], r["hour"][11:13]) for r in response.json()["results"]]
+
+
+def test_usage_newest_first_with_every_field(viewer, usage):
+    response = viewer.get(f"{API}/usage/")
+    assert rows(response) == ALL
+    first = response.json()["results"][0]
+    assert first == {
+        "key": "alice",
+        "model": "qwen",
+        "hour": "2026-03-01T11:00:00Z",
+        "requests": 1,
+        "prompt_tokens": 10,
+        "completion_tokens": 2,
+    }
+    assert response.json()["count"] == 4
+
+
+@pytest.mark.parametrize(
+    "query, expected",
+    [
+        ("key=alice", [("alice", "qwen", "11"), ("alice", "smol", "11"), ("alice", "qwen", "09")]),
+        ("model=qwen", [("alice", "qwen", "11"), ("bob", "qwen", "10"), ("alice", "qwen", "09")]),
+        ("key=alice&model=qwen", [("alice", "qwen", "11"), ("alice", "qwen", "09")]),
+        ("since=2026-03-01T10:30:00Z", ALL[:3]),  # from the start of its hour
+        ("since=2026-03-01T11:00:00%2B01:00", ALL[:3]),  # 10:00Z
+        ("since=2026-03-02", []),
+        ("model=nothing-here", []),
+        ("key=&model=", ALL),
+        ("limit=1&offset=1", [("alice", "smol", "11")]),
+    ],
+)
+def test_usage_filters(viewer, usage, query, expected):
+    assert rows(viewer.get(f"{API}/usage/?{query}")) == expected
+
+
+@pytest.mark.parametrize(
+    "query, words",
+    [
+        ("key=nobody", ["key", "no key named 'nobody'"]),
+        ("since=yesterday", ["since", "ISO 8601"]),
+        ("since=2026-13-01T00:00:00Z", ["since", "ISO 8601"]),
+    ],
+)
+def test_usage_bad_filters_are_a_400(viewer, usage, query, words):
+    refused(viewer.get(f"{API}/usage/?{query}"), 400, *words)
+
+
+# The system
+
+
+def test_stop_and_start(operator):
+    response = operator.post(f"{API}/system/stop/")
+    assert response.status_code == 200, response.content
+    assert response.json()["serving"] == "stopped"
+    assert ClusterSettings.load().serving_stopped is True
+    assert Event.objects.get(kind="system.stopped").actor.startswith("user:operator-")
+    assert operator.get(f"{API}/system/status/").json()["serving"] == "stopped"
+    assert operator.get(f"{API}/status/").json()["serving"] == "stopped"
+
+    before = state()
+    refused(operator.post(f"{API}/system/stop/"), 400, "already stopped")
+    assert state() == before
+
+    response = operator.post(f"{API}/system/start/")
+    assert response.status_code == 200 and response.json()["serving"] == "serving"
+    assert ClusterSettings.load().serving_stopped is False
+    assert Event.objects.filter(kind="system.started").count() == 1
+
+    before = state()
+    refused(operator.post(f"{API}/system/start/"), 400, "already serving")
+    assert state() == before
+
+
+def test_system_status_is_the_cluster_status(viewer):
+    body = viewer.get(f"{API}/system/status/").json()
+    assert body == viewer.get(f"{API}/status/").json()
+    assert set(body) == {"serving", "nodes", "models", "replicas"}
+    assert viewer.post(f"{API}/system/status/").status_code in (403, 405)
+
+
+def test_system_has_no_list_or_other_verbs(operator):
+    assert operator.get(f"{API}/system/stop/").status_code == 405
+    assert operator.get(f"{API}/system/").status_code == 404
