@@ -9,13 +9,14 @@ One run, side by side on this machine, against the same fake OpenAI engine (benc
 once, streams --chunks chunks, then the usage chunk and [DONE]):
 
 - direct          the fake engine itself;
-- llmgw-daphne    llmgw's gateway, run as the project runs it (`python -m daphne -b 127.0.0.1 -p PORT
+- llmgw-daphne    llmgw's gateway, run as `llmgw up` runs it by default (`python -m daphne -b 127.0.0.1 -p PORT
                   llmgw.asgi:application`), on a real llmgw instance this script sets up: a temporary LLMGW_HOME,
                   SQLite, the embedded Valkey (or REDIS_URL), `manage.py migrate`, a node at 127.0.0.1, a model
                   `bench` and a READY replica on the fake engine's port whose snapshot carries the engine key's
                   fingerprint, and a client key from `manage.py llmgw ctl keys create`. No Celery: with no
                   reconciler running nothing changes the rows;
-- llmgw-uvicorn   the same ASGI application under uvicorn (installed into the project venv when missing);
+- llmgw-uvicorn   the same application under uvicorn with uvloop and httptools, as `llmgw up --server uvicorn`
+                  runs it;
 - nginx           Debian's nginx (apt-get installs it when missing), `proxy_pass` to a keepalive upstream,
                   `proxy_buffering off`, one worker, run as our child with its own config, `daemon off`;
 - litellm         LiteLLM's proxy, `litellm[proxy]==1.108.7` in its own virtual environment (made when missing,
@@ -528,17 +529,6 @@ def litellm_venv(install: bool) -> Path:
     return venv
 
 
-def ensure_uvicorn(install: bool) -> str | None:
-    """uvicorn's version in the project venv, installing it there when missing (never into requirements)."""
-    probe = [sys.executable, "-c", "import uvicorn; print(uvicorn.__version__)"]
-    result = run(probe)
-    if result.returncode != 0 and install:
-        say("installing uvicorn into the project venv (pip install uvicorn; not a requirement)")
-        run([sys.executable, "-m", "pip", "install", "-q", "uvicorn"])
-        result = run(probe)
-    return result.stdout.strip() if result.returncode == 0 else None
-
-
 def module_version(python: str, module: str) -> str:
     result = run([python, "-c", f"import importlib.metadata as m; print(m.version({module!r}))"])
     return result.stdout.strip() if result.returncode == 0 else "-"
@@ -839,14 +829,10 @@ def main(argv=None) -> int:
 
         def start_llmgw(target: str, server: str):
             port = free_port()
-            if server == "daphne":  # as `llmgw up` runs it
-                argv = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "llmgw.asgi:application"]
-            else:
-                if ensure_uvicorn(install) is None:
-                    raise RuntimeError("uvicorn is not installed in the project venv (run without --no-install)")
-                argv = [sys.executable, "-m", "uvicorn", "--host", "127.0.0.1", "--port", str(port), "--lifespan", "off",
-                        "--no-access-log", "--log-level", "warning", "llmgw.asgi:application"]
-            children.start(target, argv, env, proxy=True)
+            sys.path.insert(0, str(ROOT))
+            from llmgw.web import web_argv  # exactly what `llmgw up --server SERVER` runs
+
+            children.start(target, web_argv("127.0.0.1", port, server), env, proxy=True)
             wait_ready(children, target, port, client_key, 60)
             return port, client_key
 

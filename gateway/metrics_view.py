@@ -3,7 +3,7 @@ llmgw API token (from `llmgw user add`)."""
 
 import hmac
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 from django.conf import settings
 from django.http import HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,6 +22,6 @@ def _token_ok(token: str) -> bool:
 async def metrics_view(request):
     header = request.headers.get("Authorization", "")
     token = header[7:].strip() if header.lower().startswith("bearer ") else ""
-    if not token or not await sync_to_async(_token_ok)(token):
+    if not token or not await database_sync_to_async(_token_ok)(token):
         return error_response(401, "invalid_api_key", "metrics need `Authorization: Bearer <token>`")
     return HttpResponse(generate_latest(), content_type=CONTENT_TYPE_LATEST)

@@ -62,16 +62,28 @@ def load() -> Table:
     }
     ready: dict[str, list[Upstream]] = {}
     coming: dict[str, int] = {}
+    unplaced: dict[str, int] = {}
+    making_room: set[str] = set()
     rows = Replica.objects.filter(
-        state__in=(Replica.State.READY, *WAITING_STATES), model__removing=False
+        state__in=(Replica.State.READY, Replica.State.DRAINING, Replica.State.STOPPING, *WAITING_STATES),
+        model__removing=False,
     ).values_list("name", "state", "port", "snapshot", "model__name", "node__address", "node__facts", "node_id")
     for name, state, port, snapshot, model, address, facts, node_id in rows:
         if state == Replica.State.READY and port:
             key = keys_by_fingerprint.get((snapshot or {}).get("engine_key"), cluster.engine_key)
             ready.setdefault(model, []).append(Upstream(name, f"http://{_host(address, facts)}:{port}", key))
-        elif state in WAITING_STATES and (node_id is not None or state != Replica.State.PENDING):
-            # a pending replica with no node is one that cannot be placed: nothing is on its way
+        elif state in (Replica.State.DRAINING, Replica.State.STOPPING):
+            making_room.add(model)
+        elif state == Replica.State.PENDING and node_id is None:
+            unplaced[model] = unplaced.get(model, 0) + 1
+        elif state in WAITING_STATES:
             coming[model] = coming.get(model, 0) + 1
+    for model, n in unplaced.items():
+        # A pending replica with no node cannot be placed yet. It is on its way only while one of its model's
+        # replicas is draining or stopping, freeing the room it waits for: a restart with no room for a second
+        # copy. Otherwise nothing is coming and a request is answered at once.
+        if model in making_room:
+            coming[model] = coming.get(model, 0) + n
     models = {
         name: ModelRoute(name, wait, tuple(sorted(ready.get(name, []), key=lambda u: u.replica)), coming.get(name, 0))
         for name, wait in Model.objects.filter(removing=False).values_list("name", "wait_seconds")

@@ -10,7 +10,7 @@ import json
 import logging
 import time
 
-import httpx
+import aiohttp
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
@@ -115,7 +115,7 @@ async def proxy(request, endpoint: str):
         if table.serving_stopped:
             raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)
         call.key = await _authenticate(gw, table, request)
-        body = _parse(request, endpoint)
+        raw, body = _parse(request, endpoint)
         call.model = body["model"]
         route = table.models.get(call.model)
         if route is None:
@@ -125,9 +125,10 @@ async def proxy(request, endpoint: str):
         await check_limits(gw.redis, call.key)
         stream = bool(body.get("stream"))
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
+        payload = raw  # the client's bytes as they came, unknown fields and all
         if stream and not wants_usage:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        payload = json.dumps(body).encode()
+            payload = json.dumps(body).encode()
         if stream:
             return await _stream(gw, call, endpoint, payload, wants_usage)
         return await _once(gw, call, endpoint, payload)
@@ -160,7 +161,7 @@ async def _authenticate(gw, table, request):
     return key
 
 
-def _parse(request, endpoint: str) -> dict:
+def _parse(request, endpoint: str) -> tuple[bytes, dict]:
     try:
         raw = request.body
     except RequestDataTooBig:
@@ -185,11 +186,12 @@ def _parse(request, endpoint: str) -> dict:
         raise invalid("`stream` must be true or false")
     if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"], dict):
         raise invalid("`stream_options` must be an object")
-    return body
+    return raw, body
 
 
-async def _choose(gw, call, tried: set[str]):
-    """A ready replica with the fewest requests in flight; wait for one that is on its way, up to wait_seconds."""
+async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = None):
+    """A ready replica with the fewest requests in flight; wait for one that is on its way, up to wait_seconds.
+    With every ready replica tried and none coming, the last one's failure is the answer."""
     deadline = None
     while True:
         table = await gw.current()
@@ -205,11 +207,16 @@ async def _choose(gw, call, tried: set[str]):
             deadline = time.monotonic() + route.wait_seconds
         left = deadline - time.monotonic()
         if tried and route.coming == 0:
-            raise GatewayError(502, "upstream_error", f"every ready replica of {call.model} failed this request")
+            raise last_error or GatewayError(502, "upstream_error", f"every ready replica of {call.model} failed this request")
         if route.coming == 0 or left <= 0:
             what = "none is on its way" if route.coming == 0 else f"waited {route.wait_seconds}s"
             raise GatewayError(503, "no_replica_ready", f"no replica of {call.model} is ready ({what})", 5)
         await gw.wait_for_change(min(left, 1.0))
+
+
+def _done(gw, call, upstream) -> None:
+    gw.end(upstream.replica)
+    metrics.INFLIGHT.labels(call.model).dec()
 
 
 async def _send(gw, call, endpoint, payload):
@@ -217,63 +224,61 @@ async def _send(gw, call, endpoint, payload):
     tried: set[str] = set()
     last_error = None
     for _ in range(settings.LLMGW_GATEWAY_TRIES):
-        upstream = await _choose(gw, call, tried)
+        upstream = await _choose(gw, call, tried, last_error)
         tried.add(upstream.replica)
         call.replica = upstream.replica
-        request = gw.http.build_request(
-            "POST", f"{upstream.base_url}/v1/{endpoint}", content=payload, headers=_headers(upstream)
-        )
         gw.start(upstream.replica)
         metrics.INFLIGHT.labels(call.model).inc()
         try:
-            response = await gw.http.send(request, stream=True)
-        except httpx.TimeoutException as exc:
-            gw.end(upstream.replica)
-            metrics.INFLIGHT.labels(call.model).dec()
-            if isinstance(exc, httpx.ConnectTimeout):
-                last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} did not accept the connection")
-                continue
+            response = await gw.http.post(f"{upstream.base_url}/v1/{endpoint}", data=payload, headers=_headers(upstream))
+        except aiohttp.ConnectionTimeoutError:
+            _done(gw, call, upstream)
+            last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} did not accept the connection")
+            continue
+        except (aiohttp.ServerTimeoutError, TimeoutError):
+            _done(gw, call, upstream)
             raise GatewayError(504, "upstream_timeout", f"replica {upstream.replica} did not answer in time") from None
-        except httpx.TransportError as exc:
-            gw.end(upstream.replica)
-            metrics.INFLIGHT.labels(call.model).dec()
-            last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} failed: {type(exc).__name__}")
+        except aiohttp.ClientError as exc:  # refused, reset, closed before an answer: nothing reached the client
+            _done(gw, call, upstream)
+            last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} failed: {_describe(exc)}")
             continue
         except BaseException:  # cancelled: the client went away before the engine answered; the count must not leak
-            gw.end(upstream.replica)
-            metrics.INFLIGHT.labels(call.model).dec()
+            _done(gw, call, upstream)
             raise
-        if response.status_code in RETRYABLE_STATUS:
-            await response.aclose()
-            gw.end(upstream.replica)
-            metrics.INFLIGHT.labels(call.model).dec()
-            last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} answered {response.status_code}")
+        if response.status in RETRYABLE_STATUS:
+            response.close()
+            _done(gw, call, upstream)
+            last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} answered {response.status}")
             continue
         return upstream, response
     raise last_error or GatewayError(502, "upstream_error", "no replica could take the request")
+
+
+def _describe(exc: BaseException) -> str:
+    detail = str(exc).strip()
+    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
 async def _once(gw, call, endpoint, payload):
     upstream, response = await _send(gw, call, endpoint, payload)
     try:
         try:
-            content = await response.aread()
-        except httpx.TimeoutException:
+            content = await response.read()
+        except (aiohttp.ServerTimeoutError, TimeoutError):
             raise GatewayError(504, "upstream_timeout", f"replica {upstream.replica} did not finish in time") from None
-        except httpx.TransportError as exc:
-            raise GatewayError(502, "upstream_error", f"replica {upstream.replica} broke off: {type(exc).__name__}") from None
+        except aiohttp.ClientError as exc:
+            raise GatewayError(502, "upstream_error", f"replica {upstream.replica} broke off: {_describe(exc)}") from None
     finally:
-        await response.aclose()
-        gw.end(upstream.replica)
-        metrics.INFLIGHT.labels(call.model).dec()
-    status = response.status_code
+        response.release()
+        _done(gw, call, upstream)
+    status = response.status
     if status >= 500:
         raise GatewayError(502, "upstream_error", f"replica {upstream.replica} answered {status}: {content[:300]!r}")
     if status == 200:
         _take_usage(call, content)
         await _account(gw, call)
     call.finish(status)
-    return HttpResponse(content, status=status, content_type=response.headers.get("content-type", "application/json"))
+    return HttpResponse(content, status=status, content_type=response.headers.get("Content-Type", "application/json"))
 
 
 def _headers(upstream) -> dict:
@@ -298,23 +303,41 @@ async def _account(gw, call) -> None:
 
 async def _stream(gw, call, endpoint, payload, wants_usage: bool):
     upstream, response = await _send(gw, call, endpoint, payload)
-    if response.status_code != 200:
+    if response.status != 200:
         try:
-            content = await response.aread()
+            content = await response.read()
+        except (aiohttp.ClientError, TimeoutError):
+            content = b""
         finally:
-            await response.aclose()
-            gw.end(upstream.replica)
-            metrics.INFLIGHT.labels(call.model).dec()
-        if response.status_code >= 500:
-            raise GatewayError(502, "upstream_error", f"replica {upstream.replica} answered {response.status_code}")
-        call.finish(response.status_code)
-        return HttpResponse(content, status=response.status_code, content_type=response.headers.get("content-type"))
+            response.release()
+            _done(gw, call, upstream)
+        if response.status >= 500:
+            raise GatewayError(502, "upstream_error", f"replica {upstream.replica} answered {response.status}")
+        call.finish(response.status)
+        return HttpResponse(content, status=response.status, content_type=response.headers.get("Content-Type"))
+
+    state = {"finished": False, "settled": False}
+
+    def settle(status: int) -> None:
+        """Let the upstream go and count the request, once, however the stream ended."""
+        if state["settled"]:
+            return
+        state["settled"] = True
+        if state["finished"]:
+            response.release()  # read to the end: the connection goes back to the pool
+        else:
+            response.close()  # cut short: the engine sees its client go and stops generating
+        _done(gw, call, upstream)
+        gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
+        if call.key.tpm and (call.prompt or call.completion):
+            gw.spawn(count_tokens(gw.redis, call.key, call.prompt + call.completion))
+        call.finish(status)
 
     async def events():
         buffer = b""
-        status = 200
+        status = 499  # unless it ends otherwise: the client went away, and closing the upstream cancels the work
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in response.content.iter_any():
                 if call.first_chunk is None:
                     call.first_chunk = time.monotonic()
                     metrics.FIRST_TOKEN.labels(call.model).observe(call.first_chunk - call.started)
@@ -328,31 +351,35 @@ async def _stream(gw, call, endpoint, payload, wants_usage: bool):
                     yield b"".join(out)
             if buffer.strip():
                 yield buffer
-        except asyncio.CancelledError:
-            status = 499  # the client went away; closing the response cancels the engine's work
-            raise
-        except httpx.TimeoutException:
+            state["finished"], status = True, 200
+        except (aiohttp.ServerTimeoutError, TimeoutError):
             status = 504
             yield GatewayError(504, "upstream_timeout", f"replica {upstream.replica} stopped sending").event()
             yield b"data: [DONE]\n\n"
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             status = 502
-            yield GatewayError(502, "upstream_error", f"replica {upstream.replica} broke off: {type(exc).__name__}").event()
+            yield GatewayError(502, "upstream_error", f"replica {upstream.replica} broke off: {_describe(exc)}").event()
             yield b"data: [DONE]\n\n"
         finally:
-            await response.aclose()
-            gw.end(upstream.replica)
-            metrics.INFLIGHT.labels(call.model).dec()
-            try:
-                await asyncio.shield(_account(gw, call))
-            except Exception:
-                pass
-            call.finish(status)
+            settle(status)
 
-    result = StreamingHttpResponse(events(), content_type="text/event-stream")
-    result["Cache-Control"] = "no-cache"
-    result["X-Accel-Buffering"] = "no"
-    return result
+    return GatewayStream(events(), settle)
+
+
+class GatewayStream(StreamingHttpResponse):
+    """An event stream that lets its upstream go however it ends: read to the end, cut short, or never started
+    (the client left between the view's answer and its first byte: a generator that never ran runs no
+    `finally`). gateway.handler calls `settle` after sending; Django's own handler calls `close()`."""
+
+    def __init__(self, events, settle):
+        super().__init__(events, content_type="text/event-stream")
+        self.settle = settle
+        self["Cache-Control"] = "no-cache"
+        self["X-Accel-Buffering"] = "no"
+
+    def close(self):
+        self.settle(499)
+        super().close()
 
 
 def _keep_event(call, event: bytes, wants_usage: bool) -> bool:

@@ -11,6 +11,9 @@ from django.urls import path  # noqa: E402
 
 from agents.consumers import AgentConsumer  # noqa: E402
 from gateway.handler import GatewayHandler, http_router  # noqa: E402
+from llmgw import control  # noqa: E402
+
+control.start("web")  # register with the control plane; obey `llmgw restart`
 
 application = ProtocolTypeRouter(
     {

@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -14,7 +15,10 @@ def envstr(name: str, default: str = "") -> str:
 
 def envint(name: str, default: int) -> int:
     value = os.environ.get(name, "")
-    return int(value) if value.strip() else default
+    try:
+        return int(value) if value.strip() else default
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a whole number, not {value!r}") from None
 
 
 def envbool(name: str, default: bool) -> bool:
@@ -213,6 +217,13 @@ LLMGW_UPSTREAM_CONNECT_TIMEOUT = envint("LLMGW_UPSTREAM_CONNECT_TIMEOUT", 5)
 LLMGW_GATEWAY_REFRESH = envint("LLMGW_GATEWAY_REFRESH", 5)  # seconds between routing-table reloads without events
 LLMGW_GATEWAY_TRIES = envint("LLMGW_GATEWAY_TRIES", 3)  # replicas tried before the answer's first byte
 LLMGW_MAX_BODY_BYTES = envint("LLMGW_MAX_BODY_BYTES", 8 * 1024 * 1024)
+LLMGW_SYSTEMCTL = envstr("LLMGW_SYSTEMCTL", "systemctl")  # what `llmgw service` runs
+LLMGW_SYSTEMD_DIR = envstr("LLMGW_SYSTEMD_DIR", "/etc/systemd/system")  # where `service install` writes units
+LLMGW_SYSTEMD_RUNTIME = envstr("LLMGW_SYSTEMD_RUNTIME", "/run/systemd/system")  # present when systemd runs
+LLMGW_CONTROL = envbool("LLMGW_CONTROL", True)  # web, worker and beat register in Redis and obey `llmgw restart`
+LLMGW_WEB_SERVER = envstr("LLMGW_WEB_SERVER", "uvicorn")  # uvicorn or daphne: what `up` runs for web (llmgw/web.py)
+if LLMGW_WEB_SERVER not in ("daphne", "uvicorn"):
+    raise ImproperlyConfigured(f"LLMGW_WEB_SERVER is {LLMGW_WEB_SERVER!r}: choose daphne or uvicorn")
 DATA_UPLOAD_MAX_MEMORY_SIZE = max(LLMGW_MAX_BODY_BYTES, 2_621_440)
 LLMGW_METRICS_TOKEN = envstr("LLMGW_METRICS_TOKEN", "")
 

@@ -9,4 +9,5 @@ if "LLMGW_HOME" not in os.environ:
 
 from llmgw.settings import *  # noqa: E402,F403
 
+LLMGW_CONTROL = False  # the test process is not a control-plane process: it must not register or obey restarts
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast; tests only

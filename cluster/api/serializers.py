@@ -322,6 +322,11 @@ class StatusSerializer(serializers.Serializer):
     replicas = serializers.DictField(child=serializers.IntegerField(), help_text="replicas not over, by state")
 
 
+class SystemRestartSerializer(serializers.Serializer):
+    queued = serializers.BooleanField()
+    watch = serializers.CharField(help_text="where the restart's steps appear, as Events")
+
+
 class UserCreateSerializer(StrictSerializer):
     name = serializers.CharField(max_length=150)
     role = serializers.ChoiceField(choices=ROLES)

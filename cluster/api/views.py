@@ -16,10 +16,9 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from cluster import operations
-from cluster.api.errors import refused
+from cluster.api.errors import Refused, refused
 from cluster.api.schema import MISSING, REFUSED
 from cluster.api.serializers import (
-    STATES,
     ApiKeyCreateSerializer,
     ApiKeySerializer,
     EngineCreateSerializer,
@@ -31,8 +30,8 @@ from cluster.api.serializers import (
     NewApiKeySerializer,
     NewNodeSerializer,
     NewUserSerializer,
-    NodeDrainSerializer,
     NodeCreateSerializer,
+    NodeDrainSerializer,
     NodeSerializer,
     ProfileCreateSerializer,
     ProfileSerializer,
@@ -41,10 +40,12 @@ from cluster.api.serializers import (
     ReplicaSerializer,
     RestartQueuedSerializer,
     RestartSerializer,
+    STATES,
     ServedModelCreateSerializer,
     ServedModelSerializer,
     ServedModelUpdateSerializer,
     StatusSerializer,
+    SystemRestartSerializer,
     UsageSerializer,
     UserCreateSerializer,
 )
@@ -446,6 +447,20 @@ class SystemViewSet(ClusterViewSet):
         with refused():
             operations.start_serving(self.actor)
         return Response(operations.cluster_status())
+
+    @extend_schema(request=None, responses={202: SystemRestartSerializer, **REFUSED})
+    @action(detail=False, methods=["post"])
+    def restart(self, request):
+        """Every agent restarts over its stream, then every web, beat and worker process; engines keep serving.
+        Runs on a worker; each step is an Event. 400 while one runs."""
+        from cluster import system
+        from cluster.locks import redis_client
+        from cluster.tasks import restart_system
+
+        if redis_client().exists(system.LOCK):
+            raise Refused("a system restart is already running; watch it in /api/v1/events/")
+        restart_system.delay(self.actor)
+        return Response({"queued": True, "watch": "/api/v1/events/"}, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(responses=StatusSerializer)
     @action(detail=False, methods=["get"])

@@ -179,6 +179,27 @@ def system_start(o, out):
     out.write("llmgw started: models are placed again; watch with: llmgw ctl replicas\n")
 
 
+def service_cmd(o, out):
+    from llmgw.cli.service import service
+
+    service(o, out)
+
+
+def system_restart(o, out):
+    from cluster import system
+
+    out.write("restarting llmgw: every agent, then web, beat and worker processes; engines keep serving\n")
+    out.flush()
+
+    def report(line: str) -> None:
+        out.write(f"  {line}\n")
+        out.flush()
+
+    result = system.restart_system(CLI_ACTOR, report, agent_timeout=o["timeout"], process_timeout=o["timeout"])
+    if "timeout" in {*result["agents"].values(), *result["processes"].values()}:
+        raise CommandError("some parts did not come back; see above and `llmgw ctl events`")
+
+
 # user
 
 
@@ -539,6 +560,8 @@ def build(parser) -> None:
     p = sub.add_parser("up", help="run the whole system on this machine (web, worker, beat, agent, embedded Valkey)")
     p.add_argument("--port", type=int, default=8000, help="where web listens (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="address web binds (default 127.0.0.1)")
+    p.add_argument("--server", choices=("daphne", "uvicorn"), default=None,
+                   help="the web server (default LLMGW_WEB_SERVER, else uvicorn)")
     p.add_argument("--no-demo", action="store_true", help="do not define the SmolLM2 demo model on first run")
     p.add_argument("--no-agent", action="store_true", help="run no local agent (a control-plane-only machine)")
     p.add_argument("--agent-memory", default=None, help="RAM the local agent offers, e.g. 4GiB (default: all)")
@@ -592,6 +615,30 @@ def build(parser) -> None:
     p.set_defaults(func=system_stop)
     p = sub.add_parser("start", help="serve again after stop")
     p.set_defaults(func=system_start)
+    svc = sub.add_parser("service", help="this machine's llmgw systemd units").add_subparsers(
+        dest="action", required=True, parser_class=OneLineParser, metavar="ACTION"
+    )
+    for action, text in (("status", "each unit's state"), ("start", "start units in dependency order"),
+                         ("stop", "stop units in reverse order"), ("restart", "stop, then start")):
+        p = svc.add_parser(action, help=text)
+        p.add_argument("parts", nargs="*", metavar="PART",
+                       help="web, worker, beat, agent (default: every installed one)")
+        if action in ("stop", "restart"):
+            p.add_argument("--engines", action="store_true", help="also stop the engines the agent started")
+        p.set_defaults(func=service_cmd)
+    p = svc.add_parser("install", help="write and enable the systemd units")
+    p.add_argument("--role", choices=["control", "agent", "all"], default="control",
+                   help="control: web, worker, beat; agent: the agent; all: both (default control)")
+    p.add_argument("--server", default=None, help="the control plane's URL (for the agent unit)")
+    p.add_argument("--user", default=None, help="the user the units run as (default: the one running sudo)")
+    p.add_argument("--host", default="0.0.0.0", help="where web listens (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="web's port (default 8000)")
+    p.add_argument("--web-server", choices=["uvicorn", "daphne"], default=None, help="default LLMGW_WEB_SERVER")
+    p.set_defaults(func=service_cmd)
+
+    p = sub.add_parser("restart", help="restart every agent, then the control plane; engines keep serving")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds each part may take to come back (default 60)")
+    p.set_defaults(func=system_restart)
 
     user = sub.add_parser("user", help="users").add_subparsers(
         dest="user_command", required=True, parser_class=OneLineParser, metavar="ACTION"

@@ -21,6 +21,7 @@ from django.core.management.base import CommandError
 from agents.agent.processes import port_free
 from cluster import operations
 from llmgw.valkey import EmbeddedValkey, use
+from llmgw.web import web_argv
 
 MANAGE = Path(settings.BASE_DIR) / "manage.py"
 ACTOR = "up"
@@ -29,8 +30,8 @@ ACTOR = "up"
 class Child:
     """One supervised process: restarted with back-off when it exits on its own (or is told to restart)."""
 
-    def __init__(self, name: str, argv: list[str], env: dict, log_path: Path):
-        self.name, self.argv, self.env, self.log_path = name, argv, env, log_path
+    def __init__(self, name: str, argv: list[str], env: dict, log_path: Path, pass_fds: tuple[int, ...] = ()):
+        self.name, self.argv, self.env, self.log_path, self.pass_fds = name, argv, env, log_path, pass_fds
         self.process: subprocess.Popen | None = None
         self.restarts = 0
         self.next_start = 0.0
@@ -40,6 +41,7 @@ class Child:
         self.process = subprocess.Popen(
             self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C reaches `up` alone; it stops the children in order
+            pass_fds=self.pass_fds,
         )
         log.close()
 
@@ -193,7 +195,13 @@ def up(o, out):
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         logs = home / "logs"
         py = sys.executable
-        children.append(Child("web", [py, "-m", "daphne", "-b", host, "-p", str(port), "llmgw.asgi:application"], env, logs / "web.log"))
+        # `up` holds the listening socket and hands it to each web process it starts: while a restarted web
+        # process is on its way, connections wait in the socket's backlog instead of being refused
+        # (IPv4; on an IPv6 address the web process binds it itself)
+        listener = _listen(host, port) if ":" not in host else None
+        fd = listener.fileno() if listener is not None else None
+        children.append(Child("web", web_argv(host, port, o.get("server"), fd=fd), env, logs / "web.log",
+                              pass_fds=(fd,) if fd is not None else ()))
         children.append(Child("worker", [py, "-m", "celery", "-A", "llmgw", "worker", "-l", "info", "-c", "2",
                                          "--without-gossip", "--without-mingle", "-n", f"worker-{port}@%h"], env, logs / "worker.log"))
         children.append(Child("beat", [py, "-m", "celery", "-A", "llmgw", "beat", "-l", "info",
@@ -234,6 +242,12 @@ def up(o, out):
             redis_file.unlink(missing_ok=True)
         out.write("llmgw stopped.\n")
         lock.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    listener = socket.create_server((host, port), backlog=1024)
+    listener.set_inheritable(True)
+    return listener
 
 
 def _supervise(children: list[Child], stopping: dict, out) -> None:

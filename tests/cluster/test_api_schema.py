@@ -64,6 +64,7 @@ def test_schema_covers_every_endpoint(schema):
         ("/api/v1/usage/", "get"),
         ("/api/v1/system/stop/", "post"),
         ("/api/v1/system/start/", "post"),
+        ("/api/v1/system/restart/", "post"),
         ("/api/v1/system/status/", "get"),
         ("/api/v1/restart/", "post"),
         ("/api/v1/nodes/{name}/drain/", "post"),

@@ -143,13 +143,7 @@ async def gateway(transactional_db):
     yield
     gw = gateway_runtime._runtimes.get(asyncio.get_running_loop())
     if gw is not None:
-        # Cancelled again until they end: redis-py 8.1's asyncio client now and then swallows a cancellation.
-        while not all(task.done() for task in gw._tasks):
-            for task in gw._tasks:
-                task.cancel()
-            await asyncio.wait(gw._tasks, timeout=0.5)
-        await gw.http.aclose()
-        await gw.redis.aclose()
+        await gw.aclose()
     await sync_to_async(connections.close_all)()
 
 
@@ -575,15 +569,9 @@ async def shared_in_flight_becomes(replica: str, n: int) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_a_client_that_goes_away_mid_stream_cancels_the_upstream(cluster, slow_engine):
-    """As daphne does it: the ASGI application, and an http.disconnect while the answer streams."""
-
-    def slow_model():
-        return ready_replica(make_model("slow"), cluster.node, slow_engine.port)
-
-    replica = await sync_to_async(slow_model)()
-    body = json.dumps({"model": "slow", "messages": MESSAGES, "stream": True}).encode()
-    scope = {
+def asgi_scope(body: bytes, secret: str) -> dict:
+    """An ASGI HTTP scope for POST /v1/chat/completions, as daphne or uvicorn hands it to the application."""
+    return {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
@@ -597,15 +585,16 @@ async def test_a_client_that_goes_away_mid_stream_cancels_the_upstream(cluster, 
             (b"host", b"testserver"),
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
-            (b"authorization", f"Bearer {cluster.secret}".encode()),
+            (b"authorization", f"Bearer {secret}".encode()),
         ],
         "client": ("127.0.0.1", 50000),
         "server": ("testserver", 80),
     }
+
+
+def hangs_up_after(body: bytes, gone: asyncio.Event):
+    """An ASGI `receive` of a client that sends `body`, then disconnects once `gone` is set."""
     requested = False
-    gone = asyncio.Event()
-    chunks: list[bytes] = []
-    some_sent = asyncio.Event()
 
     async def receive():
         nonlocal requested
@@ -614,6 +603,23 @@ async def test_a_client_that_goes_away_mid_stream_cancels_the_upstream(cluster, 
             return {"type": "http.request", "body": body, "more_body": False}
         await gone.wait()
         return {"type": "http.disconnect"}
+
+    return receive
+
+
+async def test_a_client_that_goes_away_mid_stream_cancels_the_upstream(cluster, slow_engine):
+    """As daphne does it: the ASGI application, and an http.disconnect while the answer streams."""
+
+    def slow_model():
+        return ready_replica(make_model("slow"), cluster.node, slow_engine.port)
+
+    replica = await sync_to_async(slow_model)()
+    body = json.dumps({"model": "slow", "messages": MESSAGES, "stream": True}).encode()
+    scope = asgi_scope(body, cluster.secret)
+    gone = asyncio.Event()
+    receive = hangs_up_after(body, gone)
+    chunks: list[bytes] = []
+    some_sent = asyncio.Event()
 
     async def send(message):
         if message["type"] == "http.response.start":
@@ -642,13 +648,41 @@ async def test_a_client_that_goes_away_mid_stream_cancels_the_upstream(cluster, 
         await asyncio.sleep(0.05)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway.runtime starts its background tasks in the context of the request that first needs them; "
-    "behind sync middleware that context holds the request's CurrentThreadExecutor, which is gone once the request "
-    "is, so every later reload fails with 'CurrentThreadExecutor already quit or is broken'",
-)
+async def test_a_client_that_goes_away_before_the_stream_starts_leaves_no_count(cluster, slow_engine):
+    """The engine answered, the view returned its stream, and the client hangs up while the response headers are
+    going out: the stream's generator never runs, yet the upstream is let go and the in-flight count returns."""
+
+    def slow_model():
+        return ready_replica(make_model("slow"), cluster.node, slow_engine.port)
+
+    replica = await sync_to_async(slow_model)()
+    body = json.dumps({"model": "slow", "messages": MESSAGES, "stream": True}).encode()
+    gone = asyncio.Event()
+    receive = hangs_up_after(body, gone)
+    starting = asyncio.Event()
+
+    async def send(message):
+        assert message["type"] == "http.response.start", "no byte of the body may go out"
+        starting.set()
+        await asyncio.Event().wait()  # a client that never reads: the server's send does not return
+
+    serving = asyncio.create_task(GatewayHandler()(asgi_scope(body, cluster.secret), receive, send))
+    await asyncio.wait_for(starting.wait(), 10)
+    gw = runtime()
+    assert gw.local == {replica.name: 1}
+    gone.set()
+    await asyncio.wait_for(serving, 10)
+    assert not gw.local
+    await shared_in_flight_becomes(replica.name, 0)
+    deadline = time.monotonic() + 2  # the engine saw its client go
+    while not any(e in slow_engine.logged() for e in ("BrokenPipeError", "ConnectionResetError")):
+        assert time.monotonic() < deadline, slow_engine.logged()
+        await asyncio.sleep(0.05)
+
+
 async def test_the_table_reloads_on_change_after_a_first_request_through_sync_middleware(cluster):
+    """Background work runs in a context of its own: a first request through Django's default handler (sync
+    middleware, a per-request thread pool that is gone afterwards) must not leave the reloads tied to it."""
     full_stack = AsyncClient()  # Django's default handler: the project's whole MIDDLEWARE
     response = await full_stack.post(
         "/v1/chat/completions",

@@ -19,6 +19,8 @@ from urllib.parse import urlparse, urlunparse
 
 import httpx
 
+from llmgw.web import web_argv
+
 ROOT = Path(__file__).resolve().parents[2]
 MANAGE = ROOT / "manage.py"
 TEST_ENGINE = ROOT / "tests" / "engine.py"
@@ -251,12 +253,12 @@ def start_system(home: Path, extra_env: dict | None = None) -> System:
         out = system.cli("user", "add", "admin", "--role", "admin", "--password", "admin-password").stdout
         system.admin_token = out.strip().split()[-1]
         py = sys.executable
-        system.spawn("web", [py, "-m", "daphne", "-b", "127.0.0.1", "-p", str(system.port), "llmgw.asgi:application"])
+        system.spawn("web", web_argv("127.0.0.1", system.port, env.get("LLMGW_WEB_SERVER") or None))
         system.spawn("worker", [py, "-m", "celery", "-A", "llmgw", "worker", "-l", "info", "-c", "1",
                                 "--without-gossip", "--without-mingle", "-n", f"it-{system.port}@%h"])
         system.spawn("beat", [py, "-m", "celery", "-A", "llmgw", "beat", "-l", "info",
                               "-s", str(home / "celerybeat-schedule")])
-        wait_for(lambda: _http_ok(system.url + "/login/"), 60, what="daphne to answer")
+        wait_for(lambda: _http_ok(system.url + "/login/"), 60, what="web to answer")
     except BaseException:
         print(system.diagnostics())
         system.stop()
@@ -291,10 +293,11 @@ def make_model_file(system: System, name: str = "tiny.bin", size: int = 2 * MiB)
     return out.split("sha256 ")[1].split(",")[0]
 
 
-def start_web(system: System, name: str = "web2") -> str:
-    """Another daphne on the same database, Redis and settings (a second web process); returns its URL."""
+def start_web(system: System, name: str = "web2", server: str | None = None) -> str:
+    """Another web process (uvicorn or daphne; default: as LLMGW_WEB_SERVER) on the same database, Redis and
+    settings; returns its URL."""
     port = free_port()
-    system.spawn(name, [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "llmgw.asgi:application"])
+    system.spawn(name, web_argv("127.0.0.1", port, server))
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: _http_ok(url + "/login/"), 60, what=f"{name} to answer")
     return url

@@ -574,6 +574,30 @@ def test_rate_limits_hold_across_two_web_processes(system, gw):
         system.procs.pop("web2").stop()
 
 
+@pytest.mark.parametrize("server", ["uvicorn", "daphne"])
+def test_either_web_server_serves_the_gateway_and_the_agent_stream(system, gw, server):
+    """uvicorn (the default) and daphne run the same application: the openai client's chat and stream, and the
+    agent websocket (refusing a bad token)."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    url = start_web(system, f"web-{server}", server=server)
+    try:
+        secret = create_key(system, f"gw-{server}")
+        c = client(system, secret, url=url)
+        assert chat_text(c.chat.completions.create(model=gw.model, messages=HELLO)) == ANSWER
+        assert stream_text(c.chat.completions.create(model=gw.model, messages=HELLO, stream=True)) == ANSWER
+        with pytest.raises(openai.AuthenticationError):
+            client(system, "sk-wrong", url=url).models.list()
+        ws_url = url.replace("http://", "ws://") + "/ws/agent/"
+        with pytest.raises(InvalidStatus) as refused:  # refused before the handshake completes, as under daphne
+            connect(ws_url, additional_headers={"Authorization": "Bearer wrong"}, open_timeout=10)
+        assert refused.value.response.status_code == 403
+        assert len(access_lines(system, secret[:14], f"web-{server}")) == 2
+    finally:
+        system.procs.pop(f"web-{server}").stop()
+
+
 def test_usage_per_key_and_model_and_the_access_log(system, gw):
     secret = create_key(system, "gw-usage")
     c = client(system, secret)

@@ -6,9 +6,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
+import openai
 import psutil
 import pytest
 
@@ -58,10 +60,49 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         assert httpx.post(url, json=chat, timeout=60).status_code == 401
         assert httpx.post(url, json=chat, headers={"Authorization": "Bearer wrong"}, timeout=60).status_code == 401
 
+        # `llmgw restart` under steady load through the gateway: the agent, then web, beat and worker restart;
+        # the engine keeps serving (same pid) and no request fails
+        secret = cli("ctl", "keys", "create", "up-load").split()[-1]
+        outcomes: list[str] = []
+        done = threading.Event()
+
+        def load():
+            c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=secret, max_retries=0, timeout=60)
+            while not done.is_set():
+                try:
+                    c.chat.completions.create(model="smollm2", messages=chat["messages"], max_tokens=4)
+                    outcomes.append("ok")
+                except Exception as exc:
+                    outcomes.append(repr(exc))
+
+        workers = [threading.Thread(target=load) for _ in range(2)]
+        for w in workers:
+            w.start()
+        try:
+            wait_for(lambda: outcomes.count("ok") >= 4, 60, what="requests through the gateway")
+            restart = subprocess.run([sys.executable, str(MANAGE), "llmgw", "restart", "--timeout", "90"], env=env,
+                                     cwd=ROOT, capture_output=True, text=True, timeout=600)
+            served_during = len(outcomes)
+            wait_for(lambda: len(outcomes) >= served_during + 4, 60, what="requests after the restart")
+        finally:
+            done.set()
+            for w in workers:
+                w.join(90)
+        assert restart.returncode == 0, restart.stdout + restart.stderr
+        said = restart.stdout
+        assert re.search(r"agent \S+: back after", said), said
+        for role in ("web", "beat", "worker"):
+            assert re.search(rf"{role} {role}@\S+: back as {role}@\S+", said), said
+        failed = [o for o in outcomes if o != "ok"]
+        assert not failed, f"{len(failed)} of {len(outcomes)} failed: {failed[:3]}"
+        (after,) = smollm2_ready()
+        assert (after["name"], after["pid"]) == (replica["name"], replica["pid"])  # the engine was not restarted
+
         started = psutil.Process(up.pid).children(recursive=True)
         started.append(psutil.Process(replica["pid"]))  # the engine: its own session, not up's child
         names = " ".join(" ".join(p.cmdline()) for p in started)
-        for part in ("daphne", "celery", "worker", "beat", "llmgw agent", "valkey-server", "xllamacpp_launcher"):
+        web = os.environ.get("LLMGW_WEB_SERVER") or "uvicorn"
+        for part in (web, "celery", "worker", "beat", "llmgw agent", "valkey-server", "xllamacpp_launcher"):
             assert part in names, part
     finally:
         if up.poll() is None:

@@ -1,0 +1,124 @@
+"""System restart: every agent over its stream, then every control-plane process, while the engines keep serving.
+
+1. Each connected agent, one at a time, is sent `restart_agent`; it re-executes itself, adopts its engines
+   (they never stop) and connects again. The next agent goes once this one is back.
+2. Each control-plane process (llmgw.control) is told over Redis to restart, one at a time, each once the one
+   before is back: web processes first (with two behind a proxy, one always answers), then beat, then the
+   workers, and last the process running the restart, if it is one of them (the worker of the API's task).
+
+Every step writes an Event and is reported as it happens. A step that times out is reported and the restart
+goes on with the next: a node whose agent does not come back keeps its engines, and the reconciler treats it
+as any silent node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import redis
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.utils import timezone
+
+from cluster.events import record
+from cluster.locks import redis_client
+from cluster.models import Event, Node
+from cluster.operations import OperationError
+from cluster.reconciler import node_group
+from llmgw import control
+
+LOCK = "llmgw:system:restart"
+AGENT_TIMEOUT = 60.0
+PROCESS_TIMEOUT = 90.0
+
+
+def restart_system(
+    actor: str,
+    report: Callable[[str], None] = lambda line: None,
+    agent_timeout: float = AGENT_TIMEOUT,
+    process_timeout: float = PROCESS_TIMEOUT,
+    me: str | None = None,
+) -> dict:
+    """Run the whole restart; `me` is this process's control id when it is a control-plane process itself.
+    Returns {"agents": {node: "back"|"timeout"}, "processes": {id: new id|"timeout"|"asked"}}. One at a time:
+    OperationError while another runs."""
+    lock = redis_client().lock(LOCK, timeout=3600, blocking=False)
+    if not lock.acquire():
+        raise OperationError("a system restart is already running; watch it with: llmgw ctl events")
+    try:
+        return _restart(actor, report, agent_timeout, process_timeout, me)
+    finally:
+        try:
+            lock.release()
+        except redis.exceptions.LockError:
+            pass
+
+
+def _restart(actor, report, agent_timeout, process_timeout, me) -> dict:
+    record("system.restart", actor, "system restart: agents, then control-plane processes; engines keep serving")
+    result: dict = {"agents": {}, "processes": {}}
+    for line in _restart_agents(actor, agent_timeout, result["agents"]):
+        report(line)
+    for line in _restart_processes(actor, process_timeout, result["processes"], me):
+        report(line)
+    failed = [k for k, v in {**result["agents"], **result["processes"]}.items() if v == "timeout"]
+    summary = "system restart done" if not failed else f"system restart done; did not come back: {', '.join(failed)}"
+    record("system.restarted", actor, summary)
+    report(summary)
+    return result
+
+
+def _restart_agents(actor: str, timeout: float, outcome: dict) -> Iterator[str]:
+    nodes = list(Node.objects.filter(connected=True).order_by("name"))
+    if not nodes:
+        yield "agents: none connected"
+    layer = get_channel_layer()
+    for node in nodes:
+        since = timezone.now()
+        record("agent.restart", actor, f"agent of node {node.name} asked to restart; its engines keep serving", subject=node.name)
+        async_to_sync(layer.group_send)(node_group(node.pk), {"type": "send.restart_agent"})
+        yield f"agent {node.name}: asked to restart"
+        started = time.monotonic()
+        back = _wait(lambda: Event.objects.filter(kind="node.connected", subject=node.name, created_at__gt=since).exists(), timeout)
+        if back:
+            outcome[node.name] = "back"
+            yield f"agent {node.name}: back after {time.monotonic() - started:.1f}s"
+        else:
+            outcome[node.name] = "timeout"
+            record("agent.restart_timeout", actor, f"agent of node {node.name} did not reconnect within {timeout:.0f}s", subject=node.name)
+            yield f"agent {node.name}: did not reconnect within {timeout:.0f}s; going on"
+
+
+def _restart_processes(actor: str, timeout: float, outcome: dict, me: str | None) -> Iterator[str]:
+    procs = control.processes()
+    order = {"web": 0, "beat": 1, "worker": 2}
+    procs.sort(key=lambda p: (p.id == me, order.get(p.role, 9), p.host, p.started))
+    if not procs:
+        yield "control plane: no process registered (are web, worker and beat running with LLMGW_CONTROL on?)"
+    for proc in procs:
+        record("process.restart", actor, f"{proc.role} process {proc.id} asked to restart", subject=proc.id)
+        control.request_restart(proc)
+        if proc.id == me:
+            outcome[proc.id] = "asked"
+            yield f"{proc.role} {proc.id}: asked to restart (this process; it finishes this task first)"
+            return
+        yield f"{proc.role} {proc.id}: asked to restart"
+        started = time.monotonic()
+        new = control.wait_replaced(proc, timeout)
+        if new is None:
+            outcome[proc.id] = "timeout"
+            record("process.restart_timeout", actor, f"{proc.id} was not back within {timeout:.0f}s", subject=proc.id)
+            yield f"{proc.role} {proc.id}: not back within {timeout:.0f}s (is it supervised?); going on"
+        else:
+            outcome[proc.id] = new.id
+            yield f"{proc.role} {proc.id}: back as {new.id} after {time.monotonic() - started:.1f}s"
+
+
+def _wait(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.25)
+    return False

@@ -1,0 +1,121 @@
+"""The control-plane processes (web, worker, beat) over Redis: who is running, and telling one to restart.
+
+Each process registers itself in the hash `llmgw:control:procs` (field `ROLE@HOST:PID`, a JSON value with its
+start time) and keeps its entry fresh from a daemon thread. To restart one, `request_restart` sets
+`llmgw:control:restart:ID`; the process's thread sees it within a second, removes its entry and sends itself
+SIGTERM, which each server takes as a graceful stop (daphne and uvicorn finish open requests, a Celery worker
+its running tasks, beat its tick). Its supervisor — systemd's `Restart=always` for a fleet, `llmgw up` on one
+machine — starts it again, and the new process registers under its new pid.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+from django.conf import settings
+
+log = logging.getLogger("llmgw.control")
+PROCS = "llmgw:control:procs"
+RESTART = "llmgw:control:restart:"
+HEARTBEAT = 2.0  # seconds between a process's heartbeats
+STALE = 10.0  # an entry not refreshed for this long is a process that died
+ROLES = ("web", "worker", "beat")
+
+_started: dict[str, threading.Thread] = {}
+
+
+@dataclass(frozen=True)
+class Process:
+    id: str
+    role: str
+    host: str
+    pid: int
+    started: float
+    seen: float
+
+
+def _client() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=3, socket_timeout=10)
+
+
+def process_id(role: str) -> str:
+    return f"{role}@{socket.gethostname()}:{os.getpid()}"
+
+
+def start(role: str) -> None:
+    """Register this process under `role` and obey restart requests (once per process)."""
+    if role in _started or not settings.LLMGW_CONTROL:
+        return
+    pid = process_id(role)
+    thread = threading.Thread(target=_watch, args=(role, pid, time.time()), name=f"llmgw-control-{role}", daemon=True)
+    _started[role] = thread
+    thread.start()
+
+
+def _watch(role: str, pid: str, started: float) -> None:
+    r = _client()
+    entry = {"role": role, "host": socket.gethostname(), "pid": os.getpid(), "started": started}
+    last_beat = 0.0
+    while True:
+        try:
+            now = time.time()
+            if now - last_beat >= HEARTBEAT:
+                r.hset(PROCS, pid, json.dumps({**entry, "seen": now}))
+                last_beat = now
+            if r.delete(RESTART + pid):
+                log.info("%s: restart requested over Redis; stopping gracefully for the supervisor to start it again", pid)
+                r.hdel(PROCS, pid)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+        except redis.RedisError as exc:  # Redis away: keep trying; nothing here may end the process
+            log.warning("control: %s", exc)
+            time.sleep(HEARTBEAT)
+        time.sleep(0.5)
+
+
+def processes(client: redis.Redis | None = None) -> list[Process]:
+    """Every live control-plane process, by role then host then start. Entries of dead processes are dropped."""
+    r = client or _client()
+    now = time.time()
+    found, dead = [], []
+    for key, raw in r.hgetall(PROCS).items():
+        try:
+            value = json.loads(raw)
+            p = Process(key.decode(), value["role"], value["host"], int(value["pid"]), float(value["started"]), float(value["seen"]))
+        except (ValueError, KeyError, TypeError):
+            dead.append(key)
+            continue
+        if now - p.seen > STALE:
+            dead.append(key)
+        else:
+            found.append(p)
+    if dead:
+        r.hdel(PROCS, *dead)
+    order = {role: i for i, role in enumerate(ROLES)}
+    return sorted(found, key=lambda p: (order.get(p.role, 9), p.host, p.started))
+
+
+def request_restart(process: Process, client: redis.Redis | None = None) -> None:
+    (client or _client()).set(RESTART + process.id, "1", ex=60)
+
+
+def wait_replaced(process: Process, timeout: float, client: redis.Redis | None = None) -> Process | None:
+    """The process that took `process`'s place (same role and host, started after the request), or None."""
+    r = client or _client()
+    asked = time.time()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in processes(r):
+            if p.role == process.role and p.host == process.host and p.id != process.id and p.started >= asked - 1:
+                if not any(q.id == process.id for q in processes(r)):
+                    return p
+        time.sleep(0.25)
+    return None

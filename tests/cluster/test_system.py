@@ -1,0 +1,116 @@
+"""System restart: control-plane processes restart when told over Redis; the CLI and API front doors."""
+
+import io
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from cluster import system
+from cluster.locks import redis_client
+from cluster.models import Event
+from llmgw import control
+from tests.cluster.test_api import API, client_for, refused
+from tests.factories import make_node
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROCESS = """
+import django, os, time
+django.setup()
+from llmgw import control
+control.start("worker")
+print("registered", flush=True)
+time.sleep(120)
+"""
+
+
+def cli(*args) -> str:
+    out = io.StringIO()
+    call_command("llmgw", *args, stdout=out)
+    return out.getvalue()
+
+
+@pytest.fixture
+def registered():
+    """A real process that registers as a worker and obeys restart requests (its SIGTERM ends it)."""
+    env = dict(os.environ, DJANGO_SETTINGS_MODULE="llmgw.settings", REDIS_URL=settings.REDIS_URL, LLMGW_CONTROL="1")
+    proc = subprocess.Popen([sys.executable, "-c", PROCESS], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "registered"
+    deadline = time.monotonic() + 10
+    while not [p for p in control.processes() if p.pid == proc.pid]:
+        assert time.monotonic() < deadline, "the process did not register"
+        time.sleep(0.1)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_process_registers_and_restarts_when_told(registered):
+    (entry,) = [p for p in control.processes() if p.pid == registered.pid]
+    assert (entry.role, entry.id) == ("worker", f"worker@{entry.host}:{registered.pid}")
+    control.request_restart(entry)
+    assert registered.wait(10) == -15  # it stopped itself with SIGTERM, for its supervisor to start again
+    assert not [p for p in control.processes() if p.pid == registered.pid]
+
+
+def test_entries_of_dead_processes_are_dropped():
+    r = redis_client()
+    r.hset(control.PROCS, "web@gone:1", '{"role": "web", "host": "gone", "pid": 1, "started": 0, "seen": 0}')
+    r.hset(control.PROCS, "web@bad:2", "not json")
+    assert control.processes() == []
+    assert r.hlen(control.PROCS) == 0
+
+
+def test_restart_asks_each_process_and_waits_for_it(db, registered):
+    """Nothing supervises the test's process, so it does not come back: the step times out, the restart goes on,
+    says so and exits 1; the Events tell the same."""
+    with pytest.raises(CommandError, match="did not come back"):
+        cli("restart", "--timeout", "2")
+    assert registered.wait(10) == -15
+    kinds = list(Event.objects.order_by("pk").values_list("kind", flat=True))
+    assert kinds == ["system.restart", "process.restart", "process.restart_timeout", "system.restarted"]
+
+
+def test_restart_with_nothing_running_says_so(db):
+    said = cli("restart", "--timeout", "1")
+    assert "agents: none connected" in said
+    assert "control plane: no process registered" in said
+    assert said.rstrip().endswith("system restart done")
+
+
+def test_an_agent_that_does_not_come_back_is_reported(db):
+    node = make_node("gpu-1", connected=True)
+    with pytest.raises(CommandError):
+        cli("restart", "--timeout", "0.5")
+    assert Event.objects.filter(kind="agent.restart", subject=node.name).exists()
+    assert Event.objects.filter(kind="agent.restart_timeout", subject=node.name).exists()
+
+
+def test_one_restart_at_a_time(db):
+    operator = client_for("operator")
+    events = Event.objects.count()
+    lock = redis_client().lock(system.LOCK, timeout=60)
+    assert lock.acquire()
+    try:
+        with pytest.raises(CommandError, match="already running"):
+            cli("restart")
+        refused(operator.post(f"{API}/system/restart/"), 400, "already running")
+    finally:
+        lock.release()
+    assert Event.objects.count() == events
+
+
+def test_the_api_queues_the_restart_for_a_worker(db):
+    response = client_for("operator").post(f"{API}/system/restart/")
+    assert response.status_code == 202, response.content
+    assert response.json() == {"queued": True, "watch": "/api/v1/events/"}
+
+
+def test_a_viewer_may_not_restart_the_system(db):
+    refused(client_for("viewer").post(f"{API}/system/restart/"), 403)
+    refused(client_for(None).post(f"{API}/system/restart/"), 401)

@@ -1,0 +1,44 @@
+"""What the gateway routes by: the ready replicas, and how many are worth waiting for."""
+
+import pytest
+
+from cluster.models import ClusterSettings, Replica
+from gateway import table
+from tests.factories import make_model, make_node, make_replica
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def node():
+    ClusterSettings.load()
+    return make_node("n1", address="10.0.0.5")
+
+
+def test_ready_replicas_are_routes_and_starting_ones_are_coming(node):
+    model = make_model("m")
+    ready = make_replica(model, node, state=Replica.State.READY)
+    make_replica(model, node, state=Replica.State.STARTING)
+    make_replica(model, node, state=Replica.State.DOWNLOADING)
+    make_replica(model, node, state=Replica.State.DRAINING)  # takes no new requests
+    route = table.load().models["m"]
+    assert [u.replica for u in route.ready] == [ready.name]
+    assert route.ready[0].base_url == f"http://10.0.0.5:{ready.port}"
+    assert route.coming == 2
+
+
+def test_an_unplaced_replica_is_not_coming(node):
+    make_replica(make_model("m"), None, state=Replica.State.PENDING, reason="needs 2.0 GiB RAM")
+    assert table.load().models["m"].coming == 0  # a request is answered 503 at once, not after the wait
+
+
+@pytest.mark.parametrize("leaving", [Replica.State.DRAINING, Replica.State.STOPPING])
+def test_an_unplaced_replacement_is_coming_while_its_model_makes_room(node, leaving):
+    """A restart with no room for a second copy: the old replica drains and stops, and the new one takes its
+    place. Requests meanwhile wait for it instead of failing."""
+    model = make_model("m")
+    make_replica(model, node, state=leaving, restart=Replica.Restart.REPLACING)
+    make_replica(model, None, state=Replica.State.PENDING, reason="no room until the old replica stops")
+    route = table.load().models["m"]
+    assert route.ready == ()
+    assert route.coming == 1
