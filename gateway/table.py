@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
+
+from django.db.models import Q
+from django.utils import timezone
 
 from cluster.models import ClusterSettings, Model, Replica
 from gateway.models import ApiKey
 
+FREED_RECENTLY = 30  # seconds a replaced replica's stop counts as room freed for its unplaced replacement
 WAITING_STATES = (Replica.State.PENDING, Replica.State.DOWNLOADING, Replica.State.STARTING)
 
 
@@ -63,16 +68,21 @@ def load() -> Table:
     ready: dict[str, list[Upstream]] = {}
     coming: dict[str, int] = {}
     unplaced: dict[str, int] = {}
+    present: dict[str, int] = {}  # replicas that exist for the model and count toward it (ready or on the way)
     making_room: set[str] = set()
+    just_freed = Q(state=Replica.State.STOPPED, restart=Replica.Restart.REPLACING,
+                   state_changed_at__gte=timezone.now() - timedelta(seconds=FREED_RECENTLY))
     rows = Replica.objects.filter(
-        state__in=(Replica.State.READY, Replica.State.DRAINING, Replica.State.STOPPING, *WAITING_STATES),
+        Q(state__in=(Replica.State.READY, Replica.State.DRAINING, Replica.State.STOPPING, *WAITING_STATES)) | just_freed,
         model__removing=False,
     ).values_list("name", "state", "port", "snapshot", "model__name", "node__address", "node__facts", "node_id")
     for name, state, port, snapshot, model, address, facts, node_id in rows:
+        if state == Replica.State.READY or state in WAITING_STATES:
+            present[model] = present.get(model, 0) + 1
         if state == Replica.State.READY and port:
             key = keys_by_fingerprint.get((snapshot or {}).get("engine_key"), cluster.engine_key)
             ready.setdefault(model, []).append(Upstream(name, f"http://{_host(address, facts)}:{port}", key))
-        elif state in (Replica.State.DRAINING, Replica.State.STOPPING):
+        elif state in (Replica.State.DRAINING, Replica.State.STOPPING, Replica.State.STOPPED):
             making_room.add(model)
         elif state == Replica.State.PENDING and node_id is None:
             unplaced[model] = unplaced.get(model, 0) + 1
@@ -80,14 +90,19 @@ def load() -> Table:
             coming[model] = coming.get(model, 0) + 1
     for model, n in unplaced.items():
         # A pending replica with no node cannot be placed yet. It is on its way only while one of its model's
-        # replicas is draining or stopping, freeing the room it waits for: a restart with no room for a second
-        # copy. Otherwise nothing is coming and a request is answered at once.
+        # replicas is draining or stopping, or was just replaced and stopped, freeing the room it waits for (a
+        # restart with no room for a second copy: the next reconcile places it there). Otherwise nothing is
+        # coming and a request is answered at once.
         if model in making_room:
             coming[model] = coming.get(model, 0) + n
-    models = {
-        name: ModelRoute(name, wait, tuple(sorted(ready.get(name, []), key=lambda u: u.replica)), coming.get(name, 0))
-        for name, wait in Model.objects.filter(removing=False).values_list("name", "wait_seconds")
-    }
+    models = {}
+    for name, wait, wanted in Model.objects.filter(removing=False).values_list("name", "wait_seconds", "replicas"):
+        # Replicas the model wants that do not exist yet: the reconciler's next run creates them (a model just
+        # added, scaled up, or serving just started again). Worth waiting for; once the reconciler finds no room
+        # it creates them unplaced, and they no longer count here.
+        missing = 0 if cluster.serving_stopped else max(0, wanted - present.get(name, 0))
+        upstreams = tuple(sorted(ready.get(name, []), key=lambda u: u.replica))
+        models[name] = ModelRoute(name, wait, upstreams, coming.get(name, 0) + missing)
     keys = {
         k["key_hash"]: KeyInfo(
             id=k["id"],

@@ -530,6 +530,11 @@ def events_list(o, out):
             since = timezone.make_aware(since)
         qs = qs.filter(created_at__gte=since)
     events = list(qs.order_by("-id")[: o["limit"]])[::-1]
+    if o.get("json"):
+        if o.get("follow"):
+            raise CommandError("--json and --follow do not go together")
+        return as_json([{"id": e.pk, "at": e.created_at, "kind": e.kind, "actor": e.actor, "subject": e.subject,
+                         "message": e.message, "data": e.data} for e in events], out)
     for e in events:
         _print_event(e, out)
     if not o.get("follow"):
@@ -676,6 +681,7 @@ def build(parser) -> None:
     p.add_argument("--kind", default=None, help="only kinds starting with this, e.g. replica.")
     p.add_argument("--subject", default=None)
     p.add_argument("--since", default=None, help="ISO date and time")
+    p.add_argument("--json", action="store_true")
     p.set_defaults(func=events_list)
 
     model = ctl.add_parser("model", help="add, change or remove a model").add_subparsers(

@@ -1,6 +1,9 @@
 """What the gateway routes by: the ready replicas, and how many are worth waiting for."""
 
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 
 from cluster.models import ClusterSettings, Replica
 from gateway import table
@@ -42,3 +45,22 @@ def test_an_unplaced_replacement_is_coming_while_its_model_makes_room(node, leav
     route = table.load().models["m"]
     assert route.ready == ()
     assert route.coming == 1
+
+
+def test_an_unplaced_replacement_is_coming_just_after_the_old_one_stopped(node):
+    """Between the old replica's stop and the reconcile that places the new one in its place."""
+    model = make_model("m")
+    old = make_replica(model, node, state=Replica.State.STOPPED, restart=Replica.Restart.REPLACING)
+    make_replica(model, None, state=Replica.State.PENDING, reason="no room until the old replica stops")
+    assert table.load().models["m"].coming == 1
+    Replica.objects.filter(pk=old.pk).update(state_changed_at=timezone.now() - timedelta(seconds=table.FREED_RECENTLY + 1))
+    assert table.load().models["m"].coming == 0  # long stopped: the replacement is simply unplaceable
+
+
+def test_replicas_the_model_wants_but_that_do_not_exist_yet_are_coming(node):
+    """A model just added or scaled up, or serving just started again: the reconciler's next run creates them."""
+    model = make_model("m", replicas=2)
+    make_replica(model, node, state=Replica.State.READY)
+    assert table.load().models["m"].coming == 1
+    ClusterSettings.objects.update(serving_stopped=True)
+    assert table.load().models["m"].coming == 0

@@ -120,14 +120,16 @@ def ready_replica(model, node, port: int) -> Replica:
 
 @pytest.fixture
 def cluster(transactional_db, engine):
-    """A node on loopback with model `qwen` ready on the engine, model `empty` with no replica, and key `ci`."""
+    """A node on loopback with model `qwen` ready on the engine, model `empty` with no replica that
+    can be placed, and key `ci`."""
     seed_defaults()  # the transactional flush removed the migrations' profile and engines
     ClusterSettings.load()
     ClusterSettings.objects.filter(pk=1).update(engine_key=ENGINE_KEY)
     node = make_node("local", address="127.0.0.1")
     model = make_model("qwen")
     replica = ready_replica(model, node, engine.port)
-    make_model("empty")
+    # the state the reconciler leaves a model in when no node has room for it
+    make_replica(make_model("empty"), None, state=Replica.State.PENDING, reason="needs 64.0 GiB RAM")
     _, secret = operations.create_key("ci", "test")
     return SimpleNamespace(node=node, model=model, replica=replica, secret=secret, engine=engine)
 
