@@ -94,7 +94,10 @@ class Load:
 
 
 def replicas_by_name(system, model: str) -> dict[str, dict]:
-    return {r["name"]: r for r in system.cli_json("ctl", "replicas", "--model", model, "--all")}
+    """Every replica of the model, stopped ones too (the REST API: far cheaper to poll than a CLI process)."""
+    response = system.api("GET", f"/api/v1/replicas/?model={model}&limit=1000")
+    assert response.status_code == 200, response.text
+    return {r["name"]: r for r in response.json()["results"]}
 
 
 def watch_handover(system, model: str, old: set[str], want: int, timeout: float = 120) -> dict:
