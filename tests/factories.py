@@ -29,6 +29,17 @@ def make_user(role: str = "operator", name: str | None = None):
     return operations.add_user(name or f"{role}-{next(_seq)}", role, "test")
 
 
+def client_for(role: str | None, scheme: str = "Bearer"):
+    """A REST API client with a new user's token of `role` (None: anonymous)."""
+    from rest_framework.test import APIClient
+
+    client = APIClient()
+    if role:
+        _, token = make_user(role)
+        client.credentials(HTTP_AUTHORIZATION=f"{scheme} {token}")
+    return client
+
+
 def make_node(name: str | None = None, alive: bool = True, memory_bytes: int = 16 * 1024**3, **fields) -> Node:
     name = name or f"node-{next(_seq)}"
     fields.setdefault("token_hash", Node.hash_token(f"token-{name}"))

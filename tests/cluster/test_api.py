@@ -11,39 +11,16 @@ from rest_framework.test import APIClient
 from cluster import operations
 from cluster.api import exception_handler
 from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
-from tests.factories import make_file, make_model, make_node, make_replica, make_user, row_counts
+from tests.factories import client_for, make_file, make_model, make_node, make_replica, make_user, row_counts
 
 API = "/api/v1"
 EMPTY_GGUF = b"GGUF" + struct.pack("<IQQ", 3, 0, 0)  # a valid GGUF v3 header with no tensors and no metadata
-
-
-def client_for(role: str | None, scheme: str = "Bearer") -> APIClient:
-    client = APIClient()
-    if role:
-        _, token = make_user(role)
-        client.credentials(HTTP_AUTHORIZATION=f"{scheme} {token}")
-    return client
 
 
 @pytest.fixture(autouse=True)
 def _import_dirs(settings, tmp_path):
     """Over the API, imports by path come only from LLMGW_IMPORT_DIRS; the tests' files live in tmp_path."""
     settings.LLMGW_IMPORT_DIRS = [str(tmp_path)]
-
-
-@pytest.fixture
-def operator(db):
-    return client_for("operator")
-
-
-@pytest.fixture
-def viewer(db):
-    return client_for("viewer")
-
-
-@pytest.fixture
-def admin(db):
-    return client_for("admin")
 
 
 @pytest.fixture

@@ -3,20 +3,10 @@
 import pytest
 
 from cluster.models import ClusterSettings, Node, Profile, Replica
-from tests.cluster.test_api import API, client_for, refused
-from tests.factories import make_model, make_node, make_replica, row_counts
+from tests.cluster.test_api import API, refused
+from tests.factories import client_for, make_model, make_node, make_replica, row_counts
 
 R = Replica.Restart
-
-
-@pytest.fixture
-def operator(db):
-    return client_for("operator")
-
-
-@pytest.fixture
-def viewer(db):
-    return client_for("viewer")
 
 
 @pytest.fixture

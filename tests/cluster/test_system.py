@@ -15,8 +15,8 @@ from cluster import system
 from cluster.locks import redis_client
 from cluster.models import Event
 from llmgw import control
-from tests.cluster.test_api import API, client_for, refused
-from tests.factories import make_node
+from tests.cluster.test_api import API, refused
+from tests.factories import client_for, make_node
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROCESS = """

@@ -10,32 +10,9 @@ from rest_framework.test import APIClient
 from cluster import operations
 from cluster.models import ClusterSettings, Event
 from gateway.models import KEY_PREFIX, ApiKey, Usage
-from tests.factories import make_user
+from tests.factories import client_for
 
 API = "/api/v1"
-
-
-def client_for(role: str | None) -> APIClient:
-    client = APIClient()
-    if role:
-        _, token = make_user(role)
-        client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
-    return client
-
-
-@pytest.fixture
-def operator(db):
-    return client_for("operator")
-
-
-@pytest.fixture
-def viewer(db):
-    return client_for("viewer")
-
-
-@pytest.fixture
-def admin(db):
-    return client_for("admin")
 
 
 def state() -> dict:
