@@ -60,7 +60,26 @@ def start(role: str) -> None:
     thread.start()
 
 
+def _listening(timeout: float = 120.0) -> None:
+    """Wait until this process holds a listening TCP socket (a web server that has bound its port), so that
+    `wait_replaced` only sees a restarted web process once it can take connections: with two web processes
+    behind a proxy, the second is not asked to restart while the first is still starting."""
+    import psutil
+
+    me = psutil.Process()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if any(c.status == psutil.CONN_LISTEN for c in me.net_connections(kind="tcp")):
+                return
+        except psutil.Error:
+            return
+        time.sleep(0.1)
+
+
 def _watch(role: str, pid: str, started: float) -> None:
+    if role == "web":
+        _listening()
     r = _client()
     entry = {"role": role, "host": socket.gethostname(), "pid": os.getpid(), "started": started}
     last_beat = 0.0
@@ -108,14 +127,16 @@ def request_restart(process: Process, client: redis.Redis | None = None) -> None
 
 
 def wait_replaced(process: Process, timeout: float, client: redis.Redis | None = None) -> Process | None:
-    """The process that took `process`'s place (same role and host, started after the request), or None."""
+    """The process that took `process`'s place (same role and host, not registered when the wait began; a web
+    process registers once it listens), or None. Call it right after `request_restart`."""
     r = client or _client()
-    asked = time.time()
+    known = {p.id for p in processes(r)}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for p in processes(r):
-            if p.role == process.role and p.host == process.host and p.id != process.id and p.started >= asked - 1:
-                if not any(q.id == process.id for q in processes(r)):
+        now = processes(r)
+        if not any(p.id == process.id for p in now):
+            for p in now:
+                if p.role == process.role and p.host == process.host and p.id not in known:
                     return p
         time.sleep(0.25)
     return None

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,11 +60,14 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log: Path
+    env: dict = field(default_factory=dict, repr=False)
+    supervised: bool = False  # started again whenever it exits, as systemd's Restart=always would
 
     def alive(self) -> bool:
         return self.popen.poll() is None
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 15.0) -> None:
+        self.supervised = False
         if not self.alive():
             return
         try:
@@ -102,6 +106,7 @@ class System:
     agents: dict[str, Agent] = field(default_factory=dict)
     admin_token: str = ""
     _dropdb: tuple[str, str] | None = None
+    _supervisor: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -117,9 +122,26 @@ class System:
                 argv, env=env or self.env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 cwd=ROOT, start_new_session=True,
             )
-        proc = Proc(name, popen, log)
+        proc = Proc(name, popen, log, env=env or self.env)
         self.procs[name] = proc
         return proc
+
+    def supervise(self, *names: str) -> None:
+        """Start these processes again whenever they exit (until stopped), as systemd's `Restart=always` does
+        for a fleet: what `llmgw restart` relies on to bring a control-plane process back."""
+        for name in names:
+            self.procs[name].supervised = True
+        if self._supervisor is None:
+            self._supervisor = threading.Thread(target=self._supervise, daemon=True)
+            self._supervisor.start()
+
+    def _supervise(self) -> None:
+        while True:
+            for name, proc in list(self.procs.items()):
+                if proc.supervised and not proc.alive():
+                    again = self.spawn(name, proc.popen.args, proc.env)
+                    again.supervised = True
+            time.sleep(0.2)
 
     def cli(self, *args: str, check: bool = True, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
         result = subprocess.run(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -15,8 +16,10 @@ from contextlib import contextmanager
 
 import openai
 import pytest
+import redis
 
-from tests.integration.harness import MANAGE, add_test_engine, wait_for
+from llmgw import control
+from tests.integration.harness import ROOT, add_test_engine, free_port, start_web, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -43,8 +46,8 @@ def remove_model(system, name: str) -> None:
 class Load:
     """`threads` clients sending chat requests (every other one streamed) without pause or client retries."""
 
-    def __init__(self, system, key: str, model: str, threads: int = 3):
-        self.client = openai.OpenAI(base_url=system.url + "/v1", api_key=key, max_retries=0, timeout=120)
+    def __init__(self, system, key: str, model: str, threads: int = 3, url: str | None = None):
+        self.client = openai.OpenAI(base_url=(url or system.url) + "/v1", api_key=key, max_retries=0, timeout=120)
         self.model, self.threads = model, threads
         self.ok = 0
         self.failed: list[str] = []
@@ -264,6 +267,44 @@ def test_a_worker_killed_mid_drain_leaves_nothing_stuck(system, ops):
     assert answers and answers[0], "the request in flight during the drain finished"
     assert seen["reps"][old["name"]]["state"] == "stopped"
     remove_model(system, "op-slowdrain")
+
+
+def test_system_restart_behind_a_proxy_loses_no_request_and_restarts_no_engine(system, ops):
+    """Two web processes behind a retrying reverse proxy (tests/integration/proxy.py, configured as HAProxy or
+    nginx would be), and web, worker and beat supervised as systemd's `Restart=always` would: `llmgw restart`
+    restarts every agent, then each control-plane process one at a time. No client request fails and no engine
+    restarts. Last in this module: every control-plane process is new afterwards."""
+    add_model(system, "op-sys", replicas=2)
+    before = system.wait_ready("op-sys", 2)
+    url2 = start_web(system, "web2")
+    port = free_port()
+    proxy = system.spawn("proxy", [sys.executable, str(ROOT / "tests" / "integration" / "proxy.py"),
+                                   "--port", str(port), system.url, url2])
+    wait_for(lambda: "proxy: listening" in proxy.log.read_text(), 30, what="the proxy")
+    system.supervise("web", "web2", "worker", "beat")
+    registry = redis.Redis.from_url(system.env["REDIS_URL"])
+    # only the live ones: a process killed by an earlier test drops out of the registry within 10 s
+    wait_for(lambda: sorted(p.role for p in control.processes(registry)) == ["beat", "web", "web", "worker"], 30,
+             what="exactly two web processes, a worker and beat registered")
+    load = Load(system, ops, "op-sys", url=f"http://127.0.0.1:{port}")
+    with load.running():
+        started = time.monotonic()
+        said = system.cli("restart", "--timeout", "90", timeout=900).stdout
+        took = time.monotonic() - started
+        served = load.ok
+        wait_for(lambda: load.ok >= served + 6, 60, what="requests after the restart")
+    retries = proxy.log.read_text().count("trying the next")
+    print(f"\nsystem restart behind a proxy: {load.ok} served, {len(load.failed)} failed, {took:.1f}s in all; "
+          f"the proxy retried {retries} connection(s) refused or closed before answering\n{said}")
+    assert not load.failed, load.failed[:5]
+    for node in system.agents:
+        assert f"agent {node}: back after" in said, said
+    assert len(re.findall(r"web web@\S+: back as web@", said)) == 2, said
+    for role in ("beat", "worker"):
+        assert re.search(rf"{role} {role}@\S+: back as {role}@", said), said
+    after = system.wait_ready("op-sys", 2)
+    assert {(r["name"], r["pid"]) for r in after} == {(r["name"], r["pid"]) for r in before}
+    remove_model(system, "op-sys")
 
 
 def _alive(pid: int | None) -> bool:
