@@ -5,6 +5,7 @@ import logging
 from django.db import transaction
 
 from cluster.models import Event
+from dashboard.live import changed as dashboard_changed
 from gateway.runtime import notify_change
 
 log = logging.getLogger("llmgw.events")
@@ -12,7 +13,9 @@ log = logging.getLogger("llmgw.events")
 
 def record(kind: str, actor: str, message: str, subject: str = "", **data) -> Event:
     log.info("%s %s: %s", actor, kind, message)
-    return Event.objects.create(kind=kind, actor=actor, subject=subject, message=message[:1000], data=data)
+    event = Event.objects.create(kind=kind, actor=actor, subject=subject, message=message[:1000], data=data)
+    dashboard_changed(kind)
+    return event
 
 
 def kick_reconciler() -> None:

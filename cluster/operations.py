@@ -131,7 +131,25 @@ def import_model_file(path: str, actor: str, name: str | None = None) -> tuple[M
         raise NotFound(f"no such file: {path}")
     if not source.is_file():
         raise OperationError(f"not a regular file: {path}")
-    if name is not None and not (isinstance(name, str) and 0 < len(name) <= 255 and "/" not in name):
+    return _import(source, actor, name or source.name, shown=path)
+
+
+def import_uploaded_file(uploaded, actor: str, name: str | None = None) -> tuple[ModelFile, bool]:
+    """A model file sent in a request (a Django UploadedFile: the dashboard's upload, the API's multipart POST)."""
+    import tempfile
+
+    name = name or Path(uploaded.name or "").name
+    if hasattr(uploaded, "temporary_file_path"):  # large uploads: already spooled to disk by Django
+        return _import(Path(uploaded.temporary_file_path()), actor, name, shown=name)
+    with tempfile.NamedTemporaryFile(prefix="llmgw-upload-") as tmp:
+        for chunk in uploaded.chunks():
+            tmp.write(chunk)
+        tmp.flush()
+        return _import(Path(tmp.name), actor, name, shown=name)
+
+
+def _import(source: Path, actor: str, name: str, shown: str) -> tuple[ModelFile, bool]:
+    if not (isinstance(name, str) and 0 < len(name) <= 255 and "/" not in name):
         raise OperationError("a file name must be 1 to 255 characters without '/'")
     gguf = {}
     fmt = "other"
@@ -144,12 +162,12 @@ def import_model_file(path: str, actor: str, name: str | None = None) -> tuple[M
             fmt = "gguf"
         sha, size, _ = mirror.store(source)
     except OSError as exc:
-        raise OperationError(f"cannot import {path}: {exc.strerror or exc}") from None
+        raise OperationError(f"cannot import {shown}: {exc.strerror or exc}") from None
     with transaction.atomic():
         existing = ModelFile.objects.filter(sha256=sha).first()
         if existing:
             return existing, False
-        model_file = ModelFile.objects.create(sha256=sha, name=name or source.name, size=size, format=fmt, gguf=gguf)
+        model_file = ModelFile.objects.create(sha256=sha, name=name, size=size, format=fmt, gguf=gguf)
         record(
             "file.imported", actor, f"file {model_file.name} ({sha[:12]}, {size} bytes) imported", subject=sha[:12]
         )
@@ -575,6 +593,29 @@ def start_serving(actor: str) -> ClusterSettings:
         cluster.save(update_fields=["serving_stopped", "updated_at"])
         record("system.started", actor, "serving started: every model is placed again as it asks")
         kick_reconciler()
+    return cluster
+
+
+def set_settings(actor: str, drain_grace_seconds: int | None = None, reconcile_interval_seconds: int | None = None) -> ClusterSettings:
+    """Change the cluster settings given (None: leave as is): how long a drain waits for requests in flight,
+    and how often the reconciler runs."""
+    values = {}
+    if drain_grace_seconds is not None:
+        values["drain_grace_seconds"] = _check_count("drain grace (seconds)", drain_grace_seconds, 0, 86400)
+    if reconcile_interval_seconds is not None:
+        values["reconcile_interval_seconds"] = _check_count("reconcile interval (seconds)", reconcile_interval_seconds, 1, 3600)
+    if not values:
+        raise OperationError("name a setting to change: drain grace or reconcile interval")
+    with transaction.atomic():
+        cluster = ClusterSettings.objects.select_for_update().get(pk=ClusterSettings.load().pk)
+        changed = {k: v for k, v in values.items() if getattr(cluster, k) != v}
+        for k, v in changed.items():
+            setattr(cluster, k, v)
+        if changed:
+            cluster.save(update_fields=[*changed, "updated_at"])
+            said = ", ".join(f"{k.replace('_seconds', '').replace('_', ' ')} {v}s" for k, v in changed.items())
+            record("settings.changed", actor, f"settings changed: {said}", **changed)
+            kick_reconciler()
     return cluster
 
 

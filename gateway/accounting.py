@@ -5,6 +5,8 @@
   refused while the key's tokens this minute are at or over its limit.
 - Usage per key, model and hour, and each key's last use, gather in this process and go to Redis every second;
   a Celery beat task moves them into the database.
+- Traffic per minute, all keys and web processes together (requests, 5xx answers, tokens), for the dashboard's
+  charts: gathered the same way into one Redis hash per minute (`llmgw:traffic:MINUTE`), kept for two hours.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from gateway.errors import GatewayError
 
 USAGE_HASH = "llmgw:usage"
 LAST_USED_HASH = "llmgw:keys:last_used"
+TRAFFIC = "llmgw:traffic:"  # + the minute (Unix time // 60): a hash of requests, errors, tokens
+TRAFFIC_KEEP = 2 * 3600
 
 
 def _minute(now: float) -> int:
@@ -58,6 +62,14 @@ class Ledger:
     def __init__(self):
         self.usage: dict[tuple[int, int, str], list[int]] = defaultdict(lambda: [0, 0, 0])
         self.last_used: dict[int, float] = {}
+        self.traffic: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+
+    def count(self, status: int, tokens: int, now: float | None = None) -> None:
+        """One answered request in this minute's traffic; a 5xx answer counts as an error."""
+        row = self.traffic[_minute(now or time.time())]
+        row[0] += 1
+        row[1] += status >= 500
+        row[2] += tokens
 
     def add(self, key_id: int, model: str, prompt: int, completion: int, now: float | None = None) -> None:
         now = now or time.time()
@@ -68,10 +80,11 @@ class Ledger:
         self.last_used[key_id] = now
 
     async def flush(self, redis) -> None:
-        if not self.usage and not self.last_used:
+        if not self.usage and not self.last_used and not self.traffic:
             return
         usage, self.usage = self.usage, defaultdict(lambda: [0, 0, 0])
         last_used, self.last_used = self.last_used, {}
+        traffic, self.traffic = self.traffic, defaultdict(lambda: [0, 0, 0])
         try:
             # MULTI/EXEC: all of it arrives or none, so what a failed flush keeps for the next is not counted twice
             async with redis.pipeline(transaction=True) as pipe:
@@ -82,15 +95,41 @@ class Ledger:
                     pipe.hincrby(USAGE_HASH, base + "|completion", completion)
                 if last_used:
                     pipe.hset(LAST_USED_HASH, mapping={str(k): v for k, v in last_used.items()})
+                for minute, (requests, errors, tokens) in traffic.items():
+                    pipe.hincrby(TRAFFIC + str(minute), "requests", requests)
+                    pipe.hincrby(TRAFFIC + str(minute), "errors", errors)
+                    pipe.hincrby(TRAFFIC + str(minute), "tokens", tokens)
+                    pipe.expire(TRAFFIC + str(minute), TRAFFIC_KEEP)
                 await pipe.execute()
         except BaseException:  # Redis away: keep the counts for the next flush instead of losing them
-            self._keep(usage, last_used)
+            self._keep(usage, last_used, traffic)
             raise
 
-    def _keep(self, usage, last_used) -> None:
+    def _keep(self, usage, last_used, traffic=None) -> None:
+        for minute, counts in (traffic or {}).items():
+            row = self.traffic[minute]
+            for i, n in enumerate(counts):
+                row[i] += n
         for where, counts in usage.items():
             row = self.usage[where]
             for i, n in enumerate(counts):
                 row[i] += n
         for key_id, when in last_used.items():
             self.last_used[key_id] = max(when, self.last_used.get(key_id, 0.0))
+
+
+def traffic(redis, minutes: int = 60, now: float | None = None) -> list[dict]:
+    """The last `minutes` whole minutes of traffic, oldest first, from a synchronous Redis client:
+    [{"minute": Unix minute, "requests": n, "errors": n, "tokens": n}, ...] (zeros where nothing came)."""
+    last = _minute(now or time.time()) - 1  # the current minute is not over yet
+    wanted = list(range(last - minutes + 1, last + 1))
+    with redis.pipeline(transaction=False) as pipe:
+        for minute in wanted:
+            pipe.hgetall(TRAFFIC + str(minute))
+        rows = pipe.execute()
+    out = []
+    for minute, row in zip(wanted, rows):
+        values = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in (row or {}).items()}
+        out.append({"minute": minute, "requests": values.get("requests", 0), "errors": values.get("errors", 0),
+                    "tokens": values.get("tokens", 0)})
+    return out

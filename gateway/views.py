@@ -84,6 +84,7 @@ class Call:
         self.status = 0
         self.prompt = self.completion = 0
         self.first_chunk: float | None = None
+        self.gw = None  # the process's gateway runtime, once the request reached it
 
     def finish(self, status: int) -> None:
         self.status = status
@@ -93,6 +94,8 @@ class Call:
         if self.prompt or self.completion:
             metrics.TOKENS.labels(self.model, "prompt").inc(self.prompt)
             metrics.TOKENS.labels(self.model, "completion").inc(self.completion)
+        if self.gw is not None:
+            self.gw.ledger.count(status, self.prompt + self.completion)
         access.info(
             "key=%s model=%s replica=%s status=%s duration_ms=%.1f prompt_tokens=%d completion_tokens=%d",
             self.key.prefix if self.key else "-",
@@ -110,7 +113,7 @@ async def proxy(request, endpoint: str):
     try:
         if request.method != "POST":
             raise GatewayError(405, "method_not_allowed", f"{request.path} takes POST")
-        gw = runtime()
+        gw = call.gw = runtime()
         table = await gw.current()
         if table.serving_stopped:
             raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)

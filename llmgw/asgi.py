@@ -10,6 +10,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
 
 from agents.consumers import AgentConsumer  # noqa: E402
+from dashboard.consumers import dashboard_socket  # noqa: E402
 from gateway.handler import GatewayHandler, http_router  # noqa: E402
 from llmgw import control  # noqa: E402
 
@@ -18,6 +19,11 @@ control.start("web")  # register with the control plane; obey `llmgw restart`
 application = ProtocolTypeRouter(
     {
         "http": http_router(django_asgi_app, GatewayHandler()),
-        "websocket": URLRouter([path("ws/agent/", AgentConsumer.as_asgi())]),
+        "websocket": URLRouter(
+            [
+                path("ws/agent/", AgentConsumer.as_asgi()),
+                path("ws/dashboard/", dashboard_socket()),  # the browser's: same origin, the session's user
+            ]
+        ),
     }
 )

@@ -83,6 +83,7 @@ INSTALLED_APPS = [
     "cluster",
     "gateway",
     "agents",
+    "dashboard",
 ]
 
 MIDDLEWARE = [
@@ -145,10 +146,9 @@ try:
     STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # WhiteNoise warns about a missing root on every request
 except OSError:
     pass
-STATICFILES_DIRS = [BASE_DIR / "static"]
 WHITENOISE_USE_FINDERS = True
 LOGIN_URL = "login"
-LOGIN_REDIRECT_URL = "home"
+LOGIN_REDIRECT_URL = "dashboard:overview"
 LOGOUT_REDIRECT_URL = "login"
 
 CHANNEL_LAYERS = {

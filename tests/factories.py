@@ -83,9 +83,8 @@ def make_model(
 
 def make_replica(model: Model, node: Node | None = None, state: str = Replica.State.READY, **fields) -> Replica:
     fields.setdefault("port", 20000 + next(_seq) if node else None)
-    return Replica.objects.create(
-        name=Replica.new_name(model.name), model=model, node=node, state=state, memory_bytes=1024**3, **fields
-    )
+    fields.setdefault("memory_bytes", 1024**3)
+    return Replica.objects.create(name=Replica.new_name(model.name), model=model, node=node, state=state, **fields)
 
 
 def row_counts() -> dict[str, int]:

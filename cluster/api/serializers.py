@@ -285,8 +285,15 @@ class ModelFileSerializer(serializers.ModelSerializer):
 
 
 class ModelFileImportSerializer(StrictSerializer):
-    path = serializers.CharField(help_text="a file on the server, copied into the mirror")
+    path = serializers.CharField(required=False, help_text="a file on the server (in LLMGW_IMPORT_DIRS), copied into the mirror")
+    file = serializers.FileField(required=False, help_text="or the file itself, sent as multipart/form-data")
     name = serializers.CharField(max_length=255, required=False, help_text="default: the file's name")
+
+    def validate(self, data):
+        data = super().validate(data)
+        if ("path" in data) == ("file" in data):
+            raise serializers.ValidationError("give either path (a file on the server) or file (an upload)")
+        return data
 
 
 # Events
@@ -439,3 +446,20 @@ class NodeDrainSerializer(StrictSerializer):
 class EngineKeyRotatedSerializer(serializers.Serializer):
     fingerprint = serializers.CharField(help_text="of the new key; replicas' snapshots name their key by it")
     stale = serializers.IntegerField(help_text="running replicas still on the old key until restarted")
+
+
+class ClusterSettingsSerializer(serializers.Serializer):
+    drain_grace_seconds = serializers.IntegerField(help_text="how long a draining replica gets for requests in flight")
+    reconcile_interval_seconds = serializers.IntegerField(help_text="how often the reconciler runs")
+    serving_stopped = serializers.BooleanField(help_text="llmgw stop is in effect (change it with system stop/start)")
+    engine_key_fingerprint = serializers.CharField(help_text="of the current engine key")
+
+
+class ClusterSettingsUpdateSerializer(StrictSerializer):
+    drain_grace_seconds = serializers.IntegerField(required=False, min_value=0, max_value=86400)
+    reconcile_interval_seconds = serializers.IntegerField(required=False, min_value=1, max_value=3600)
+
+
+class EngineKeyShownSerializer(serializers.Serializer):
+    engine_key = serializers.CharField(help_text="the key every engine requires")
+    fingerprint = serializers.CharField()

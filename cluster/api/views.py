@@ -19,6 +19,9 @@ from cluster import operations
 from cluster.api.errors import Refused, refused
 from cluster.api.schema import MISSING, REFUSED
 from cluster.api.serializers import (
+    EngineKeyShownSerializer,
+    ClusterSettingsSerializer,
+    ClusterSettingsUpdateSerializer,
     ApiKeyCreateSerializer,
     ApiKeySerializer,
     EngineCreateSerializer,
@@ -293,7 +296,8 @@ class EngineViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ClusterVie
 
 
 class ModelFileViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ClusterViewSet):
-    """Files in the mirror, by sha256. Importing copies a file on the server into the mirror."""
+    """Files in the mirror, by sha256. Importing copies a file on the server into the mirror, or takes one
+    uploaded as multipart/form-data."""
 
     serializer_class = ModelFileSerializer
     missing = "no model file with sha256 {value!r} in the mirror"
@@ -311,7 +315,10 @@ class ModelFileViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Cluster
     def create(self, request):
         data = self.parsed(ModelFileImportSerializer)
         with refused(reads_files=True):
-            model_file, created = operations.import_model_file(data["path"], self.actor, name=data.get("name"))
+            if "file" in data:
+                model_file, created = operations.import_uploaded_file(data["file"], self.actor, name=data.get("name"))
+            else:
+                model_file, created = operations.import_model_file(data["path"], self.actor, name=data.get("name"))
         return self.shown(model_file, status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
 
@@ -515,3 +522,46 @@ class EngineKeyRotateView(APIView):
             .count()
         )
         return Response({"fingerprint": ClusterSettings.fingerprint(cluster.engine_key), "stale": stale})
+
+
+class SettingsView(APIView):
+    """The cluster settings: drain grace and reconcile interval (PATCH changes those given)."""
+
+    @extend_schema(responses={200: ClusterSettingsSerializer})
+    def get(self, request):
+        from cluster.models import ClusterSettings
+
+        return Response(_settings_shown(ClusterSettings.load()))
+
+    @extend_schema(request=ClusterSettingsUpdateSerializer, responses={200: ClusterSettingsSerializer, **REFUSED})
+    def patch(self, request):
+        serializer = ClusterSettingsUpdateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        with refused():
+            cluster = operations.set_settings(f"user:{request.user.username}", **serializer.validated_data)
+        return Response(_settings_shown(cluster))
+
+
+def _settings_shown(cluster) -> dict:
+    from cluster.models import ClusterSettings
+
+    return {
+        "drain_grace_seconds": cluster.drain_grace_seconds,
+        "reconcile_interval_seconds": cluster.reconcile_interval_seconds,
+        "serving_stopped": cluster.serving_stopped,
+        "engine_key_fingerprint": ClusterSettings.fingerprint(cluster.engine_key),
+    }
+
+
+class EngineKeyView(APIView):
+    """The engine key itself, to talk to an engine directly (what `ctl engine-key show` prints). Admins only."""
+
+    @extend_schema(responses={200: EngineKeyShownSerializer, **REFUSED})
+    def get(self, request):
+        from cluster.models import ClusterSettings
+        from cluster.roles import role_of
+
+        if role_of(request.user) != "admin":
+            raise exceptions.PermissionDenied("the engine key is shown to admins only")
+        cluster = ClusterSettings.load()
+        return Response({"engine_key": cluster.engine_key, "fingerprint": ClusterSettings.fingerprint(cluster.engine_key)})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from django.conf import settings
@@ -487,6 +488,31 @@ def engine_key_rotate(o, out):
     )
 
 
+# ctl: settings
+
+
+def settings_show_or_set(o, out):
+    from cluster.models import ClusterSettings
+
+    if o["drain_grace"] is not None or o["reconcile_interval"] is not None:
+        cluster = operations.set_settings(
+            CLI_ACTOR, drain_grace_seconds=o["drain_grace"], reconcile_interval_seconds=o["reconcile_interval"]
+        )
+    else:
+        cluster = ClusterSettings.load()
+    shown = {
+        "drain_grace_seconds": cluster.drain_grace_seconds,
+        "reconcile_interval_seconds": cluster.reconcile_interval_seconds,
+        "serving_stopped": cluster.serving_stopped,
+        "engine_key_fingerprint": ClusterSettings.fingerprint(cluster.engine_key),
+    }
+    if o["json"]:
+        out.write(json.dumps(shown) + "\n")
+        return
+    for key, value in shown.items():
+        out.write(f"{key.replace('_', ' ')}: {value}\n")
+
+
 # ctl: restart and drain
 
 
@@ -735,6 +761,14 @@ def build(parser) -> None:
     p.set_defaults(func=engine_key_show)
     p = key.add_parser("rotate", help="a new engine key; running replicas keep the old one until restarted")
     p.set_defaults(func=engine_key_rotate)
+
+    p = ctl.add_parser("settings", help="show or change the cluster settings (drain grace, reconcile interval)")
+    p.add_argument("--drain-grace", type=int, default=None, metavar="SECONDS",
+                   help="how long a draining replica gets for requests in flight")
+    p.add_argument("--reconcile-interval", type=int, default=None, metavar="SECONDS",
+                   help="how often the reconciler runs")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=settings_show_or_set)
 
     p = ctl.add_parser(
         "restart", help="replace replicas without taking them out of service first (one at a time per model)"

@@ -592,6 +592,22 @@ def test_import_model_file_then_again(db, operator, gguf_file):
     refused(operator.get(f"{API}/model-files/{'0' * 64}/"), 404, "no model file with sha256")
 
 
+def test_upload_a_model_file_as_multipart(db, operator):
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    upload = SimpleUploadedFile("tiny.gguf", EMPTY_GGUF)
+    response = operator.post(f"{API}/model-files/", {"file": upload}, format="multipart")
+    assert response.status_code == 201, response.content
+    shown = response.json()
+    assert (shown["name"], shown["size"], shown["format"]) == ("tiny.gguf", len(EMPTY_GGUF), "gguf")
+    assert shown["sha256"] == hashlib.sha256(EMPTY_GGUF).hexdigest()
+    before = row_counts()
+    both = {"file": SimpleUploadedFile("x.gguf", EMPTY_GGUF), "path": "/tmp/x"}
+    refused(operator.post(f"{API}/model-files/", both, format="multipart"), 400, "either path")
+    refused(operator.post(f"{API}/model-files/", {}, format="json"), 400, "either path")
+    assert row_counts() == before
+
+
 def test_import_garbage_that_says_gguf_is_a_clear_400(db, operator, tmp_path):
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"GGUF" + b"\x07\x00\x00\x00" + b"garbage" * 50)
@@ -608,7 +624,7 @@ def test_import_garbage_that_says_gguf_is_a_clear_400(db, operator, tmp_path):
         ({"path": "IMPORTS/missing.gguf"}, ["no such file"]),
         ({"path": "IMPORTS"}, ["not a regular file"]),
         ({"path": ""}, ["path", "blank"]),
-        ({}, ["path", "required"]),
+        ({}, ["either path", "or file"]),
         ({"path": "/etc/hostname\x00x"}, ["path", "Null characters"]),
     ],
 )

@@ -125,3 +125,41 @@ def test_rotate_engine_key(fleet, operator, viewer):
     assert "engine key" in viewer.get(f"{API}/replicas/{fleet[0].name}/").json()["stale"]
     refused(operator.post(f"{API}/engine-key/rotate/"), 400, "still use the engine key before the current one")
     assert ClusterSettings.load().engine_key == new
+
+
+# settings and the engine key itself
+
+
+def test_settings_show_and_change(db, operator, viewer):
+    shown = viewer.get(f"{API}/settings/").json()
+    assert shown["drain_grace_seconds"] == 300 and shown["reconcile_interval_seconds"] == 5
+    assert shown["serving_stopped"] is False and len(shown["engine_key_fingerprint"]) == 12
+    assert viewer.patch(f"{API}/settings/", {"drain_grace_seconds": 60}, format="json").status_code == 403
+    response = operator.patch(f"{API}/settings/", {"drain_grace_seconds": 60}, format="json")
+    assert response.status_code == 200 and response.json()["drain_grace_seconds"] == 60
+    assert ClusterSettings.load().drain_grace_seconds == 60
+    before = row_counts()
+    for body in ({"reconcile_interval_seconds": 0}, {"drain_grace_seconds": "soon"}, {"bogus": 1}, {}):
+        response = operator.patch(f"{API}/settings/", body, format="json")
+        assert response.status_code == 400, body
+    assert row_counts() == before and ClusterSettings.load().reconcile_interval_seconds == 5
+
+
+def test_the_engine_key_is_shown_to_admins_only(db, operator, admin):
+    assert operator.get(f"{API}/engine-key/").status_code == 403
+    shown = admin.get(f"{API}/engine-key/").json()
+    assert shown["engine_key"] == ClusterSettings.load().engine_key
+
+
+def test_cli_settings(db):
+    from tests.cluster.test_restart import cli
+
+    assert "drain grace seconds: 300" in cli("ctl", "settings")
+    out = cli("ctl", "settings", "--drain-grace", "90", "--reconcile-interval", "2", "--json")
+    import json
+
+    assert json.loads(out)["drain_grace_seconds"] == 90 and json.loads(out)["reconcile_interval_seconds"] == 2
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="reconcile interval"):
+        cli("ctl", "settings", "--reconcile-interval", "0")

@@ -70,6 +70,9 @@ def test_schema_covers_every_endpoint(schema):
         ("/api/v1/nodes/{name}/drain/", "post"),
         ("/api/v1/nodes/{name}/undrain/", "post"),
         ("/api/v1/engine-key/rotate/", "post"),
+        ("/api/v1/engine-key/", "get"),
+        ("/api/v1/settings/", "get"),
+        ("/api/v1/settings/", "patch"),
     }
     assert operations == expected
 

@@ -202,3 +202,22 @@ async def test_counts_survive_a_flush_that_fails(redis):
     await ledger.flush(redis)
     assert usage_hash() == {f"{HOUR}|7|qwen|requests": 2, f"{HOUR}|7|qwen|prompt": 11, f"{HOUR}|7|qwen|completion": 6}
     assert last_used_hash() == {"7": HOUR + 2}
+
+
+async def test_traffic_per_minute_adds_up_across_processes_and_reads_back_an_hour(redis, other_process):
+    from gateway.accounting import TRAFFIC, traffic
+
+    first, second = Ledger(), Ledger()
+    first.count(200, 30, now=MINUTE + 1)
+    first.count(502, 0, now=MINUTE + 59)
+    second.count(200, 12, now=MINUTE + 30)
+    second.count(200, 8, now=MINUTE + 61)  # the next minute
+    await first.flush(redis)
+    await second.flush(other_process)
+    assert not first.traffic and not second.traffic
+    assert 0 < redis_client().ttl(TRAFFIC + str(MINUTE // 60)) <= 2 * 3600
+    rows = traffic(redis_client(), 60, now=MINUTE + 150)  # the minute after next is not over: not shown
+    assert len(rows) == 60 and rows[0]["minute"] == MINUTE // 60 - 58
+    assert rows[-2] == {"minute": MINUTE // 60, "requests": 3, "errors": 1, "tokens": 42}
+    assert rows[-1] == {"minute": MINUTE // 60 + 1, "requests": 1, "errors": 0, "tokens": 8}
+    assert all(r["requests"] == 0 for r in rows[:-2])

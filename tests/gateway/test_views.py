@@ -252,6 +252,11 @@ async def test_chat_passes_through_with_the_engine_key_only(cluster):
     assert not {"cookie", "x-forwarded-for", "openai-organization", "x-client-secret"} & set(received["headers"])
 
     assert await usage_counted("ci", "qwen") == [1, 3, 5]
+    # and the minute's traffic, for the dashboard's charts (read once the minute is over)
+    from gateway.accounting import traffic
+
+    minutes = traffic(redis_client(), 2, now=time.time() + 60)  # this minute and the one before (a boundary)
+    assert [sum(m[k] for m in minutes) for k in ("requests", "errors", "tokens")] == [1, 0, 8]
 
 
 async def usage_counted(key: str, model: str) -> list[int]:

@@ -1,0 +1,75 @@
+"""The overview's charts, drawn on the server as SVG (no chart library, no CDN): the last hour of the gateway's
+traffic per minute, from the counters every web process adds to in Redis (gateway.accounting)."""
+
+from __future__ import annotations
+
+import math
+
+from dataclasses import dataclass
+
+WIDTH, HEIGHT = 360, 90
+
+
+@dataclass
+class Chart:
+    title: str
+    unit: str
+    values: list[float]
+    colour: str
+
+    @property
+    def top(self) -> float:
+        """The y axis' top: the peak rounded up to 1, 2 or 5 times a power of ten, at least 1."""
+        peak = max(self.values, default=0)
+        if peak <= 1:
+            return 1.0
+        magnitude = 10 ** math.floor(math.log10(peak))
+        return next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= peak)
+
+    def _xy(self) -> list[tuple[float, float]]:
+        n = len(self.values)
+        top = self.top
+        return [(round(WIDTH * i / max(n - 1, 1), 1), round(HEIGHT - HEIGHT * v / top, 1)) for i, v in enumerate(self.values)]
+
+    @property
+    def line(self) -> str:
+        return " ".join(f"{x},{y}" for x, y in self._xy())
+
+    @property
+    def area(self) -> str:
+        points = self._xy()
+        if not points:
+            return ""
+        return f"M0,{HEIGHT} L" + " L".join(f"{x},{y}" for x, y in points) + f" L{WIDTH},{HEIGHT} Z"
+
+    @property
+    def now(self) -> str:
+        return _fmt(self.values[-1] if self.values else 0)
+
+    @property
+    def peak(self) -> str:
+        return _fmt(max(self.values, default=0))
+
+    @property
+    def top_label(self) -> str:
+        return _fmt(self.top)
+
+    width = WIDTH
+    height = HEIGHT
+
+
+def _fmt(v: float) -> str:
+    if v >= 100:
+        return f"{v:,.0f}"
+    if v >= 10:
+        return f"{v:.1f}"
+    return f"{v:.2f}".rstrip("0").rstrip(".") if v else "0"
+
+
+def traffic_charts(rows: list[dict]) -> list[Chart]:
+    """Requests per second, tokens per second and the error rate (5xx answers, %) per minute."""
+    return [
+        Chart("Requests per second", "req/s", [r["requests"] / 60 for r in rows], "#1f5fbf"),
+        Chart("Tokens per second", "tok/s", [r["tokens"] / 60 for r in rows], "#137a4b"),
+        Chart("Error rate (5xx)", "%", [100 * r["errors"] / r["requests"] if r["requests"] else 0 for r in rows], "#b42318"),
+    ]

@@ -1,0 +1,60 @@
+"""Every command an operator has, by its three front doors: the CLI command, the dashboard button (a URL name in
+dashboard/urls.py) and the REST API endpoint. The README's table says the same; tests/dashboard/test_views.py
+fails when a `ctl` subcommand is missing here or a button or endpoint does not resolve."""
+
+from __future__ import annotations
+
+import argparse
+
+# CLI command -> (dashboard URL name, "METHOD /api/v1/... endpoint")
+COMMANDS: dict[str, tuple[str, str]] = {
+    "status": ("overview", "GET /api/v1/system/status/"),
+    "stop": ("system-stop", "POST /api/v1/system/stop/"),
+    "start": ("system-start", "POST /api/v1/system/start/"),
+    "restart": ("system-restart", "POST /api/v1/system/restart/"),
+    "node add": ("node-add", "POST /api/v1/nodes/"),
+    "node remove": ("node-remove", "DELETE /api/v1/nodes/{name}/"),
+    "mirror import": ("mirror-import", "POST /api/v1/model-files/"),  # and Mirror: Upload (multipart "file")
+    "mirror list": ("mirror", "GET /api/v1/model-files/"),
+    "ctl nodes": ("nodes", "GET /api/v1/nodes/"),
+    "ctl drain": ("node-drain", "POST /api/v1/nodes/{name}/drain/"),
+    "ctl undrain": ("node-undrain", "POST /api/v1/nodes/{name}/undrain/"),
+    "ctl models": ("models", "GET /api/v1/models/"),
+    "ctl model add": ("model-add", "POST /api/v1/models/"),
+    "ctl model set": ("model-set", "PATCH /api/v1/models/{name}/"),
+    "ctl model remove": ("model-remove", "DELETE /api/v1/models/{name}/"),
+    "ctl replicas": ("replicas", "GET /api/v1/replicas/"),
+    "ctl restart": ("replicas-restart", "POST /api/v1/restart"),
+    "ctl profiles": ("profiles", "GET /api/v1/profiles/"),
+    "ctl profile add": ("profile-add", "POST /api/v1/profiles/"),
+    "ctl profile set": ("profile-set", "PATCH /api/v1/profiles/{name}/"),
+    "ctl profile remove": ("profile-remove", "DELETE /api/v1/profiles/{name}/"),
+    "ctl engines": ("engines", "GET /api/v1/engines/"),
+    "ctl engine add": ("engine-add", "POST /api/v1/engines/"),
+    "ctl engine-key show": ("engine-key-show", "GET /api/v1/engine-key/"),
+    "ctl engine-key rotate": ("engine-key-rotate", "POST /api/v1/engine-key/rotate/"),
+    "ctl settings": ("settings-set", "PATCH /api/v1/settings/"),
+    "ctl keys list": ("keys", "GET /api/v1/keys/"),
+    "ctl keys create": ("key-create", "POST /api/v1/keys/"),
+    "ctl keys revoke": ("key-revoke", "POST /api/v1/keys/{name}/revoke/"),
+    "ctl usage": ("keys", "GET /api/v1/usage/"),
+    "ctl events": ("events", "GET /api/v1/events/"),
+}
+
+
+def ctl_subcommands() -> list[str]:
+    """Every leaf of `llmgw ctl`, e.g. "ctl model add", from the CLI's own parser."""
+    from llmgw.cli.commands import build
+
+    parser = argparse.ArgumentParser()
+    build(parser)
+
+    def walk(p, prefix):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    yield from walk(sub, [*prefix, name])
+                return
+        yield " ".join(prefix)
+
+    return [c for c in walk(parser, []) if c.startswith("ctl ")]

@@ -1,0 +1,33 @@
+from django.urls import path
+
+from dashboard import views
+
+app_name = "dashboard"
+
+urlpatterns = [
+    path("", views.page, {"page": "overview"}, name="overview"),
+    *[path(f"{p}/", views.page, {"page": p}, name=p) for p in views.PAGES if p != "overview"],
+    path("system/stop/", views.system_stop, name="system-stop"),
+    path("system/start/", views.system_start, name="system-start"),
+    path("system/restart/", views.system_restart, name="system-restart"),
+    path("nodes/add/", views.node_add, name="node-add"),
+    path("nodes/<str:name>/drain/", views.node_drain, name="node-drain"),
+    path("nodes/<str:name>/undrain/", views.node_undrain, name="node-undrain"),
+    path("nodes/<str:name>/remove/", views.node_remove, name="node-remove"),
+    path("models/add/", views.model_add, name="model-add"),
+    path("models/<str:name>/set/", views.model_set, name="model-set"),
+    path("models/<str:name>/restart/", views.model_restart, name="model-restart"),
+    path("models/<str:name>/remove/", views.model_remove, name="model-remove"),
+    path("replicas/restart/", views.replicas_restart, name="replicas-restart"),
+    path("profiles/add/", views.profile_add, name="profile-add"),
+    path("profiles/set/", views.profile_set, name="profile-set"),
+    path("profiles/<str:name>/remove/", views.profile_remove, name="profile-remove"),
+    path("engines/add/", views.engine_add, name="engine-add"),
+    path("mirror/import/", views.mirror_import, name="mirror-import"),
+    path("mirror/upload/", views.mirror_upload, name="mirror-upload"),
+    path("keys/create/", views.key_create, name="key-create"),
+    path("keys/<str:name>/revoke/", views.key_revoke, name="key-revoke"),
+    path("settings/set/", views.settings_set, name="settings-set"),
+    path("settings/engine-key/", views.engine_key_show, name="engine-key-show"),
+    path("settings/engine-key/rotate/", views.engine_key_rotate, name="engine-key-rotate"),
+]

@@ -1,0 +1,503 @@
+"""The browser dashboard: every page renders whole on a normal request and only its partial on an htmx one.
+
+Every button is a POST (with CSRF) that calls the same function in `cluster/operations.py` as the CLI and the
+REST API, then answers with the page's updated partial and a message (htmx), or redirects back to the page
+with the message (no JavaScript). A viewer sees no button that would be refused, and a forged POST from one
+is refused with 403 and changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.db.models import Count, Q, Sum
+from django.http import HttpResponse, HttpResponseForbidden
+from django.shortcuts import redirect, render
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from cluster import operations
+from agents.facts import parse_size
+from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
+from cluster.operations import OperationError
+from cluster.roles import role_of
+from gateway.models import ApiKey
+
+WRITE_ROLES = ("operator", "admin")
+PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirror", "keys", "events", "settings")
+
+
+def _actor(request) -> str:
+    return f"user:{request.user.username}"
+
+
+def _can_change(request) -> bool:
+    return role_of(request.user) in WRITE_ROLES
+
+
+def _is_admin(request) -> bool:
+    return role_of(request.user) == "admin"
+
+
+# What each page shows
+
+
+def _overview(request) -> dict:
+    from cluster.locks import redis_client
+    from dashboard.charts import traffic_charts
+    from gateway.accounting import traffic
+
+    try:
+        charts = traffic_charts(traffic(redis_client(), 60))
+    except Exception:  # Redis away: the page still shows the cluster
+        charts = []
+    status = operations.cluster_status()
+    counts = dict(Replica.objects.exclude(state__in=Replica.TERMINAL).values_list("state").annotate(n=Count("id")))
+    states = [(s, counts.get(s, 0)) for s in (Replica.State.PENDING, Replica.State.DOWNLOADING, Replica.State.STARTING,
+                                                 Replica.State.READY, Replica.State.DRAINING, Replica.State.STOPPING)]
+    return {"status": status, "states": states, "models_total": len(status["models"]), "charts": charts,
+            "failed_recently": Replica.objects.filter(
+                state=Replica.State.FAILED, state_changed_at__gte=timezone.now() - timedelta(hours=1)).count()}
+
+
+@dataclass
+class Bar:
+    """Memory as a bar: used by replicas, free, and what the agent does not offer (reserved)."""
+
+    total: int
+    used: int
+    reserved: int = 0
+
+    @property
+    def free(self) -> int:
+        return max(self.total - self.used - self.reserved, 0)
+
+    def pct(self, part: int) -> float:
+        return round(100 * part / self.total, 1) if self.total else 0.0
+
+    @property
+    def used_pct(self) -> float:
+        return self.pct(self.used)
+
+    @property
+    def reserved_pct(self) -> float:
+        return self.pct(self.reserved)
+
+
+def _nodes(request) -> dict:
+    from cluster.api.views import NodeViewSet
+
+    now = timezone.now()
+    running = Replica.objects.filter(state__in=Replica.RUNNING)
+    used = dict(running.values_list("node_id").annotate(b=Sum("memory_bytes")))
+    gpu_used: dict[tuple[int, int], int] = {}
+    for node_id, gpu, size in running.exclude(gpu_index=None).values_list("node_id", "gpu_index", "memory_bytes"):
+        gpu_used[(node_id, gpu)] = gpu_used.get((node_id, gpu), 0) + size
+    rows = []
+    for node in NodeViewSet().get_queryset():
+        total = int(node.facts.get("memory_total_bytes") or node.memory_bytes)
+        offered = node.memory_bytes
+        gpus = [{"index": g.get("index", i), "name": g.get("name", ""),
+                 "bar": Bar(int(g.get("memory_bytes") or 0), gpu_used.get((node.pk, g.get("index", i)), 0))}
+                for i, g in enumerate(node.facts.get("gpus") or [])]
+        rows.append({
+            "node": node, "alive": node.is_alive(now), "drain": node.drain_state(node.replica_count) or "",
+            "memory": Bar(total, used.get(node.pk, 0), max(total - offered, 0)), "gpus": gpus,
+        })
+    server = (settings.LLMGW_PUBLIC_URL or request.build_absolute_uri("/")).rstrip("/")
+    return {"rows": rows, "server": server}
+
+
+def _models(request) -> dict:
+    from cluster.api.views import _with_replica_counts
+
+    models = list(_with_replica_counts(Model.objects.select_related("file", "engine", "profile")).order_by("name"))
+    replicas: dict[int, list[Replica]] = {}
+    for r in Replica.objects.exclude(state__in=Replica.TERMINAL).select_related("node").defer("log_tail").order_by("name"):
+        replicas.setdefault(r.model_id, []).append(r)
+    for m in models:
+        m.live = replicas.get(m.pk, [])
+    return {
+        "models": models,
+        "files": ModelFile.objects.order_by("name"),
+        "engines": EngineVersion.objects.order_by("name"),
+        "profiles": Profile.objects.order_by("name"),
+    }
+
+
+def _replicas(request) -> dict:
+    show_over = request.GET.get("over") == "1"
+    rows = Replica.objects.select_related("model__profile", "model__engine", "model__file", "node").order_by(
+        "model__name", "name")
+    if not show_over:
+        since = timezone.now() - timedelta(minutes=10)
+        rows = rows.filter(~Q(state__in=Replica.TERMINAL) | Q(state=Replica.State.FAILED, state_changed_at__gte=since))
+    cluster = ClusterSettings.load()
+    now = timezone.now()
+    out = []
+    for r in rows:
+        r.stale = operations.staleness(r, r.model, cluster)
+        r.age = now - r.created_at
+        out.append(r)
+    return {"replicas": out, "show_over": show_over, "any_stale": any(r.stale for r in out if r.state not in Replica.TERMINAL)}
+
+
+def _profiles(request) -> dict:
+    return {"profiles": Profile.objects.annotate(used=Count("models")).order_by("name")}
+
+
+def _engines(request) -> dict:
+    from agents.engines import DRIVERS
+
+    return {"engines": EngineVersion.objects.annotate(used=Count("models")).order_by("name"), "kinds": sorted(DRIVERS),
+            "devices": EngineVersion.Device.choices}
+
+
+def _mirror(request) -> dict:
+    return {"files": ModelFile.objects.annotate(used=Count("models")).order_by("name")}
+
+
+def _keys(request) -> dict:
+    keys = list(ApiKey.objects.order_by("name"))
+    since = timezone.now() - timedelta(days=1)
+    usage: dict[str, dict] = {}
+    for row in operations.usage_report(since=since):
+        u = usage.setdefault(row["key"], {"requests": 0, "tokens": 0})
+        u["requests"] += row["requests"]
+        u["tokens"] += row["prompt_tokens"] + row["completion_tokens"]
+    for k in keys:
+        k.used = usage.get(k.name, {"requests": 0, "tokens": 0})
+    return {"keys": keys, "models": Model.objects.order_by("name").values_list("name", flat=True)}
+
+
+def _events(request) -> dict:
+    kind = request.GET.get("kind", "").strip()
+    subject = request.GET.get("subject", "").strip()
+    rows = Event.objects.order_by("-created_at", "-id")
+    if kind:
+        rows = rows.filter(kind__startswith=kind)
+    if subject:
+        rows = rows.filter(subject__icontains=subject)
+    return {"events": rows[:200], "kind": kind, "subject": subject}
+
+
+def _settings(request) -> dict:
+    cluster = ClusterSettings.load()
+    return {"cluster": cluster, "fingerprint": ClusterSettings.fingerprint(cluster.engine_key)}
+
+
+CONTEXT = {
+    "overview": _overview, "nodes": _nodes, "models": _models, "replicas": _replicas, "profiles": _profiles,
+    "engines": _engines, "mirror": _mirror, "keys": _keys, "events": _events, "settings": _settings,
+}
+
+
+def _render(request, page: str, extra: dict | None = None, status: int = 200) -> HttpResponse:
+    context = {"page": page, "pages": PAGES, "can_change": _can_change(request), "is_admin": _is_admin(request),
+               "role": role_of(request.user),
+               **CONTEXT[page](request), **(extra or {})}
+    template = f"dashboard/_{page}.html" if request.htmx and not request.htmx.boosted else f"dashboard/{page}.html"
+    return render(request, template, context, status=status)
+
+
+@login_required
+def page(request, page: str = "overview"):
+    return _render(request, page)
+
+
+# Buttons
+
+
+def action(page: str):
+    """A POST that changes the cluster: operator or admin only; OperationError becomes an error message and
+    nothing changes. The view returns a success message, or a (message, extra context) pair."""
+
+    def wrap(view):
+        @functools.wraps(view)
+        @login_required
+        @require_POST
+        def run(request, *args, **kwargs):
+            if not _can_change(request):
+                return HttpResponseForbidden(
+                    "your role may only look: changing the cluster needs the operator or admin role",
+                    content_type="text/plain")
+            extra = {}
+            try:
+                said = view(request, *args, **kwargs)
+                if isinstance(said, tuple):
+                    said, extra = said
+                messages.success(request, said)
+            except OperationError as exc:
+                messages.error(request, str(exc))
+            except FormError as exc:
+                messages.error(request, str(exc))
+            if request.htmx:
+                return _render(request, page, extra)
+            if extra.get("once"):  # a secret shown once: render, do not redirect
+                return _render(request, page, extra)
+            return redirect(reverse("dashboard:" + page))
+
+        return run
+
+    return wrap
+
+
+class FormError(ValueError):
+    """A form field the operator got wrong: shown as the message; nothing changed."""
+
+
+def _int(request, field: str, label: str, default=None, blank_ok: bool = False):
+    raw = request.POST.get(field, "").strip()
+    if not raw:
+        if blank_ok or default is not None:
+            return default
+        raise FormError(f"{label}: required")
+    try:
+        return int(raw)
+    except ValueError:
+        raise FormError(f"{label}: {raw!r} is not a whole number") from None
+
+
+def _size(request, field: str, label: str):
+    raw = request.POST.get(field, "").strip()
+    if not raw:
+        return None
+    try:
+        return parse_size(raw)
+    except ValueError as exc:
+        raise FormError(f"{label}: {exc}") from None
+
+
+def _names(request, field: str) -> list[str]:
+    return [n for n in (x.strip() for x in request.POST.get(field, "").replace(",", " ").split()) if n]
+
+
+@action("overview")
+def system_stop(request):
+    operations.stop_serving(_actor(request))
+    return "llmgw is stopped: every model goes to zero replicas; /v1/ answers 503 until Start"
+
+
+@action("overview")
+def system_start(request):
+    operations.start_serving(_actor(request))
+    return "llmgw is serving again: every model is placed as it asks"
+
+
+@action("overview")
+def system_restart(request):
+    from cluster.tasks import restart_system
+
+    from cluster.locks import redis_client
+    from cluster.system import LOCK
+
+    if redis_client().exists(LOCK):
+        raise OperationError("a system restart is already running; watch it on the Events page")
+    restart_system.delay(_actor(request))
+    return "system restart queued: every agent, then web, beat and worker restart; engines keep serving (see Events)"
+
+
+@action("nodes")
+def node_add(request):
+    node, token = operations.add_node(request.POST.get("name", "").strip(), _actor(request))
+    server = (settings.LLMGW_PUBLIC_URL or request.build_absolute_uri("/")).rstrip("/")
+    command = f"python manage.py llmgw agent --server {server} --token {token}"
+    return f"node {node.name} added; start its agent with the command below (the token is shown once)", {
+        "once": {"label": f"agent command for {node.name}", "value": command}}
+
+
+@action("nodes")
+def node_remove(request, name: str):
+    operations.remove_node(name, _actor(request), force=request.POST.get("force") == "1")
+    return f"node {name} removed"
+
+
+@action("nodes")
+def node_drain(request, name: str):
+    node = operations.drain_node(name, _actor(request), force=request.POST.get("force") == "1")
+    return f"node {node.name} draining: its replicas move elsewhere, one at a time per model"
+
+
+@action("nodes")
+def node_undrain(request, name: str):
+    operations.undrain_node(name, _actor(request))
+    return f"node {name} takes new replicas again"
+
+
+def _model_fields(request) -> dict:
+    values = {}
+    for field, label in (("replicas", "replicas"), ("wait_seconds", "wait")):
+        if request.POST.get(field, "").strip():
+            values[field] = _int(request, field, label)
+    for field in ("engine", "profile"):
+        if request.POST.get(field, "").strip():
+            values[field] = request.POST[field].strip()
+    if request.POST.get("memory", "").strip():
+        values["memory_bytes"] = _size(request, "memory", "memory")
+    if "nodes" in request.POST:
+        values["nodes"] = _names(request, "nodes")
+    return values
+
+
+@action("models")
+def model_add(request):
+    values = _model_fields(request)
+    name = request.POST.get("name", "").strip()
+    model = operations.add_model(name, _actor(request), file=request.POST.get("file", "").strip(),
+                                 engine=values.pop("engine", ""), **values)
+    return f"model {model.name} added: {model.replicas} replica(s) being placed"
+
+
+@action("models")
+def model_set(request, name: str):
+    values = _model_fields(request)
+    if not values:
+        raise FormError("nothing to change")
+    operations.set_model(name, _actor(request), **values)
+    return f"model {name} changed"
+
+
+@action("models")
+def model_remove(request, name: str):
+    operations.remove_model(name, _actor(request))
+    return f"model {name} removing: its replicas drain and stop"
+
+
+def _queued(result) -> str:
+    said = f"{len(result)} replica(s) queued for restart"
+    if result.skipped:
+        said += "; " + "; ".join(f"{n}: {why}" for n, why in sorted(result.skipped.items()))
+    return said
+
+
+@action("models")
+def model_restart(request, name: str):
+    return _queued(operations.restart_replicas(_actor(request), models=[name]))
+
+
+@action("replicas")
+def replicas_restart(request):
+    how = request.POST.get("how", "selected")
+    if how == "all":
+        result = operations.restart_replicas(_actor(request), all=True)
+    elif how == "stale":
+        result = operations.restart_replicas(_actor(request), stale=True)
+    else:
+        chosen = request.POST.getlist("replica")
+        if not chosen:
+            raise FormError("select one or more replicas to restart")
+        result = operations.restart_replicas(_actor(request), replicas=chosen)
+    return _queued(result)
+
+
+def _profile_fields(request) -> dict:
+    values = {}
+    for field, label in (("context_size", "context size"), ("threads", "threads"), ("gpu_layers", "GPU layers"),
+                         ("batch_size", "batch size"), ("parallel", "parallel")):
+        if request.POST.get(field, "").strip():
+            values[field] = _int(request, field, label)
+    if request.POST.get("extra_args", "").strip():
+        import shlex
+
+        try:
+            values["extra_args"] = shlex.split(request.POST["extra_args"])
+        except ValueError as exc:
+            raise FormError(f"extra arguments: {exc}") from None
+    return values
+
+
+@action("profiles")
+def profile_add(request):
+    profile = operations.add_profile(request.POST.get("name", "").strip(), _actor(request), **_profile_fields(request))
+    return f"profile {profile.name} added"
+
+
+@action("profiles")
+def profile_set(request):
+    name = request.POST.get("name", "").strip()
+    values = _profile_fields(request)
+    if not values:
+        raise FormError("nothing to change")
+    operations.set_profile(name, _actor(request), **values)
+    return f"profile {name} changed: its replicas show stale until restarted (Replicas: Restart stale)"
+
+
+@action("profiles")
+def profile_remove(request, name: str):
+    operations.remove_profile(name, _actor(request))
+    return f"profile {name} removed"
+
+
+@action("engines")
+def engine_add(request):
+    engine = operations.add_engine(
+        request.POST.get("name", "").strip(), request.POST.get("kind", "").strip(), _actor(request),
+        version=request.POST.get("version", "").strip(), device=request.POST.get("device", "cpu").strip(),
+        binary=request.POST.get("binary", "").strip(), command=request.POST.get("command", "").strip())
+    return f"engine {engine.name} added"
+
+
+@action("mirror")
+def mirror_import(request):
+    path = request.POST.get("path", "").strip()
+    if not path:
+        raise FormError("path: the model file's path on the control-plane machine")
+    model_file, created = operations.import_model_file(path, _actor(request), name=request.POST.get("name", "").strip() or None)
+    return f"{model_file.name} {'imported' if created else 'already in the mirror'}: sha256 {model_file.sha256}"
+
+
+@action("mirror")
+def mirror_upload(request):
+    uploaded = request.FILES.get("file")
+    if uploaded is None:
+        raise FormError("file: choose a model file to upload")
+    model_file, created = operations.import_uploaded_file(uploaded, _actor(request), name=request.POST.get("name", "").strip() or None)
+    return f"{model_file.name} {'uploaded' if created else 'already in the mirror'}: sha256 {model_file.sha256}"
+
+
+@action("keys")
+def key_create(request):
+    expires = None
+    if request.POST.get("expires_days", "").strip():
+        expires = timezone.now() + timedelta(days=_int(request, "expires_days", "expires in days"))
+    key, secret = operations.create_key(
+        request.POST.get("name", "").strip(), _actor(request), models=_names(request, "models"),
+        rpm=_int(request, "rpm", "requests per minute", blank_ok=True),
+        tpm=_int(request, "tpm", "tokens per minute", blank_ok=True), expires_at=expires)
+    return f"key {key.name} created; copy it now, it is not shown again", {
+        "once": {"label": f"key {key.name}", "value": secret}}
+
+
+@action("keys")
+def key_revoke(request, name: str):
+    operations.revoke_key(name, _actor(request))
+    return f"key {name} revoked"
+
+
+@action("settings")
+def engine_key_rotate(request):
+    operations.rotate_engine_key(_actor(request))
+    return "engine key rotated: running replicas keep the old key until restarted (Replicas: Restart stale)"
+
+
+@action("settings")
+def engine_key_show(request):
+    if role_of(request.user) != "admin":
+        raise OperationError("the engine key is shown to admins only")
+    return "the engine key: every engine requires it as its API key", {
+        "once": {"label": "engine key", "value": ClusterSettings.load().engine_key}}
+
+
+@action("settings")
+def settings_set(request):
+    operations.set_settings(
+        _actor(request),
+        drain_grace_seconds=_int(request, "drain_grace_seconds", "drain grace", blank_ok=True),
+        reconcile_interval_seconds=_int(request, "reconcile_interval_seconds", "reconcile interval", blank_ok=True))
+    return "settings saved"

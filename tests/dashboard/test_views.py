@@ -1,0 +1,255 @@
+"""The dashboard's pages and buttons with Django's test client: whole pages, htmx partials, every button calling
+the same operation as the CLI and API, bad input as a message that changes nothing, and roles."""
+
+import pytest
+from django.test import Client
+
+from cluster import operations
+from cluster.models import ClusterSettings, Event, Model, Node, Replica
+from dashboard.views import PAGES
+from tests.factories import make_file, make_model, make_node, make_replica, make_user, row_counts
+
+HTMX = {"HTTP_HX_REQUEST": "true"}
+
+
+def browser(role: str) -> Client:
+    user, _ = make_user(role)
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def op(db):
+    return browser("operator")
+
+
+@pytest.fixture
+def look(db):
+    return browser("viewer")
+
+
+def test_every_page_needs_a_login(db):
+    client = Client()
+    for page in PAGES:
+        url = "/" if page == "overview" else f"/{page}/"
+        response = client.get(url)
+        assert response.status_code == 302 and response["Location"].startswith("/login/"), page
+
+
+def test_login_with_a_wrong_password_says_so_and_a_right_one_lands_on_the_overview(db):
+    operations.add_user("ada", "viewer", "test", password="correct-horse")
+    client = Client()
+    page = client.post("/login/", {"username": "ada", "password": "wrong-password"})
+    assert page.status_code == 200 and b"Wrong user name or password" in page.content
+    response = client.post("/login/", {"username": "ada", "password": "correct-horse"}, follow=True)
+    assert response.status_code == 200
+    assert b"Serving" in response.content and b"No models yet" in response.content
+
+
+def test_every_page_renders_whole_and_as_a_partial_for_htmx(op):
+    node = make_node("gpu-1", facts={"memory_total_bytes": 32 * 1024**3, "gpus": [{"index": 0, "name": "L4", "memory_bytes": 24 * 1024**3}]})
+    model = make_model(name="chat")
+    make_replica(model, node, gpu_index=0, memory_bytes=2 * 1024**3)
+    make_replica(model, node, state=Replica.State.FAILED, log_tail="boom: out of memory")
+    for page in PAGES:
+        url = "/" if page == "overview" else f"/{page}/"
+        whole = op.get(url)
+        assert whole.status_code == 200, page
+        assert b"<nav" in whole.content and b'id="live"' in whole.content, page
+        part = op.get(url, **HTMX)
+        assert part.status_code == 200, page
+        assert b"<nav" not in part.content and b'id="live"' in part.content, page
+    nodes = op.get("/nodes/").content.decode()
+    assert "GPU 0 L4" in nodes and "2.0\xa0GB used" in nodes
+    replicas = op.get("/replicas/").content.decode()
+    assert "boom: out of memory" in replicas  # a failed replica's engine log
+
+
+def test_stop_and_start_buttons_call_the_operations_and_answer_with_the_partial_and_a_message(op):
+    response = op.post("/system/stop/", **HTMX)
+    assert response.status_code == 200
+    body = response.content.decode()
+    assert 'hx-swap-oob="true"' in body and "/v1/ answers 503 until Start" in body and "Stopped" in body
+    assert ClusterSettings.load().serving_stopped
+    assert Event.objects.filter(kind="system.stopped", actor__startswith="user:operator").exists()
+    again = op.post("/system/stop/", **HTMX).content.decode()
+    assert "llmgw is already stopped" in again and "msg error" in again
+    op.post("/system/start/", **HTMX)
+    assert not ClusterSettings.load().serving_stopped
+
+
+def test_without_javascript_a_button_redirects_back_with_the_message(op):
+    response = op.post("/system/stop/", follow=True)
+    assert response.redirect_chain[-1][0] == "/"
+    assert b"/v1/ answers 503 until Start" in response.content
+
+
+def test_a_viewer_sees_no_buttons_and_a_forged_post_is_refused_changing_nothing(look):
+    node = make_node("n1")
+    model = make_model(name="chat")
+    make_replica(model, node)
+    for page in ("overview", "nodes", "models", "replicas", "keys", "settings", "profiles"):
+        body = look.get("/" if page == "overview" else f"/{page}/").content.decode()
+        assert "hx-post" not in body, page
+    before = row_counts()
+    for url in ("/system/stop/", "/nodes/n1/drain/", "/models/chat/restart/", "/replicas/restart/", "/keys/create/",
+                "/settings/engine-key/rotate/", "/models/chat/remove/"):
+        response = look.post(url, {"how": "all", "name": "k"}, **HTMX)
+        assert response.status_code == 403, url
+        assert b"needs the operator or admin role" in response.content
+    assert row_counts() == before and not ClusterSettings.load().serving_stopped
+    assert not Node.objects.get(name="n1").draining
+
+
+def test_a_get_on_a_button_is_refused(op):
+    assert op.get("/system/stop/").status_code == 405
+
+
+def test_drain_and_undrain(op):
+    node = make_node("n1")
+    body = op.post("/nodes/n1/drain/", **HTMX).content.decode()
+    assert "node n1 draining" in body and "drained" in body  # nothing on it: drained at once
+    assert Node.objects.get(pk=node.pk).draining
+    body = op.post("/nodes/n1/undrain/", **HTMX).content.decode()
+    assert "takes new replicas again" in body and not Node.objects.get(pk=node.pk).draining
+    assert "no node named" in op.post("/nodes/nope/drain/", **HTMX).content.decode()
+
+
+def test_add_a_node_shows_the_agent_command_once(op):
+    body = op.post("/nodes/add/", {"name": "gpu-9"}, **HTMX).content.decode()
+    assert "python manage.py llmgw agent --server http://testserver --token lnt_" in body
+    assert Node.objects.filter(name="gpu-9").exists()
+    assert "lnt_" not in op.get("/nodes/").content.decode()
+
+
+def test_add_edit_restart_and_remove_a_model(op):
+    f = make_file(name="tiny.gguf")
+    before = Model.objects.count()
+    body = op.post("/models/add/", {"name": "chat", "file": f.sha256, "engine": "llama.cpp", "profile": "default",
+                                    "replicas": "2", "memory": "1GiB", "nodes": "", "wait_seconds": ""}, **HTMX).content.decode()
+    assert "model chat added" in body
+    model = Model.objects.get(name="chat")
+    assert model.replicas == 2 and model.memory_bytes == 1024**3 and Model.objects.count() == before + 1
+    body = op.post("/models/chat/set/", {"replicas": "3", "wait_seconds": "45"}, **HTMX).content.decode()
+    assert "model chat changed" in body
+    model.refresh_from_db()
+    assert (model.replicas, model.wait_seconds) == (3, 45)
+    node = make_node("n1")
+    make_replica(model, node)
+    body = op.post("/models/chat/restart/", **HTMX).content.decode()
+    assert "1 replica(s) queued for restart" in body and "restart queued" in body
+    assert "already queued" in op.post("/models/chat/restart/", **HTMX).content.decode()
+    body = op.post("/models/chat/remove/", **HTMX).content.decode()
+    assert "removing" in body and Model.objects.get(name="chat").removing
+
+
+@pytest.mark.parametrize("form, said", [
+    ({"name": "Bad Name!", "engine": "llama.cpp"}, "name"),
+    ({"name": "ok", "engine": "llama.cpp", "replicas": "two"}, "is not a whole number"),
+    ({"name": "ok", "engine": "llama.cpp", "memory": "lots"}, "memory: not a size"),
+    ({"name": "ok", "engine": "nope"}, "engine"),
+])
+def test_bad_model_input_is_a_message_and_changes_nothing(op, form, said):
+    f = make_file()
+    before = row_counts()
+    body = op.post("/models/add/", {"file": f.sha256, **form}, **HTMX).content.decode()
+    assert "msg error" in body and said in body
+    assert row_counts() == before
+
+
+def test_restart_buttons_selected_stale_all(op):
+    model = make_model(name="chat", replicas=3)
+    node = make_node("n1")
+    a, b, c = (make_replica(model, node) for _ in range(3))
+    assert "select one or more replicas" in op.post("/replicas/restart/", {"how": "selected"}, **HTMX).content.decode()
+    body = op.post("/replicas/restart/", {"how": "selected", "replica": [a.name, b.name]}, **HTMX).content.decode()
+    assert "2 replica(s) queued" in body
+    assert "no replica named" in op.post("/replicas/restart/", {"how": "selected", "replica": ["nope"]}, **HTMX).content.decode()
+    body = op.post("/replicas/restart/", {"how": "stale"}, **HTMX).content.decode()
+    assert "0 replica(s) queued" in body
+    body = op.post("/replicas/restart/", {"how": "all"}, **HTMX).content.decode()
+    assert "1 replica(s) queued" in body  # c; a and b are already queued
+    assert set(Replica.objects.filter(restart="queued").values_list("name", flat=True)) == {a.name, b.name, c.name}
+
+
+def test_keys_create_once_list_and_revoke(op):
+    body = op.post("/keys/create/", {"name": "team-a", "rpm": "60"}, **HTMX).content.decode()
+    assert "copy it now" in body and 'id="once-value"' in body
+    secret = body.split('id="once-value">')[1].split("<")[0]
+    assert secret.startswith("sk-") or len(secret) > 20
+    listing = op.get("/keys/").content.decode()
+    assert "team-a" in listing and secret not in listing
+    assert "already" in op.post("/keys/create/", {"name": "team-a"}, **HTMX).content.decode()
+    body = op.post("/keys/team-a/revoke/", **HTMX).content.decode()
+    assert "key team-a revoked" in body and "revoked" in body
+
+
+def test_settings_and_engine_key_rotation(op):
+    body = op.post("/settings/set/", {"drain_grace_seconds": "120", "reconcile_interval_seconds": "2"}, **HTMX).content.decode()
+    assert "settings saved" in body
+    cluster = ClusterSettings.load()
+    assert (cluster.drain_grace_seconds, cluster.reconcile_interval_seconds) == (120, 2)
+    assert "reconcile interval" in op.post("/settings/set/", {"reconcile_interval_seconds": "0"}, **HTMX).content.decode()
+    assert ClusterSettings.load().reconcile_interval_seconds == 2
+    key = cluster.engine_key
+    assert "engine key rotated" in op.post("/settings/engine-key/rotate/", **HTMX).content.decode()
+    assert ClusterSettings.load().engine_key != key
+
+
+def test_profiles_engines_mirror(op, tmp_path, settings):
+    body = op.post("/profiles/add/", {"name": "long", "context_size": "8192", "extra_args": "--flash-attn on"}, **HTMX).content.decode()
+    assert "profile long added" in body and "--flash-attn on" in body
+    body = op.post("/profiles/set/", {"name": "long", "context_size": "16384"}, **HTMX).content.decode()
+    assert "profile long changed" in body and "16384" in body
+    assert "profile long removed" in op.post("/profiles/long/remove/", **HTMX).content.decode()
+    body = op.post("/engines/add/", {"name": "mine", "kind": "command", "command": "{python} x.py --port {port}"}, **HTMX).content.decode()
+    assert "engine mine added" in body
+    path = tmp_path / "m.bin"
+    path.write_bytes(b"x" * 1000)
+    body = op.post("/mirror/import/", {"path": str(path)}, **HTMX).content.decode()
+    assert "must come from the import directories" in body  # as over the API: not any file the server can read
+    settings.LLMGW_IMPORT_DIRS = [str(tmp_path)]
+    body = op.post("/mirror/import/", {"path": str(path)}, **HTMX).content.decode()
+    assert "m.bin imported: sha256" in body and "1000\xa0bytes" in body
+    assert "path: the model file" in op.post("/mirror/import/", {"path": ""}, **HTMX).content.decode()
+
+
+def test_events_filter(op):
+    make_node("n1")
+    operations.drain_node("n1", "test")
+    body = op.get("/events/?kind=node.drain", **HTMX).content.decode()
+    assert "node.drain" in body
+    assert "No events match" in op.get("/events/?kind=nothing.like.this", **HTMX).content.decode()
+
+
+def test_every_ctl_subcommand_has_a_button_and_an_endpoint():
+    """The README's table of buttons, CLI commands and API endpoints stays complete: a new `ctl` subcommand
+    without a dashboard button (a URL name here) or an API endpoint fails this test."""
+    from pathlib import Path
+
+    from django.urls import NoReverseMatch, resolve, reverse
+
+    from dashboard.commands import COMMANDS, ctl_subcommands
+
+    missing = set(ctl_subcommands()) - set(COMMANDS)
+    assert not missing, f"ctl subcommands with no button or endpoint in dashboard/commands.py: {missing}"
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for command, (button, endpoint) in COMMANDS.items():
+        try:
+            reverse(f"dashboard:{button}")
+        except NoReverseMatch:
+            reverse(f"dashboard:{button}", args=["x"])
+        method, path = endpoint.split()
+        assert method in ("GET", "POST", "PATCH", "DELETE"), command
+        match = resolve(path.replace("{name}", "x"))
+        assert match.url_name != "gateway", command
+        assert f"| `{command}` |" in readme, f"README's table of buttons lacks {command}"
+
+
+def test_upload_a_model_file(op):
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    body = op.post("/mirror/upload/", {"file": SimpleUploadedFile("weights.bin", b"w" * 5000), "name": ""}, **HTMX).content.decode()
+    assert "weights.bin uploaded: sha256" in body and "4.9\xa0KB" in body
+    assert "choose a model file" in op.post("/mirror/upload/", {}, **HTMX).content.decode()
