@@ -33,6 +33,16 @@ AGENT_TIMEOUT = 60.0
 PROCESS_TIMEOUT = 90.0
 
 
+def queue_restart(actor: str) -> None:
+    """Have a worker run the restart (the API's and the dashboard's way: the request returns at once and the
+    steps appear as Events). OperationError while one runs."""
+    from cluster.tasks import restart_system as task
+
+    if redis_client().exists(LOCK):
+        raise OperationError("a system restart is already running; watch it in the events")
+    task.delay(actor)
+
+
 def restart_system(
     actor: str,
     report: Callable[[str], None] = lambda line: None,

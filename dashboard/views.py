@@ -292,14 +292,9 @@ def system_start(request):
 
 @action("overview")
 def system_restart(request):
-    from cluster.tasks import restart_system
+    from cluster.system import queue_restart
 
-    from cluster.locks import redis_client
-    from cluster.system import LOCK
-
-    if redis_client().exists(LOCK):
-        raise OperationError("a system restart is already running; watch it on the Events page")
-    restart_system.delay(_actor(request))
+    queue_restart(_actor(request))
     return "system restart queued: every agent, then web, beat and worker restart; engines keep serving (see Events)"
 
 

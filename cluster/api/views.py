@@ -16,7 +16,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from cluster import operations
-from cluster.api.errors import Refused, refused
+from cluster.api.errors import refused
 from cluster.api.schema import MISSING, REFUSED
 from cluster.api.serializers import (
     EngineKeyShownSerializer,
@@ -460,13 +460,10 @@ class SystemViewSet(ClusterViewSet):
     def restart(self, request):
         """Every agent restarts over its stream, then every web, beat and worker process; engines keep serving.
         Runs on a worker; each step is an Event. 400 while one runs."""
-        from cluster import system
-        from cluster.locks import redis_client
-        from cluster.tasks import restart_system
+        from cluster.system import queue_restart
 
-        if redis_client().exists(system.LOCK):
-            raise Refused("a system restart is already running; watch it in /api/v1/events/")
-        restart_system.delay(self.actor)
+        with refused():
+            queue_restart(self.actor)
         return Response({"queued": True, "watch": "/api/v1/events/"}, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(responses=StatusSerializer)

@@ -253,3 +253,17 @@ def test_upload_a_model_file(op):
     body = op.post("/mirror/upload/", {"file": SimpleUploadedFile("weights.bin", b"w" * 5000), "name": ""}, **HTMX).content.decode()
     assert "weights.bin uploaded: sha256" in body and "4.9\xa0KB" in body
     assert "choose a model file" in op.post("/mirror/upload/", {}, **HTMX).content.decode()
+
+
+def test_the_system_restart_button_queues_it_once(op):
+    from cluster.locks import redis_client
+    from cluster.system import LOCK
+
+    body = op.post("/system/restart/", **HTMX).content.decode()
+    assert "system restart queued" in body
+    lock = redis_client().lock(LOCK, timeout=30)
+    assert lock.acquire(blocking=False)
+    try:
+        assert "already running" in op.post("/system/restart/", **HTMX).content.decode()
+    finally:
+        lock.release()
