@@ -6,7 +6,6 @@ from django.db import transaction
 
 from cluster.models import Event
 from dashboard.live import changed as dashboard_changed
-from gateway.runtime import notify_change
 
 log = logging.getLogger("llmgw.events")
 
@@ -30,4 +29,6 @@ def kick_reconciler() -> None:
             log.warning("could not kick the reconciler (%s); its next tick will pick the change up", exc)
 
     transaction.on_commit(send)
+    from gateway.runtime import notify_change  # here, not at the top: the CLI need not load the gateway's aiohttp
+
     notify_change()

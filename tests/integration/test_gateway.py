@@ -577,7 +577,7 @@ def test_rate_limits_hold_across_two_web_processes(system, gw):
 @pytest.mark.parametrize("server", ["daphne"])
 def test_either_web_server_serves_the_gateway_and_the_agent_stream(system, gw, server):
     """daphne runs the same application as uvicorn (the default, which serves every other test here): the openai
-    client's chat and stream, and the agent websocket (refusing a bad token)."""
+    client's chat and stream, the agent websocket (refusing a bad token), and the dashboard's static files."""
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect
 
@@ -594,6 +594,10 @@ def test_either_web_server_serves_the_gateway_and_the_agent_stream(system, gw, s
             connect(ws_url, additional_headers={"Authorization": "Bearer wrong"}, open_timeout=10)
         assert refused.value.response.status_code == 403
         assert len(access_lines(system, secret[:14], f"web-{server}")) == 2
+        # the dashboard's static files (WhiteNoise) and its login page: `llmgw up` needs nothing else
+        for path in ("/static/dashboard/dashboard.css", "/static/dashboard/live.js", "/static/django_htmx/htmx-2.min.js"):
+            assert httpx.get(url + path, timeout=10).status_code == 200, path
+        assert "Log in" in httpx.get(url + "/login/", timeout=10).text
     finally:
         system.procs.pop(f"web-{server}").stop()
 
