@@ -59,7 +59,11 @@ def test_every_page_renders_whole_and_as_a_partial_for_htmx(op):
         assert b"<nav" in whole.content and b'id="live"' in whole.content, page
         part = op.get(url, **HTMX)
         assert part.status_code == 200, page
-        assert b"<nav" not in part.content and b'id="live"' in part.content, page
+        assert b"<nav" not in part.content and part.content.count(b'id="live"') == 1, page
+        # only the live region (and messages): the page's forms and toolbars stay as the operator left them
+        assert part.content.decode().strip().endswith("</div>"), page
+        for form_title in ("Add a model", "Add a node", "Create a key", "Upload a model file", "Restart selected"):
+            assert form_title not in part.content.decode(), (page, form_title)
     nodes = op.get("/nodes/").content.decode()
     assert "GPU 0 L4" in nodes and "2.0\xa0GB used" in nodes
     replicas = op.get("/replicas/").content.decode()

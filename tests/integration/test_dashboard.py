@@ -98,6 +98,8 @@ def test_add_a_model_and_watch_its_replicas_become_ready_without_reloading(syste
     dash.page.wait_for_selector(f"text=model {MODEL} added")
     card(dash).locator(".count", has_text="2/2 ready").wait_for(timeout=60_000)
     assert card(dash).locator("[data-testid=state]", has_text="ready").count() == 2
+    assert dash.page.locator("#model-add").count() == 1  # the live updates swapped the cards, not the form
+    assert dash.page.locator("#live").count() == 1
     assert dash.still_same_page()
 
 
