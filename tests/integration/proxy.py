@@ -3,8 +3,8 @@
     python tests/integration/proxy.py --port 8080 http://127.0.0.1:8001 http://127.0.0.1:8002
 
 Round-robin over the upstreams, with the retry policy such a proxy is configured with for llmgw (HAProxy's
-`retry-on conn-failure empty-response`, nginx's `proxy_next_upstream error`): a request whose connection was
-refused, or closed before a single response byte came back, goes to the next upstream. Once response bytes
+`retry-on conn-failure empty-response`, nginx's `proxy_next_upstream error timeout non_idempotent`): a request
+whose connection was refused, or closed before a single response byte came back, goes to the next upstream. Once response bytes
 have come back the request is never retried; the response, streamed or not, is passed through as it comes.
 Prints `proxy: listening` once it accepts connections and one line per retry.
 """
@@ -21,7 +21,9 @@ from aiohttp import web
 
 HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection", "host",
        "content-length"}
-RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionResetError)
+# refused, or closed before a response byte: ClientOSError is also a keep-alive connection the stopping server
+# reset just as a request went out on it (ConnectionResetError while reading the status line)
+RETRYABLE = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 
 
 def main() -> None:
