@@ -229,6 +229,8 @@ def action(page: str):
                     content_type="text/plain")
             extra = {}
             try:
+                if any("\x00" in v for _, values in request.POST.lists() for v in values):
+                    raise FormError("a field holds a NUL character; nothing was changed")
                 said = view(request, *args, **kwargs)
                 if isinstance(said, tuple):
                     said, extra = said
@@ -460,7 +462,10 @@ def mirror_upload(request):
 def key_create(request):
     expires = None
     if request.POST.get("expires_days", "").strip():
-        expires = timezone.now() + timedelta(days=_int(request, "expires_days", "expires in days"))
+        days = _int(request, "expires_days", "expires in days")
+        if not 1 <= days <= 36500:
+            raise FormError("expires in days: from 1 to 36500")
+        expires = timezone.now() + timedelta(days=days)
     key, secret = operations.create_key(
         request.POST.get("name", "").strip(), _actor(request), models=_names(request, "models"),
         rpm=_int(request, "rpm", "requests per minute", blank_ok=True),

@@ -271,3 +271,17 @@ def test_the_system_restart_button_queues_it_once(op):
         assert "already running" in op.post("/system/restart/", **HTMX).content.decode()
     finally:
         lock.release()
+
+
+@pytest.mark.parametrize("url, form", [
+    ("/keys/create/", {"name": "k", "expires_days": "99999999999"}),
+    ("/mirror/import/", {"path": "/tmp/a\x00b"}),
+    ("/models/add/", {"name": "m", "file": "\x00", "engine": "llama.cpp"}),
+    ("/settings/set/", {"drain_grace_seconds": "1" * 40}),
+])
+def test_odd_input_is_a_message_never_a_500(op, url, form):
+    before = row_counts()
+    response = op.post(url, form, **HTMX)
+    assert response.status_code == 200
+    assert "msg error" in response.content.decode()
+    assert row_counts() == before
