@@ -22,9 +22,9 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from cluster import operations
 from agents.facts import parse_size
-from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
+from cluster import operations
+from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Profile, Replica
 from cluster.operations import OperationError
 from cluster.roles import role_of
 from gateway.models import ApiKey
@@ -41,10 +41,6 @@ def _can_change(request) -> bool:
     return role_of(request.user) in WRITE_ROLES
 
 
-def _is_admin(request) -> bool:
-    return role_of(request.user) == "admin"
-
-
 # What each page shows
 
 
@@ -58,7 +54,7 @@ def _overview(request) -> dict:
     except Exception:  # Redis away: the page still shows the cluster
         charts = []
     status = operations.cluster_status()
-    counts = dict(Replica.objects.exclude(state__in=Replica.TERMINAL).values_list("state").annotate(n=Count("id")))
+    counts = status["replicas"]  # running replicas by state
     states = [(s, counts.get(s, 0)) for s in (Replica.State.PENDING, Replica.State.DOWNLOADING, Replica.State.STARTING,
                                                  Replica.State.READY, Replica.State.DRAINING, Replica.State.STOPPING)]
     return {"status": status, "states": states, "models_total": len(status["models"]), "charts": charts,
@@ -199,8 +195,8 @@ CONTEXT = {
 
 
 def _render(request, page: str, extra: dict | None = None, status: int = 200) -> HttpResponse:
-    context = {"page": page, "pages": PAGES, "can_change": _can_change(request), "is_admin": _is_admin(request),
-               "role": role_of(request.user),
+    role = role_of(request.user)
+    context = {"page": page, "pages": PAGES, "can_change": role in WRITE_ROLES, "is_admin": role == "admin", "role": role,
                **CONTEXT[page](request), **(extra or {})}
     template = f"dashboard/_{page}.html" if request.htmx and not request.htmx.boosted else f"dashboard/{page}.html"
     return render(request, template, context, status=status)

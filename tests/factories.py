@@ -40,6 +40,16 @@ def client_for(role: str | None, scheme: str = "Bearer"):
     return client
 
 
+def session_for(role: str):
+    """A Django test client logged in (by session, as a browser is) as a new user of `role`."""
+    from django.test import Client
+
+    user, _ = make_user(role)
+    client = Client()
+    client.force_login(user)
+    return client
+
+
 def make_node(name: str | None = None, alive: bool = True, memory_bytes: int = 16 * 1024**3, **fields) -> Node:
     name = name or f"node-{next(_seq)}"
     fields.setdefault("token_hash", Node.hash_token(f"token-{name}"))

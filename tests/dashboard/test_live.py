@@ -4,11 +4,10 @@ which kinds of things changed, once per transaction; anyone else is turned away.
 import pytest
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
-from django.test import Client
 
 from cluster import operations
 from llmgw.asgi import application
-from tests.factories import make_node, make_user
+from tests.factories import make_node, session_for
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
 
@@ -18,10 +17,7 @@ HOST = b"llmgw.test:8000"
 @pytest.fixture
 def cookie() -> str:
     """A logged-in viewer's session cookie."""
-    user, _ = make_user("viewer")
-    client = Client()
-    client.force_login(user)
-    return client.cookies["sessionid"].value
+    return session_for("viewer").cookies["sessionid"].value
 
 
 def browser(cookie: str | None, origin: bytes = b"http://llmgw.test:8000") -> WebsocketCommunicator:

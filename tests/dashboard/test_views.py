@@ -7,26 +7,19 @@ from django.test import Client
 from cluster import operations
 from cluster.models import ClusterSettings, Event, Model, Node, Replica
 from dashboard.views import PAGES
-from tests.factories import make_file, make_model, make_node, make_replica, make_user, row_counts
+from tests.factories import make_file, make_model, make_node, make_replica, row_counts, session_for
 
 HTMX = {"HTTP_HX_REQUEST": "true"}
 
 
-def browser(role: str) -> Client:
-    user, _ = make_user(role)
-    client = Client()
-    client.force_login(user)
-    return client
-
-
 @pytest.fixture
 def op(db):
-    return browser("operator")
+    return session_for("operator")
 
 
 @pytest.fixture
 def look(db):
-    return browser("viewer")
+    return session_for("viewer")
 
 
 def test_every_page_needs_a_login(db):
