@@ -1,6 +1,7 @@
 """Test session set-up: real Redis (REDIS_URL) or the embedded Valkey; real PostgreSQL (DATABASE_URL) or SQLite."""
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,22 @@ def pytest_unconfigure(config):
 @pytest.fixture(autouse=True)
 def _clean_redis():
     """Each test starts with an empty Redis db: no lock or counter leaks from one test to the next."""
+    from cluster import throttle
     from cluster.locks import redis_client
 
     redis_client().flushdb()
+    for door in (throttle.LOGIN, throttle.API, throttle.GATEWAY):
+        door.forget()  # the doors this process shut: their counts were in the db just flushed
     yield
+
+
+@pytest.fixture(autouse=True)
+def _a_test_that_starts_a_process_is_marked(request, monkeypatch):
+    """`-m "not integration"` is the fast set for working: a test that starts a process must say so."""
+    if request.node.get_closest_marker("integration"):
+        return
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.integration")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)

@@ -2,34 +2,63 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import math
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
-from cluster import reports
-from cluster.reconciler import node_group
+from cluster import notify, reports
+from cluster.clients import allowed_host, header, page_scheme
 
 log = logging.getLogger("llmgw.agents")
 REFUSED = 4003
 
 
-def _header(scope, name: bytes) -> str:
-    for key, value in scope.get("headers", []):
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return ""
+def _merged(earlier: dict, later: dict) -> dict:
+    """Two reports not handled yet as one: each replica as the later says, else as the earlier did."""
+    statuses = {}
+    for message in (earlier, later):
+        replicas = message.get("replicas")
+        for status in replicas if isinstance(replicas, list) else ():
+            statuses[str(status.get("name")) if isinstance(status, dict) else repr(status)] = status
+    return {**later, "replicas": list(statuses.values()), "full": bool(earlier.get("full") and later.get("full"))}
 
 
-class AgentConsumer(AsyncJsonWebsocketConsumer):
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is too large a number")
+    return value
+
+
+class AgentConsumer(notify.StopsCleanly, AsyncJsonWebsocketConsumer):
+    """One node's stream. Messages are read as fast as they come and handled in order by one task, a newer
+    hello, report or progress of a replica taking the place of one not handled yet (each says the whole state
+    it is about): a flood of messages queues nothing in the socket, which keeps answering pings."""
+
     node_pk: int | None = None
     node_name = ""
+    _worker: asyncio.Task | None = None
+    _closing = False  # the socket is closed (by either end): what is still queued is handled, nothing is sent
 
     async def connect(self):
         client = self.scope.get("client") or ("?", 0)
         self.address = client[0]
-        auth = _header(self.scope, b"authorization")
+        if not settings.LLMGW_PUBLIC_URL and not allowed_host(self.scope):
+            # the Host is where this node's agent will download model files from: only one this server answers to
+            log.warning("refused agent stream from %s: Host %r is not one of ALLOWED_HOSTS (set LLMGW_PUBLIC_URL or"
+                        " LLMGW_ALLOWED_HOSTS)", self.address, header(self.scope, b"host")[:100])
+            await self.close(code=REFUSED)
+            return
+        auth = header(self.scope, b"authorization")
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
         node = await database_sync_to_async(reports.node_for_token)(token)
         if node is None:
@@ -39,15 +68,34 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=REFUSED)
             return
         self.node_pk, self.node_name = node.pk, node.name
-        self.group = node_group(node.pk)
+        self.group = notify.agent_group(node.pk)
         # A second stream for the same node replaces the first (an agent that reconnected before its old socket died).
-        await self.channel_layer.group_send(self.group, {"type": "agent.superseded", "by": self.channel_name})
+        await notify.supersede_agent_stream(self.channel_layer, node.pk, self.channel_name)
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
         await database_sync_to_async(reports.connected)(node.pk, self.address)
         log.info("agent for node %s connected from %s", node.name, self.address)
+        self._pending: dict[tuple, dict] = {}
+        self._waiting = asyncio.Event()
+        self._worker = asyncio.get_running_loop().create_task(self._handle_pending())
+
+    async def close(self, code=None, reason=None):
+        self._closing = True
+        await super().close(code=code, reason=reason)
+
+    async def send_json(self, content, close=False):
+        # The queued messages of a stream that has closed are still handled (their reports count), but an answer
+        # to them has nowhere to go: the server refuses a send after the close.
+        if not self._closing:
+            await super().send_json(content, close=close)
 
     async def disconnect(self, code):
+        self._closing = True
+        if self._worker is not None:  # what the agent said before it went is still handled, then the task ends
+            self._waiting.set()
+            await asyncio.wait([self._worker], timeout=30)
+            self._worker.cancel()
+            await asyncio.wait([self._worker])
         if self.node_pk is None:
             return
         await self.channel_layer.group_discard(self.group, self.channel_name)
@@ -55,26 +103,63 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             await database_sync_to_async(reports.disconnected)(self.node_pk)
         log.info("agent for node %s disconnected (%s)", self.node_name, code)
 
+    async def dispatch(self, message):
+        # A frame from the agent is only queued here (the database work is _handle_pending's, through
+        # database_sync_to_async, which closes stale connections itself): skip Channels' hop to the database
+        # thread before each one, which made every frame wait for the database work of the one before.
+        if message.get("type") == "websocket.receive":
+            await self.websocket_receive(message)
+            return
+        await super().dispatch(message)
+
+    @classmethod
+    async def decode_json(cls, text_data):
+        """Strict JSON: NaN, Infinity and numbers too large for a float (Python's json reads them all) are
+        refused with the message, never met later as an uncaught OverflowError."""
+        return json.loads(text_data, parse_constant=_no_constant, parse_float=_finite)
+
     async def receive(self, text_data=None, bytes_data=None, **kwargs):
         # The base class raises on a binary frame or on text that is not JSON, which would end the stream.
         try:
             content = await self.decode_json(text_data or "")
-        except ValueError:
-            log.warning("node %s sent a frame that is not JSON text", self.node_name)
+        except ValueError as exc:
+            log.warning("node %s sent a frame that is not JSON text: %s", self.node_name, str(exc)[:200])
             return
         await self.receive_json(content, **kwargs)
 
+    HANDLED = ("hello", "report", "progress")
+
     async def receive_json(self, content, **kwargs):
         kind = content.get("type") if isinstance(content, dict) else None
-        handlers = {"hello": self.on_hello, "report": self.on_report, "progress": self.on_progress}
-        handler = handlers.get(kind) if isinstance(kind, str) else None  # a list or dict `type` is unhashable
-        if handler is None:
+        if not isinstance(kind, str) or kind not in self.HANDLED:  # a list or dict `type` is unhashable
             log.warning("node %s sent an unknown message type %r", self.node_name, kind)
             return
-        try:
-            await handler(content)
-        except (KeyError, TypeError, ValueError) as exc:
-            log.warning("node %s sent a malformed %s message: %s", self.node_name, kind, exc)
+        if kind == "progress":
+            key = (kind, str(content.get("replica")))
+        else:
+            key = (kind,)
+        earlier = self._pending.pop(key, None)
+        if kind == "report" and earlier is not None:
+            content = _merged(earlier, content)
+        self._pending[key] = content  # at the end: what came before it is handled first
+        self._waiting.set()
+
+    async def _handle_pending(self) -> None:
+        handlers = {"hello": self.on_hello, "report": self.on_report, "progress": self.on_progress}
+        while not (self._closing and not self._pending):
+            await self._waiting.wait()
+            self._waiting.clear()
+            while self._pending:
+                key = next(iter(self._pending))
+                content = self._pending.pop(key)
+                try:
+                    await handlers[key[0]](content)
+                except (KeyError, TypeError, ValueError, OverflowError) as exc:
+                    log.warning("node %s sent a malformed %s message: %s", self.node_name, key[0], exc)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bug of ours: logged, and the stream goes on with the next message
+                    log.exception("node %s: handling its %s message failed", self.node_name, key[0])
 
     async def on_hello(self, message):
         await database_sync_to_async(reports.hello)(self.node_pk, message["facts"], list(message.get("replicas") or []))
@@ -92,7 +177,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             self.node_pk, str(message["replica"]), int(message["done"]), int(message["total"])
         )
 
-    # Channel-layer events (from the reconciler, operations and other streams).
+    # Channel-layer messages (cluster.notify: from the reconciler, the operations and newer streams).
 
     async def send_desired(self, event):
         desired = await database_sync_to_async(reports.desired)(self.node_pk, self.mirror_base())
@@ -110,11 +195,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=4000)
 
     def mirror_base(self) -> str:
+        """Where this node downloads model files: LLMGW_PUBLIC_URL, else the allowed Host it dialled."""
         if settings.LLMGW_PUBLIC_URL:
             return settings.LLMGW_PUBLIC_URL
-        scheme = "https" if self.scope.get("scheme") == "wss" else "http"
-        host = _header(self.scope, b"host")
-        if not host:
-            server = self.scope.get("server") or ("127.0.0.1", 8000)
-            host = f"{server[0]}:{server[1]}"
-        return f"{scheme}://{host}"
+        return f"{page_scheme(self.scope)}://{allowed_host(self.scope)}"

@@ -6,6 +6,7 @@ The engine key always goes through the environment where the engine reads it the
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -22,6 +23,8 @@ KEY_ENV = "LLMGW_ENGINE_KEY"
 HOST_ENV = "LLMGW_ENGINE_HOST"
 LLAMA_SERVER_ENV = "LLMGW_LLAMA_SERVER"  # where llama-server is on this node, when not on PATH
 VERSION_TIMEOUT = 20.0
+# What a replica can serve: the /v1/ endpoints (chat, completions, embeddings) and the inputs beyond text
+CAPABILITIES = ("chat", "completions", "embeddings", "images", "audio")
 
 
 def register(kind: str):
@@ -66,6 +69,12 @@ class EngineDriver:
         return None
 
     @classmethod
+    def capabilities(cls, args: dict) -> tuple[str, ...]:
+        """What a replica started with these profile args serves, of CAPABILITIES. An engine llmgw cannot read
+        (a command) serves all of them as far as the gateway knows: it refuses what it cannot itself."""
+        return CAPABILITIES
+
+    @classmethod
     def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
         raise NotImplementedError
 
@@ -107,9 +116,41 @@ def _extra(spec: dict) -> list[str]:
     return [str(a) for a in extra]
 
 
+def _has_flag(args: dict, *names: str) -> bool:
+    """Whether the profile's extra args carry one of these flags (`--flag`, `--flag value` or `--flag=value`)."""
+    return any(word in names or word.split("=", 1)[0] in names for word in _extra({"args": args}))
+
+
+def _flag_values(args: dict, name: str) -> list[str]:
+    """Every value the profile's extra args give the flag `name` (`name value` or `name=value`)."""
+    words, values = _extra({"args": args}), []
+    for i, word in enumerate(words):
+        if word == name and i + 1 < len(words):
+            values.append(words[i + 1])
+        elif word.startswith(name + "="):
+            values.append(word.split("=", 1)[1])
+    return values
+
+
+def _llama_capabilities(embeddings: bool, multimodal: bool) -> tuple[str, ...]:
+    wanted = {"chat", "completions"} | ({"embeddings"} if embeddings else set())
+    wanted |= {"images", "audio"} if multimodal else set()
+    return tuple(c for c in CAPABILITIES if c in wanted)
+
+
+@functools.lru_cache(maxsize=16)
+def _help_words(binary: str) -> frozenset[str]:
+    """The flags `binary --help` mentions (empty when it cannot be asked), asked once per binary."""
+    found = shutil.which(binary)
+    if found is None:
+        return frozenset()
+    return frozenset(re.findall(r"--[a-z0-9][a-z0-9-]*", _run_version([found, "--help"])))
+
+
 @register("llama.cpp")
 class LlamaCpp(EngineDriver):
-    # llama-server answers /health, /models and /v1/models without a key; /props needs it.
+    # llama-server answers /health, /models and /v1/models without a key; /props needs it. Started without its
+    # web UI where the binary knows --no-webui: it would answer `/` with the UI, key or no key.
     health_path = "/props"
 
     @classmethod
@@ -125,6 +166,12 @@ class LlamaCpp(EngineDriver):
         return match.group(1).strip() if match else ""
 
     @classmethod
+    def capabilities(cls, args: dict) -> tuple[str, ...]:
+        # /v1/embeddings needs --embeddings (else a 501); images and audio need a projector (else a 500)
+        multimodal = _has_flag(args, "--mmproj", "-mm", "--mmproj-url", "-mmu") and not _has_flag(args, "--no-mmproj")
+        return _llama_capabilities(_has_flag(args, "--embeddings", "--embedding"), multimodal)
+
+    @classmethod
     def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
         args = _args(spec)
         argv = [_binary(spec, cls.default_binary()), "-m", model_path, "--host", engine_host(), "--port", str(port)]
@@ -135,6 +182,8 @@ class LlamaCpp(EngineDriver):
                 argv += [flag, str(args[key])]
         if args.get("parallel"):
             argv += ["-np", str(args["parallel"])]
+        if "--no-webui" in _help_words(argv[0]):
+            argv.append("--no-webui")
         return argv + _extra(spec)
 
     @classmethod
@@ -155,6 +204,13 @@ class XLlamaCpp(EngineDriver):
             return importlib.metadata.version("xllamacpp")
         except importlib.metadata.PackageNotFoundError:
             return ""
+
+    @classmethod
+    def capabilities(cls, args: dict) -> tuple[str, ...]:
+        # the launcher takes llama-server's --embeddings and --mmproj, or CommonParams' own field
+        embedding = _has_flag(args, "--embeddings", "--embedding")
+        embedding = embedding or any(v.lower() in ("embedding=true", "embedding=1") for v in _flag_values(args, "--param"))
+        return _llama_capabilities(embedding, _has_flag(args, "--mmproj", "-mm"))
 
     @classmethod
     def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
@@ -185,6 +241,16 @@ class XLlamaCpp(EngineDriver):
 
 @register("vllm")
 class Vllm(EngineDriver):
+    POOLING_TASKS = ("embed", "embedding", "classify", "score", "reward")
+
+    @classmethod
+    def capabilities(cls, args: dict) -> tuple[str, ...]:
+        # a pooling model serves embeddings and no generation; which inputs a model takes, vLLM knows
+        pooling = any(t in cls.POOLING_TASKS for t in _flag_values(args, "--task") + _flag_values(args, "--convert"))
+        if pooling or "pooling" in _flag_values(args, "--runner"):
+            return ("embeddings",)
+        return ("chat", "completions", "images", "audio")
+
     @classmethod
     def detect(cls) -> str | None:
         binary = shutil.which("vllm")

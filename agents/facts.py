@@ -11,39 +11,10 @@ import psutil
 
 from agents.engines import DRIVERS
 from agents.protocol import Facts, Gpu
+from agents.units import parse_size
 
 AGENT_VERSION = "0.1.0"
 MIB = 1024**2
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from "2GiB", "512MiB", "1.5G" (decimal) or "1073741824"."""
-    if isinstance(text, int):
-        return text
-    match = _SIZE_RE.match(str(text))
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (write e.g. 2GiB, 512MiB, 1.5G or a number of bytes)")
-    return int(float(match.group(1)) * _UNITS[unit])
-
 
 def parse_gpus(text: str) -> list[int]:
     """Simulated GPUs' memory from "24GiB,24GiB"; "none" for a node without GPUs."""

@@ -34,6 +34,7 @@ class ReplicaStatus(TypedDict):
     port: NotRequired[int | None]
     reason: NotRequired[str]
     log_tail: NotRequired[str]
+    on_purpose: NotRequired[bool]  # with `stopped`: stopped on purpose on the node (a clean stop), not a crash
 
 
 class Hello(TypedDict):

@@ -3,7 +3,8 @@
     LLMGW_ENGINE_KEY=... python -m agents.xllamacpp_launcher --model PATH --port N [--host H] [--ctx-size N] ...
 
 The engine key comes from the environment (never argv) and is required: the server answers nothing but
-/health without it. `--param NAME=VALUE` sets any other numeric or boolean field of xllamacpp.CommonParams.
+/health (`{"status": "ok"}`, for load balancers) without it, and runs without its web UI. `--param NAME=VALUE`
+sets any other numeric or boolean field of xllamacpp.CommonParams.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import signal
 import sys
 
 from agents.engines import KEY_ENV
+
+POOLING = ("none", "mean", "cls", "last", "rank")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -27,6 +30,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--n-gpu-layers", type=int)
     p.add_argument("--batch-size", type=int)
     p.add_argument("--parallel", type=int, default=1)
+    # as llama-server spells them, so one profile's extra_args serve both llama.cpp engines
+    p.add_argument("--embeddings", "--embedding", action="store_true", help="serve /v1/embeddings")
+    p.add_argument("--pooling", choices=POOLING, help="how embeddings pool a sequence (a chat model needs one)")
+    p.add_argument("--mmproj", "-mm", metavar="PATH", help="a multimodal projector: take images (and audio)")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="another CommonParams field")
     return p
 
@@ -52,6 +59,7 @@ def params(args: argparse.Namespace, key: str):
     p.api_keys = [key]
     p.n_ctx = args.ctx_size
     p.n_parallel = args.parallel
+    p.ui = False  # no web UI: `/` would serve it, key or no key (only /health answers without the key)
     if args.alias:
         p.model_alias = {args.alias}
     if args.threads is not None:
@@ -60,6 +68,12 @@ def params(args: argparse.Namespace, key: str):
         p.n_batch = args.batch_size
     if args.n_gpu_layers is not None:
         p.n_gpu_layers = args.n_gpu_layers
+    if args.embeddings:
+        p.embedding = True
+    if args.pooling:
+        p.pooling_type = xllamacpp.llama_pooling_type(POOLING.index(args.pooling))
+    if args.mmproj:
+        p.mmproj.path = args.mmproj
     for item in args.param:
         name, sep, text = item.partition("=")
         if not sep or not hasattr(p, name):

@@ -1,13 +1,16 @@
 """The cluster's state: what should run (models, profiles, engines, files) and what does (nodes, replicas)."""
 
 import hashlib
+import logging
 import re
 import secrets
 
 from django.core.validators import RegexValidator
-from django.db import models
+from django.db import models, transaction
 from django.utils import timezone
 
+from agents.engines import CAPABILITIES, driver_for
+from agents.units import format_duration
 from cluster import memory
 
 NAME_RE = r"^[a-z0-9][a-z0-9._-]{0,62}$"
@@ -16,6 +19,7 @@ name_validator = RegexValidator(
 )
 
 GIB = 1024**3
+log = logging.getLogger("llmgw.events")
 
 
 class Node(models.Model):
@@ -161,6 +165,11 @@ class ModelFile(models.Model):
 class Model(models.Model):
     """What to serve: a file on an engine with a profile, so many replicas."""
 
+    class Routing(models.TextChoices):
+        # requests sharing an opening go to the replica that holds it in its cache (gateway/affinity.py)
+        PREFIX = "prefix"
+        LEAST_INFLIGHT = "least-inflight"  # the replica with the fewest requests in flight
+
     name = models.CharField(max_length=63, unique=True, validators=[name_validator])
     file = models.ForeignKey(ModelFile, on_delete=models.PROTECT, related_name="models")
     engine = models.ForeignKey(EngineVersion, on_delete=models.PROTECT, related_name="models")
@@ -169,6 +178,16 @@ class Model(models.Model):
     memory_bytes = models.BigIntegerField(null=True, blank=True)  # set by the operator; else estimated
     nodes = models.JSONField(default=list, blank=True)  # placement constraint: node names allowed (empty: any)
     wait_seconds = models.PositiveIntegerField(default=30)  # how long the gateway waits for a replica
+    # the most tokens one completion may generate: set when a client asks for none, lowered when it asks for more
+    max_tokens = models.PositiveIntegerField(null=True, blank=True, default=4096)  # null: the engine's own limit
+    routing = models.CharField(max_length=20, choices=Routing.choices, default=Routing.PREFIX)
+    # Autoscaled between min_replicas and max_replicas when min_replicas is set (else `replicas`, fixed);
+    # min 0: on demand, loaded when a request names it and unloaded when idle (cluster/autoscaler.py)
+    min_replicas = models.PositiveIntegerField(null=True, blank=True)
+    max_replicas = models.PositiveIntegerField(null=True, blank=True)
+    target_inflight = models.PositiveIntegerField(default=4)  # requests in flight per ready replica it aims at
+    idle_after_seconds = models.PositiveIntegerField(default=900)  # min 0: no request this long, down to zero
+    scale_down_delay_seconds = models.PositiveIntegerField(default=300)  # below the target this long: one fewer
     removing = models.BooleanField(default=False)
     failures = models.PositiveIntegerField(default=0)  # consecutive engine failures, for the back-off
     backoff_until = models.DateTimeField(null=True, blank=True)
@@ -180,6 +199,35 @@ class Model(models.Model):
 
     def __str__(self):
         return self.name
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.min_replicas is not None
+
+    @property
+    def on_demand(self) -> bool:
+        return self.min_replicas == 0
+
+    @property
+    def mode(self) -> str:
+        """fixed, autoscaled, or on-demand (autoscaled from zero)."""
+        return "fixed" if not self.autoscaled else "on-demand" if self.on_demand else "autoscaled"
+
+    def scaling_text(self) -> str:
+        """How it scales, in an operator's words."""
+        if not self.autoscaled:
+            return f"{self.replicas} replica(s)"
+        idle = f", to zero after {format_duration(self.idle_after_seconds)} idle" if self.on_demand else ""
+        return (f"{self.min_replicas} to {self.max_replicas} replicas at {self.target_inflight} requests in flight "
+                f"each{idle}, one fewer after {format_duration(self.scale_down_delay_seconds)} below")
+
+    def capabilities(self) -> tuple[str, ...]:
+        """What its replicas serve (agents.engines.CAPABILITIES), as its engine's driver reads its profile."""
+        try:
+            driver = driver_for(self.engine.kind)
+        except ValueError:
+            return CAPABILITIES
+        return driver.capabilities(self.profile.args())
 
     def memory_estimate(self) -> int:
         if self.memory_bytes:
@@ -229,6 +277,8 @@ class Replica(models.Model):
     pid = models.PositiveIntegerField(null=True, blank=True)
     memory_bytes = models.BigIntegerField(default=0)
     reason = models.CharField(max_length=500, blank=True, default="")  # why it is not placed, or why it failed
+    # not placed, but room is coming: an idle on-demand model's replica will be evicted for it (its requests wait)
+    waiting_for_room = models.BooleanField(default=False)
     log_tail = models.TextField(blank=True, default="")
     snapshot = models.JSONField(default=dict, blank=True)  # profile args, engine, engine-key fingerprint at start
     download_done = models.BigIntegerField(default=0)
@@ -252,12 +302,30 @@ class Replica(models.Model):
         return self.state in self.COUNTING and self.restart != self.Restart.REPLACING
 
 
+class Demand(models.Model):
+    """An autoscaled model's autoscaler state, so a restarted control plane carries on where it was: how many
+    replicas it wants now, the load it saw over the window, since when the load has been low, the last request."""
+
+    model = models.OneToOneField(Model, on_delete=models.CASCADE, related_name="demand")
+    replicas = models.PositiveIntegerField(default=0)
+    samples = models.JSONField(default=list, blank=True)  # [[epoch seconds, requests in flight or waiting], ...]
+    below_since = models.DateTimeField(null=True, blank=True)  # the load has been below the target since
+    last_request_at = models.DateTimeField(null=True, blank=True)
+    last_scaled_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self):
+        return f"demand for {self.model_id}"
+
+
 class ClusterSettings(models.Model):
     """One row, read live."""
 
     serving_stopped = models.BooleanField(default=False)
     drain_grace_seconds = models.PositiveIntegerField(default=300)
     reconcile_interval_seconds = models.PositiveIntegerField(default=5)
+    # an on-demand model's replica is evicted for another only once it has served this long (no thrash)
+    min_resident_seconds = models.PositiveIntegerField(default=30)
     engine_key = models.CharField(max_length=128, blank=True, default="")
     previous_engine_key = models.CharField(max_length=128, blank=True, default="")
     updated_at = models.DateTimeField(auto_now=True)
@@ -270,11 +338,26 @@ class ClusterSettings(models.Model):
 
     @classmethod
     def load(cls) -> "ClusterSettings":
-        obj, _ = cls.objects.get_or_create(pk=1)
-        if not obj.engine_key:
-            obj.engine_key = "lek_" + secrets.token_urlsafe(32)
-            obj.save(update_fields=["engine_key"])
+        """The row, with the engine key made the first time anyone asks: once, by whichever process gets there
+        first, with an Event; every other process, at once or later, gets that same key."""
+        obj = cls.objects.filter(pk=1).first()
+        if obj is not None and obj.engine_key:
+            return obj
+        key = cls.new_engine_key()
+        with transaction.atomic():
+            obj, made = cls.objects.get_or_create(pk=1, defaults={"engine_key": key})  # one insert wins
+            if not made and not obj.engine_key:  # a row without a key: give it one, unless another just did
+                made = bool(cls.objects.filter(pk=1, engine_key="").update(engine_key=key))
+                obj.refresh_from_db()
+            if made:
+                message = f"engine key created (fingerprint {cls.fingerprint(key)}): every engine requires it"
+                log.info("system engine_key.created: %s", message)
+                Event.objects.create(kind="engine_key.created", actor="system", message=message)
         return obj
+
+    @staticmethod
+    def new_engine_key() -> str:
+        return "lek_" + secrets.token_urlsafe(32)
 
     @staticmethod
     def fingerprint(key: str) -> str:

@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
 
 import redis
-
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from cluster import planner
+from cluster import autoscaler, inflight, notify, planner
 from cluster.events import record
 from cluster.locks import redis_client
 from cluster.memory import estimate
 from cluster.models import ClusterSettings, Model, Node, Replica
-from gateway.runtime import notify_change
+from cluster.planner.scaling import Scaling
 
 log = logging.getLogger("llmgw.reconciler")
 ACTOR = "reconciler"
@@ -28,27 +26,6 @@ DIRTY_KEY = "llmgw:reconcile:dirty"
 LAST_RUN_KEY = "llmgw:reconcile:last"
 LOCK_TTL = 60  # seconds; a run takes well under one
 DEFAULT_PORT_RANGE = (20000, 20999)
-
-
-def node_group(node_pk: int) -> str:
-    return f"agent-node-{node_pk}"
-
-
-def notify_nodes(node_pks, message_type: str = "send.desired") -> None:
-    """After commit, tell each node's agent stream to send its desired list (or another message)."""
-    node_pks = sorted(set(pk for pk in node_pks if pk))
-    if not node_pks:
-        return
-
-    def send():
-        layer = get_channel_layer()
-        for pk in node_pks:
-            try:
-                async_to_sync(layer.group_send)(node_group(pk), {"type": message_type})
-            except Exception as exc:  # the agent gets the full list on its next connect or report anyway
-                log.warning("could not notify node %s: %s", pk, exc)
-
-    transaction.on_commit(send)
 
 
 def take_snapshot(now=None) -> planner.Snapshot:
@@ -77,7 +54,9 @@ def take_snapshot(now=None) -> planner.Snapshot:
         planner.ModelView(
             id=m["id"],
             name=m["name"],
-            replicas=m["replicas"],
+            # an autoscaled model: what its autoscaler last wanted (cluster.autoscaler decides anew before planning)
+            replicas=m["replicas"] if m["min_replicas"] is None else (
+                m["demand__replicas"] if m["demand__replicas"] is not None else m["min_replicas"]),
             memory_bytes=m["memory_bytes"]
             or estimate(m["file__size"], m["file__gguf"] or {}, m["profile__context_size"]),
             engine_kind=m["engine__kind"],
@@ -87,6 +66,9 @@ def take_snapshot(now=None) -> planner.Snapshot:
             failures=m["failures"],
             backoff_until=m["backoff_until"].timestamp() if m["backoff_until"] else None,
             placement_note=m["placement_note"],
+            scaling=None if m["min_replicas"] is None else Scaling(
+                min=m["min_replicas"], max=max(m["max_replicas"] or 0, m["min_replicas"]), target=m["target_inflight"],
+                idle_after=m["idle_after_seconds"], scale_down_delay=m["scale_down_delay_seconds"]),
         )
         for m in Model.objects.values(
             "id",
@@ -103,6 +85,12 @@ def take_snapshot(now=None) -> planner.Snapshot:
             "failures",
             "backoff_until",
             "placement_note",
+            "min_replicas",
+            "max_replicas",
+            "target_inflight",
+            "idle_after_seconds",
+            "scale_down_delay_seconds",
+            "demand__replicas",
         )
     )
     replicas = tuple(
@@ -117,10 +105,11 @@ def take_snapshot(now=None) -> planner.Snapshot:
             gpu_index=r["gpu_index"],
             state_changed_at=r["state_changed_at"].timestamp(),
             reason=r["reason"],
+            waiting_for_room=r["waiting_for_room"],
         )
         for r in Replica.objects.exclude(state__in=Replica.TERMINAL).values(
             "id", "name", "model_id", "node_id", "state", "restart", "memory_bytes", "gpu_index",
-            "state_changed_at", "reason",
+            "state_changed_at", "reason", "waiting_for_room",
         )
     )
     return planner.Snapshot(
@@ -132,15 +121,9 @@ def take_snapshot(now=None) -> planner.Snapshot:
         node_tolerance=settings.LLMGW_NODE_TOLERANCE,
         node_lost_grace=settings.LLMGW_NODE_LOST_GRACE,
         drain_grace=cluster.drain_grace_seconds,
-        inflight=inflight_counts(),
+        inflight=inflight.totals(redis_client()),
+        min_resident=cluster.min_resident_seconds,
     )
-
-
-def inflight_counts() -> dict[str, int]:
-    """Requests in flight per replica, as the web processes count them in Redis."""
-    from gateway.runtime import inflight_totals
-
-    return inflight_totals(redis_client())
 
 
 class _Applier:
@@ -163,7 +146,7 @@ class _Applier:
             self._cluster = ClusterSettings.load()
         return self._cluster
 
-    def free_port(self, node_id: int) -> int | None:
+    def take_port(self, node_id: int) -> int | None:
         """A port of the node's range no live replica of it holds; None when all are taken."""
         used = self._ports.get(node_id)
         if used is None:
@@ -197,12 +180,16 @@ class _Applier:
             "engine_key": ClusterSettings.fingerprint(cluster.engine_key),
         }
 
-    def set_state(self, replica_id: int, state: str, reason: str, **extra) -> Replica | None:
-        updated = Replica.objects.filter(pk=replica_id).exclude(state__in=Replica.TERMINAL)
-        n = updated.update(state=state, reason=reason[:500], state_changed_at=self.now, **extra)
+    def set_state(self, replica_id: int, state: str, reason: str, **extra) -> planner.ReplicaView | None:
+        """Conditional on the state the plan was made from: a state an agent's report wrote meanwhile (it
+        failed, it stopped) is never overwritten; the next run decides again from it."""
+        replica = self.replicas[replica_id]
+        n = Replica.objects.filter(pk=replica_id, state=replica.state).update(
+            state=state, reason=reason[:500], state_changed_at=self.now, **extra
+        )
         if not n:
             return None
-        replica = self.replicas[replica_id]
+        self.replicas[replica_id] = dataclasses.replace(replica, state=state)
         if replica.node_id:
             self.touched_nodes.add(replica.node_id)
         return replica
@@ -231,7 +218,7 @@ class _Applier:
     def on_Create(self, a: planner.Create):
         model = self.model(a.model_id)
         node = self.nodes[a.node_id]
-        port = self.free_port(a.node_id)
+        port = self.take_port(a.node_id)
         if port is None:  # the memory fits but every port is taken: wait unplaced, saying why (not fail the run)
             self.on_Unplaceable(planner.Unplaceable(a.model_id, None, self.no_port_reason(a.node_id), a.memory_bytes))
             return
@@ -252,7 +239,7 @@ class _Applier:
     def on_Assign(self, a: planner.Assign):
         replica = self.replicas[a.replica_id]
         model = self.model(replica.model_id)
-        port = self.free_port(a.node_id)
+        port = self.take_port(a.node_id)
         if port is None:
             reason = self.no_port_reason(a.node_id)
             if reason != replica.reason:
@@ -264,6 +251,7 @@ class _Applier:
             port=port,
             memory_bytes=self.models[replica.model_id].memory_bytes,
             reason="",
+            waiting_for_room=False,
             snapshot=self.snapshot_of(model),
             state_changed_at=self.now,
         )
@@ -282,13 +270,25 @@ class _Applier:
                 model=model,
                 memory_bytes=a.memory_bytes,
                 reason=a.reason[:500],
+                waiting_for_room=a.waiting_for_room,
                 state_changed_at=self.now,
             )
             name = replica.name
         else:
-            Replica.objects.filter(pk=a.replica_id).update(reason=a.reason[:500])
+            Replica.objects.filter(pk=a.replica_id).update(reason=a.reason[:500], waiting_for_room=a.waiting_for_room)
             name = self.replicas[a.replica_id].name
-        record("replica.unplaceable", ACTOR, f"replica {name} cannot be placed: {a.reason}", subject=name)
+        if a.waiting_for_room:
+            record("replica.waiting", ACTOR, f"replica {name} waits for room: {a.reason}", subject=name)
+        else:
+            record("replica.unplaceable", ACTOR, f"replica {name} cannot be placed: {a.reason}", subject=name)
+
+    def on_Evict(self, a: planner.Evict):
+        replica = self.set_state(a.replica_id, Replica.State.DRAINING, a.reason)
+        if replica:
+            model = self.models[replica.model_id]
+            record("replica.evicted", ACTOR, f"replica {replica.name} evicted: {a.reason}", subject=replica.name,
+                   model=model.name, for_model=a.for_model, inflight=a.inflight)
+            autoscaler.evicted(model.id, model.name, f"evicted to make room for model {a.for_model}")
 
     def on_Drain(self, a: planner.Drain):
         replica = self.set_state(a.replica_id, Replica.State.DRAINING, a.reason)
@@ -352,19 +352,23 @@ class _Applier:
 
 
 def reconcile_once() -> int:
-    """One pass: snapshot, plan, apply. Returns how many actions were applied."""
+    """One pass: snapshot, autoscale, plan, apply. Returns how many actions were applied."""
     now = timezone.now()
-    snapshot = take_snapshot(now)
+    snapshot, scaled = autoscaler.scale(take_snapshot(now), redis_client())
     actions = planner.plan(snapshot)
     if not actions:
+        if scaled.states:
+            with transaction.atomic():
+                autoscaler.save(scaled)
         return 0
     with transaction.atomic():
+        autoscaler.save(scaled)
         applier = _Applier(snapshot, now)
         applier.prefetch_models(actions)
         for action in actions:
             applier.apply(action)
-        notify_nodes(applier.touched_nodes)
-        notify_change()
+        notify.desired_changed(applier.touched_nodes)
+        notify.routing_changed()
     return len(actions)
 
 
@@ -394,4 +398,6 @@ def due() -> bool:
     """Beat ticks every second; run when the cluster's interval has passed since the last run."""
     last = redis_client().get(LAST_RUN_KEY)
     interval = ClusterSettings.load().reconcile_interval_seconds
-    return last is None or time.time() - float(last) >= interval
+    # less half a tick: beat's one-second ticks come a little early or late, and a run due in 0.99 s should not
+    # wait a whole tick more
+    return last is None or time.time() - float(last) >= interval - 0.5

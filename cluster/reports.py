@@ -11,11 +11,12 @@ from django.utils import timezone
 
 from agents import protocol
 from cluster.events import kick_reconciler, record
-from cluster.models import ClusterSettings, Model, Node, Replica
+from cluster.models import ClusterSettings, Event, Model, Node, Replica
 
 log = logging.getLogger("llmgw.agents")
 S = Replica.State
 FORWARD = {S.PENDING: 0, S.DOWNLOADING: 1, S.STARTING: 2, S.READY: 3}
+FACTS_EVENT_INTERVAL = 60  # seconds: at most one `node.facts` Event per node this often
 
 
 def node_for_token(token: str) -> Node | None:
@@ -38,9 +39,8 @@ def connected(node_pk: int, address: str) -> Node:
 def disconnected(node_pk: int) -> None:
     with transaction.atomic():
         node = Node.objects.filter(pk=node_pk).first()
-        if node is None or not node.connected:
+        if node is None or not Node.objects.filter(pk=node_pk, connected=True).update(connected=False):
             return
-        Node.objects.filter(pk=node_pk).update(connected=False)
         record("node.disconnected", f"agent:{node.name}", f"node {node.name}: agent stream closed", subject=node.name)
         kick_reconciler()
 
@@ -56,14 +56,18 @@ def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus]) -> 
         node.last_seen, node.connected = now, True
         node.save(update_fields=["facts", "memory_bytes", "last_seen", "connected"])
         if changed:
-            engines = ", ".join(f"{k} {v}".strip() for k, v in sorted(facts["engines"].items())) or "none"
-            record(
-                "node.facts",
-                f"agent:{node.name}",
-                f"node {node.name}: {facts['cpu_count']} CPUs, {facts['memory_bytes'] / 1024**3:.1f} GiB offered, "
-                f"{len(facts['gpus'])} GPU(s), engines: {engines}",
-                subject=node.name,
-            )
+            # At most one Event per node and interval: an agent saying hello with new facts again and again
+            # (a bug, or a stolen token) must not flood the log. The facts themselves are always kept.
+            since = now - timedelta(seconds=FACTS_EVENT_INTERVAL)
+            if not Event.objects.filter(kind="node.facts", subject=node.name, created_at__gte=since).exists():
+                engines = ", ".join(f"{k} {v}".strip() for k, v in sorted(facts["engines"].items())) or "none"
+                record(
+                    "node.facts",
+                    f"agent:{node.name}",
+                    f"node {node.name}: {facts['cpu_count']} CPUs, {facts['memory_bytes'] / 1024**3:.1f} GiB "
+                    f"offered, {len(facts['gpus'])} GPU(s), engines: {engines}",
+                    subject=node.name,
+                )
             kick_reconciler()
         report(node_pk, replicas, full=False)  # in the same transaction: a bad replica list refuses the whole hello
 
@@ -118,26 +122,55 @@ def report(node_pk: int, statuses: list[protocol.ReplicaStatus], full: bool) -> 
             if replica is None:
                 continue  # not ours (any more): it is not in the desired list, so the agent stops it
             seen.add(replica.name)
-            change = _transition(replica, status, now, actor)
+            change = _apply(replica, status, now, actor)
             any_change |= change is not None
             terminal_change |= change in Replica.TERMINAL
         if full:
             for replica in rows.values():
                 if replica.name not in seen and replica.state == S.STOPPING:
-                    _set(replica, S.STOPPED, now, reason=replica.reason)
-                    record("replica.stopped", actor, f"replica {replica.name} stopped", subject=replica.name)
-                    any_change = terminal_change = True
+                    if _set(replica, S.STOPPED, now, reason=replica.reason):
+                        record("replica.stopped", actor, f"replica {replica.name} stopped", subject=replica.name)
+                        any_change = terminal_change = True
         if any_change:
             kick_reconciler()
     return terminal_change
 
 
-def _set(replica: Replica, state: str, now, **fields) -> None:
-    replica.state = state
-    replica.state_changed_at = now
-    for key, value in fields.items():
-        setattr(replica, key, value)
-    replica.save(update_fields=["state", "state_changed_at", *fields])
+class _Raced(Exception):
+    """The replica's state changed since it was read (the reconciler, an operation): decide again from the row."""
+
+
+def _apply(replica: Replica, status: dict, now, actor: str) -> str | None:
+    """The transition the agent's word asks for, decided from the replica's state as it is when written: each
+    write is conditional on the state it was decided from, so a state the reconciler wrote meanwhile
+    (`draining`, `stopping`) is never overwritten by a decision made before it."""
+    for _ in range(5):
+        try:
+            return _transition(replica, status, now, actor)
+        except _Raced:
+            replica = Replica.objects.filter(pk=replica.pk).exclude(state__in=Replica.TERMINAL).first()
+            if replica is None:
+                return None  # over meanwhile (stopped, failed): nothing the agent says changes that
+    log.warning("%s: replica %s kept changing under its report; the next report applies it", actor, replica.name)
+    return None
+
+
+def _set(replica: Replica, state: str, now, **fields) -> bool:
+    """Move the replica from the state it was read in to `state`; False (nothing written) if it is no longer in
+    that state."""
+    updated = Replica.objects.filter(pk=replica.pk, state=replica.state).update(
+        state=state, state_changed_at=now, **fields
+    )
+    if updated:
+        replica.state, replica.state_changed_at = state, now
+        for key, value in fields.items():
+            setattr(replica, key, value)
+    return bool(updated)
+
+
+def _move(replica: Replica, state: str, now, **fields) -> None:
+    if not _set(replica, state, now, **fields):
+        raise _Raced()
 
 
 def _transition(replica: Replica, status: dict, now, actor: str) -> str | None:
@@ -153,13 +186,19 @@ def _transition(replica: Replica, status: dict, now, actor: str) -> str | None:
             raise ValueError(f"pid {extra['pid']} out of range")
     if replica.state == S.STOPPING:
         if new in (S.STOPPED, S.FAILED):
-            _set(replica, S.STOPPED, now, **extra)
+            _move(replica, S.STOPPED, now, **extra)
             record("replica.stopped", actor, f"replica {replica.name} stopped", subject=replica.name)
             return S.STOPPED
         return None
+    if new == S.STOPPED and status.get("on_purpose") is True:
+        # stopped on purpose on the node (`llmgw up` stopping, `service stop --engines`): stopped, not a crash
+        reason = str(status.get("reason") or "stopped on purpose on its node")[:500]
+        _move(replica, S.STOPPED, now, reason=reason, **extra)
+        record("replica.stopped", actor, f"replica {replica.name} stopped: {reason}", subject=replica.name)
+        return S.STOPPED
     if new == S.FAILED or (new == S.STOPPED and replica.state != S.STOPPING):
         reason = str(status.get("reason") or "engine stopped without being asked")[:500]
-        _set(replica, S.FAILED, now, reason=reason, log_tail=str(status.get("log_tail") or "")[-8000:], **extra)
+        _move(replica, S.FAILED, now, reason=reason, log_tail=str(status.get("log_tail") or "")[-8000:], **extra)
         _back_off(replica.model_id, now)
         record("replica.failed", actor, f"replica {replica.name} failed: {reason}", subject=replica.name)
         return S.FAILED
@@ -167,9 +206,9 @@ def _transition(replica: Replica, status: dict, now, actor: str) -> str | None:
         return None  # a draining replica stays draining until it is stopped
     if FORWARD.get(new, -1) <= FORWARD.get(replica.state, -1):
         if extra:
-            Replica.objects.filter(pk=replica.pk).update(**extra)
+            Replica.objects.filter(pk=replica.pk).exclude(state__in=Replica.TERMINAL).update(**extra)
         return None  # no going back (an adopted engine re-checking its health stays ready)
-    _set(replica, new, now, reason="", **extra)
+    _move(replica, new, now, reason="", **extra)
     if new == S.READY:
         Model.objects.filter(pk=replica.model_id).update(failures=0, backoff_until=None)
     where = f" on port {replica.port}" if new == S.STARTING else ""

@@ -1,6 +1,7 @@
 """Roles, as Django groups: admin (everything), operator (changes the cluster), viewer (looks)."""
 
 ROLES = ("admin", "operator", "viewer")
+WRITE_ROLES = frozenset({"admin", "operator"})  # may change the cluster; a viewer only looks
 
 
 def role_of(user) -> str | None:
@@ -13,3 +14,8 @@ def role_of(user) -> str | None:
         if role in names:
             return role
     return None
+
+
+def can_change(user) -> bool:
+    """Whether this user may change the cluster (the REST API, the dashboard's buttons, the mirror's files)."""
+    return role_of(user) in WRITE_ROLES

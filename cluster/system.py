@@ -2,7 +2,7 @@
 
 1. Each connected agent, one at a time, is sent `restart_agent`; it re-executes itself, adopts its engines
    (they never stop) and connects again. The next agent goes once this one is back.
-2. Each control-plane process (llmgw.control) is told over Redis to restart, one at a time, each once the one
+2. Each control-plane process (cluster.control) is told over Redis to restart, one at a time, each once the one
    before is back: web processes first (with two behind a proxy, one always answers), then beat, then the
    workers, and last the process running the restart, if it is one of them (the worker of the API's task).
 
@@ -17,30 +17,37 @@ import time
 from collections.abc import Callable, Iterator
 
 import redis
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
+from celery import current_app
 from django.utils import timezone
 
+from cluster import control, notify
+from cluster.errors import Conflict, Unavailable
 from cluster.events import record
 from cluster.locks import redis_client
 from cluster.models import Event, Node
-from cluster.operations import OperationError
-from cluster.reconciler import node_group
-from llmgw import control
 
 LOCK = "llmgw:system:restart"
+QUEUED = "llmgw:system:restart:queued"  # a restart asked for and not yet begun (a worker takes it soon)
+QUEUED_TTL = 120  # seconds: a queued restart no worker took (the broker was away) stops blocking the next
+RESTART_TASK = "cluster.tasks.restart_system"  # sent by name: the tasks module sits above this one
 AGENT_TIMEOUT = 60.0
 PROCESS_TIMEOUT = 90.0
 
 
 def queue_restart(actor: str) -> None:
     """Have a worker run the restart (the API's and the dashboard's way: the request returns at once and the
-    steps appear as Events). OperationError while one runs."""
-    from cluster.tasks import restart_system as task
-
-    if redis_client().exists(LOCK):
-        raise OperationError("a system restart is already running; watch it in the events")
-    task.delay(actor)
+    steps appear as Events). OperationError while one runs or one is queued: a second click queues nothing."""
+    r = redis_client()
+    if r.exists(LOCK):
+        raise Conflict("a system restart is already running; watch it in the events")
+    if not r.set(QUEUED, actor, nx=True, ex=QUEUED_TTL):  # the claim: of two at once, one queues
+        raise Conflict("a system restart is already queued; watch it in the events")
+    try:
+        current_app.send_task(RESTART_TASK, args=[actor])
+    except Exception as exc:
+        r.delete(QUEUED)
+        raise Unavailable(f"could not queue the system restart: the broker did not take it ({exc})") from None
+    record("system.restart_queued", actor, "system restart queued: a worker runs it; its steps follow as events")
 
 
 def restart_system(
@@ -55,7 +62,8 @@ def restart_system(
     OperationError while another runs."""
     lock = redis_client().lock(LOCK, timeout=3600, blocking=False)
     if not lock.acquire():
-        raise OperationError("a system restart is already running; watch it with: llmgw ctl events")
+        raise Conflict("a system restart is already running; watch it with: llmgw ctl events")
+    redis_client().delete(QUEUED)  # begun: a new one may be queued for after it
     try:
         return _restart(actor, report, agent_timeout, process_timeout, me)
     finally:
@@ -83,11 +91,10 @@ def _restart_agents(actor: str, timeout: float, outcome: dict) -> Iterator[str]:
     nodes = list(Node.objects.filter(connected=True).order_by("name"))
     if not nodes:
         yield "agents: none connected"
-    layer = get_channel_layer()
     for node in nodes:
         since = timezone.now()
         record("agent.restart", actor, f"agent of node {node.name} asked to restart; its engines keep serving", subject=node.name)
-        async_to_sync(layer.group_send)(node_group(node.pk), {"type": "send.restart_agent"})
+        notify.restart_agent(node.pk)
         yield f"agent {node.name}: asked to restart"
         started = time.monotonic()
         back = _wait(lambda: Event.objects.filter(kind="node.connected", subject=node.name, created_at__gt=since).exists(), timeout)

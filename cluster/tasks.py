@@ -1,9 +1,18 @@
+"""The Celery tasks: beat's reconcile tick, the reconciler kicked after a change, the system restart from the API.
+
+The top of the domain: nothing in it imports this module; the work is sent to these tasks by name."""
+
+import os
+import socket
+
 from celery import shared_task
 
-from cluster import reconciler
+from cluster import control, reconciler, system
+from cluster.errors import OperationError
+from cluster.events import RECONCILE_TASK
 
 
-@shared_task(name="cluster.tasks.reconcile", ignore_result=True)
+@shared_task(name=RECONCILE_TASK, ignore_result=True)
 def reconcile():
     return reconciler.reconcile()
 
@@ -14,16 +23,9 @@ def reconcile_tick():
         reconciler.reconcile()
 
 
-@shared_task(name="cluster.tasks.restart_system", ignore_result=True)
+@shared_task(name=system.RESTART_TASK, ignore_result=True)
 def restart_system(actor: str):
     """`POST /api/v1/system/restart/`: the whole restart, from a worker; this worker restarts last."""
-    import os
-    import socket
-
-    from cluster import system
-    from cluster.operations import OperationError
-    from llmgw import control
-
     # the worker registers from its main process; a prefork pool runs this task in a child of it
     mine = {control.process_id("worker"), f"worker@{socket.gethostname()}:{os.getppid()}"}
     me = next((p.id for p in control.processes() if p.id in mine), None)

@@ -4,8 +4,6 @@ fails when a `ctl` subcommand is missing here or a button or endpoint does not r
 
 from __future__ import annotations
 
-import argparse
-
 # CLI command -> (dashboard URL name, "METHOD /api/v1/... endpoint")
 COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("overview", "GET /api/v1/system/status/"),
@@ -40,21 +38,3 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ctl usage": ("keys", "GET /api/v1/usage/"),
     "ctl events": ("events", "GET /api/v1/events/"),
 }
-
-
-def ctl_subcommands() -> list[str]:
-    """Every leaf of `llmgw ctl`, e.g. "ctl model add", from the CLI's own parser."""
-    from llmgw.cli.commands import build
-
-    parser = argparse.ArgumentParser()
-    build(parser)
-
-    def walk(p, prefix):
-        for a in p._actions:
-            if isinstance(a, argparse._SubParsersAction):
-                for name, sub in a.choices.items():
-                    yield from walk(sub, [*prefix, name])
-                return
-        yield " ".join(prefix)
-
-    return [c for c in walk(parser, []) if c.startswith("ctl ")]

@@ -1,25 +1,30 @@
-"""The browser's websocket (`/ws/dashboard/`): which kinds of things changed, for a logged-in user's pages."""
+"""The browser's websocket (`/ws/dashboard/`): which kinds of things changed, for a logged-in user's pages.
 
-from urllib.parse import urlsplit
+Every Event (cluster.events.record) sends, after its transaction commits, one `dashboard.changed` per
+transaction to the `dashboard` group (cluster.notify) with the Event kinds' families (`replica`, `node`,
+`model`, `system`, ...). This consumer passes them on; the page's partials that show a family fetch themselves
+again (htmx). The pages also refresh on a slow timer, so a lost message costs nothing.
+"""
 
 from channels.auth import AuthMiddlewareStack
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from channels.security.websocket import WebsocketDenier
 
-from dashboard.live import GROUP
+from cluster.clients import same_origin
+from cluster.notify import DASHBOARD_GROUP, StopsCleanly
 
 
-class DashboardConsumer(AsyncJsonWebsocketConsumer):
+class DashboardConsumer(StopsCleanly, AsyncJsonWebsocketConsumer):
     async def connect(self):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated or not user.is_active:
             await self.close(code=4401)  # the page's script sends the browser to the login page
             return
-        await self.channel_layer.group_add(GROUP, self.channel_name)
+        await self.channel_layer.group_add(DASHBOARD_GROUP, self.channel_name)
         await self.accept()
 
     async def disconnect(self, code):
-        await self.channel_layer.group_discard(GROUP, self.channel_name)
+        await self.channel_layer.group_discard(DASHBOARD_GROUP, self.channel_name)
 
     async def receive_json(self, content, **kwargs):
         pass  # the browser only listens
@@ -29,17 +34,15 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
 
 
 class SameOrigin:
-    """Only pages this server served may open the socket: the Origin header must name the host the browser
-    connected to (a page elsewhere cannot listen with the user's session cookie). Checked before the session
-    is looked up."""
+    """Only pages this server served may open the socket: the Origin header must name the scheme, host and port
+    the browser connected with, and the host must be an allowed one (a page elsewhere cannot listen with the
+    user's session cookie; an http page not to a wss socket). Checked before the session is looked up."""
 
     def __init__(self, application):
         self.application = application
 
     async def __call__(self, scope, receive, send):
-        headers = dict(scope.get("headers") or [])
-        origin = headers.get(b"origin", b"").decode("latin-1")
-        if origin and urlsplit(origin).netloc == headers.get(b"host", b"").decode("latin-1"):
+        if same_origin(scope):
             return await self.application(scope, receive, send)
         return await WebsocketDenier()(scope, receive, send)
 

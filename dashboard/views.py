@@ -15,7 +15,7 @@ from datetime import timedelta
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db.models import Count, Q, Sum
+from django.db.models import Count
 from django.http import HttpResponse, HttpResponseForbidden
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -23,22 +23,19 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from agents.facts import parse_size
-from cluster import operations
+from agents.units import parse_duration
+from cluster import operations, queries
 from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Profile, Replica
 from cluster.operations import OperationError
-from cluster.roles import role_of
+from cluster.roles import WRITE_ROLES, can_change, role_of
+from gateway import operations as gateway_operations
 from gateway.models import ApiKey
 
-WRITE_ROLES = ("operator", "admin")
 PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirror", "keys", "events", "settings")
 
 
 def _actor(request) -> str:
     return f"user:{request.user.username}"
-
-
-def _can_change(request) -> bool:
-    return role_of(request.user) in WRITE_ROLES
 
 
 # What each page shows
@@ -47,17 +44,20 @@ def _can_change(request) -> bool:
 def _overview(request) -> dict:
     from cluster.locks import redis_client
     from dashboard.charts import traffic_charts
-    from gateway.accounting import traffic
+    from gateway.accounting import first_chunk_percentiles, traffic
 
     try:
-        charts = traffic_charts(traffic(redis_client(), 60))
+        redis = redis_client()
+        charts = traffic_charts(traffic(redis, 60))
+        first_chunk = first_chunk_percentiles(redis)
     except Exception:  # Redis away: the page still shows the cluster
-        charts = []
+        charts, first_chunk = [], None
     status = operations.cluster_status()
     counts = status["replicas"]  # running replicas by state
     states = [(s, counts.get(s, 0)) for s in (Replica.State.PENDING, Replica.State.DOWNLOADING, Replica.State.STARTING,
                                                  Replica.State.READY, Replica.State.DRAINING, Replica.State.STOPPING)]
     return {"status": status, "states": states, "models_total": len(status["models"]), "charts": charts,
+            "ttft": first_chunk and {"count": first_chunk["count"], "p50": first_chunk[0.5], "p95": first_chunk[0.95]},
             "failed_recently": Replica.objects.filter(
                 state=Replica.State.FAILED, state_changed_at__gte=timezone.now() - timedelta(hours=1)).count()}
 
@@ -87,53 +87,45 @@ class Bar:
 
 
 def _nodes(request) -> dict:
-    from cluster.api.views import NodeViewSet
-
     now = timezone.now()
-    running = Replica.objects.filter(state__in=Replica.RUNNING)
-    used = dict(running.values_list("node_id").annotate(b=Sum("memory_bytes")))
-    gpu_used: dict[tuple[int, int], int] = {}
-    for node_id, gpu, size in running.exclude(gpu_index=None).values_list("node_id", "gpu_index", "memory_bytes"):
-        gpu_used[(node_id, gpu)] = gpu_used.get((node_id, gpu), 0) + size
+    nodes = list(queries.nodes_with_counts())
+    used = queries.memory_in_use(nodes)
     rows = []
-    for node in NodeViewSet().get_queryset():
+    for node in nodes:
         total = int(node.facts.get("memory_total_bytes") or node.memory_bytes)
         offered = node.memory_bytes
+        gpu_used = used.gpus(node.pk, len(node.gpus))
         gpus = [{"index": g.get("index", i), "name": g.get("name", ""),
-                 "bar": Bar(int(g.get("memory_bytes") or 0), gpu_used.get((node.pk, g.get("index", i)), 0))}
-                for i, g in enumerate(node.facts.get("gpus") or [])]
+                 "bar": Bar(int(g.get("memory_bytes") or 0), gpu_used[i])}
+                for i, g in enumerate(node.gpus)]
         rows.append({
             "node": node, "alive": node.is_alive(now), "drain": node.drain_state(node.replica_count) or "",
-            "memory": Bar(total, used.get(node.pk, 0), max(total - offered, 0)), "gpus": gpus,
+            "memory": Bar(total, used.ram(node.pk), max(total - offered, 0)), "gpus": gpus,
         })
     server = (settings.LLMGW_PUBLIC_URL or request.build_absolute_uri("/")).rstrip("/")
     return {"rows": rows, "server": server}
 
 
 def _models(request) -> dict:
-    from cluster.api.views import _with_replica_counts
-
-    models = list(_with_replica_counts(Model.objects.select_related("file", "engine", "profile")).order_by("name"))
+    models = list(queries.models_with_counts())
     replicas: dict[int, list[Replica]] = {}
     for r in Replica.objects.exclude(state__in=Replica.TERMINAL).select_related("node").defer("log_tail").order_by("name"):
         replicas.setdefault(r.model_id, []).append(r)
     for m in models:
         m.live = replicas.get(m.pk, [])
+        m.scaling = queries.scaling_shown(m)
     return {
         "models": models,
         "files": ModelFile.objects.order_by("name"),
         "engines": EngineVersion.objects.order_by("name"),
         "profiles": Profile.objects.order_by("name"),
+        "routings": Model.Routing.values,
     }
 
 
 def _replicas(request) -> dict:
     show_over = request.GET.get("over") == "1"
-    rows = Replica.objects.select_related("model__profile", "model__engine", "model__file", "node").order_by(
-        "model__name", "name")
-    if not show_over:
-        since = timezone.now() - timedelta(minutes=10)
-        rows = rows.filter(~Q(state__in=Replica.TERMINAL) | Q(state=Replica.State.FAILED, state_changed_at__gte=since))
+    rows = queries.replicas_listed(include_over=show_over).order_by("model__name", "name")
     cluster = ClusterSettings.load()
     now = timezone.now()
     out = []
@@ -163,7 +155,7 @@ def _keys(request) -> dict:
     keys = list(ApiKey.objects.order_by("name"))
     since = timezone.now() - timedelta(days=1)
     usage: dict[str, dict] = {}
-    for row in operations.usage_report(since=since):
+    for row in gateway_operations.usage_report(since=since):
         u = usage.setdefault(row["key"], {"requests": 0, "tokens": 0})
         u["requests"] += row["requests"]
         u["tokens"] += row["prompt_tokens"] + row["completion_tokens"]
@@ -219,7 +211,7 @@ def action(page: str):
         @login_required
         @require_POST
         def run(request, *args, **kwargs):
-            if not _can_change(request):
+            if not can_change(request.user):
                 return HttpResponseForbidden(
                     "your role may only look: changing the cluster needs the operator or admin role",
                     content_type="text/plain")
@@ -268,6 +260,16 @@ def _size(request, field: str, label: str):
         return None
     try:
         return parse_size(raw)
+    except ValueError as exc:
+        raise FormError(f"{label}: {exc}") from None
+
+
+def _duration(request, field: str, label: str):
+    raw = request.POST.get(field, "").strip()
+    if not raw:
+        return None
+    try:
+        return parse_duration(raw)
     except ValueError as exc:
         raise FormError(f"{label}: {exc}") from None
 
@@ -325,9 +327,13 @@ def node_undrain(request, name: str):
 
 def _model_fields(request) -> dict:
     values = {}
-    for field, label in (("replicas", "replicas"), ("wait_seconds", "wait")):
+    for field, label in (("replicas", "replicas"), ("wait_seconds", "wait"), ("min_replicas", "min replicas"),
+                         ("max_replicas", "max replicas"), ("target_inflight", "target in flight")):
         if request.POST.get(field, "").strip():
             values[field] = _int(request, field, label)
+    for field, label in (("idle_after", "idle after"), ("scale_down_delay", "scale-down delay")):
+        if request.POST.get(field, "").strip():
+            values[f"{field}_seconds"] = _duration(request, field, label)
     for field in ("engine", "profile"):
         if request.POST.get(field, "").strip():
             values[field] = request.POST[field].strip()
@@ -335,6 +341,11 @@ def _model_fields(request) -> dict:
         values["memory_bytes"] = _size(request, "memory", "memory")
     if "nodes" in request.POST:
         values["nodes"] = _names(request, "nodes")
+    raw = request.POST.get("max_tokens", "").strip()
+    if raw:
+        values["max_tokens"] = None if raw.lower() == "none" else _int(request, "max_tokens", "max tokens")
+    if request.POST.get("routing", "").strip():
+        values["routing"] = request.POST["routing"].strip()  # the operation refuses one it does not know
     return values
 
 
@@ -344,7 +355,7 @@ def model_add(request):
     name = request.POST.get("name", "").strip()
     model = operations.add_model(name, _actor(request), file=request.POST.get("file", "").strip(),
                                  engine=values.pop("engine", ""), **values)
-    return f"model {model.name} added: {model.replicas} replica(s) being placed"
+    return f"model {model.name} added: {model.scaling_text()}"
 
 
 @action("models")
@@ -462,17 +473,18 @@ def key_create(request):
         if not 1 <= days <= 36500:
             raise FormError("expires in days: from 1 to 36500")
         expires = timezone.now() + timedelta(days=days)
-    key, secret = operations.create_key(
+    key, secret = gateway_operations.create_key(
         request.POST.get("name", "").strip(), _actor(request), models=_names(request, "models"),
         rpm=_int(request, "rpm", "requests per minute", blank_ok=True),
-        tpm=_int(request, "tpm", "tokens per minute", blank_ok=True), expires_at=expires)
+        tpm=_int(request, "tpm", "tokens per minute", blank_ok=True), expires_at=expires,
+        max_tokens=_int(request, "max_tokens", "max tokens per completion", blank_ok=True))
     return f"key {key.name} created; copy it now, it is not shown again", {
         "once": {"label": f"key {key.name}", "value": secret}}
 
 
 @action("keys")
 def key_revoke(request, name: str):
-    operations.revoke_key(name, _actor(request))
+    gateway_operations.revoke_key(name, _actor(request))
     return f"key {name} revoked"
 
 
@@ -495,5 +507,6 @@ def settings_set(request):
     operations.set_settings(
         _actor(request),
         drain_grace_seconds=_int(request, "drain_grace_seconds", "drain grace", blank_ok=True),
-        reconcile_interval_seconds=_int(request, "reconcile_interval_seconds", "reconcile interval", blank_ok=True))
+        reconcile_interval_seconds=_int(request, "reconcile_interval_seconds", "reconcile interval", blank_ok=True),
+        min_resident_seconds=_int(request, "min_resident_seconds", "minimum residency", blank_ok=True))
     return "settings saved"

@@ -5,21 +5,26 @@
   refused while the key's tokens this minute are at or over its limit.
 - Usage per key, model and hour, and each key's last use, gather in this process and go to Redis every second;
   a Celery beat task moves them into the database.
-- Traffic per minute, all keys and web processes together (requests, 5xx answers, tokens), for the dashboard's
-  charts: gathered the same way into one Redis hash per minute (`llmgw:traffic:MINUTE`), kept for two hours.
+- Traffic per minute, all keys and web processes together (requests, 5xx answers, tokens, and streamed
+  requests' times to first chunk as counts per histogram bucket), for the dashboard's charts and its TTFT
+  percentiles: gathered the same way into one Redis hash per minute (`llmgw:traffic:MINUTE`), kept for two
+  hours.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import defaultdict
 
 from gateway.errors import GatewayError
+from gateway.metrics import BUCKETS
 
 USAGE_HASH = "llmgw:usage"
 LAST_USED_HASH = "llmgw:keys:last_used"
 TRAFFIC = "llmgw:traffic:"  # + the minute (Unix time // 60): a hash of requests, errors, tokens
 TRAFFIC_KEEP = 2 * 3600
+FIRST_CHUNK_FIELD = "ttft:"  # + the bucket's index in BUCKETS (len(BUCKETS): above the last), in a traffic hash
 
 
 def _minute(now: float) -> int:
@@ -63,13 +68,18 @@ class Ledger:
         self.usage: dict[tuple[int, int, str], list[int]] = defaultdict(lambda: [0, 0, 0])
         self.last_used: dict[int, float] = {}
         self.traffic: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+        self.first_chunks: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # minute -> bucket -> n
 
-    def count(self, status: int, tokens: int, now: float | None = None) -> None:
-        """One answered request in this minute's traffic; a 5xx answer counts as an error."""
-        row = self.traffic[_minute(now or time.time())]
+    def count(self, status: int, tokens: int, now: float | None = None, first_chunk: float | None = None) -> None:
+        """One answered request in this minute's traffic; a 5xx answer counts as an error, and a stream's time
+        to its first chunk goes into its bucket."""
+        minute = _minute(now or time.time())
+        row = self.traffic[minute]
         row[0] += 1
         row[1] += status >= 500
         row[2] += tokens
+        if first_chunk is not None:
+            self.first_chunks[minute][bisect.bisect_left(BUCKETS, first_chunk)] += 1
 
     def add(self, key_id: int, model: str, prompt: int, completion: int, now: float | None = None) -> None:
         now = now or time.time()
@@ -85,6 +95,7 @@ class Ledger:
         usage, self.usage = self.usage, defaultdict(lambda: [0, 0, 0])
         last_used, self.last_used = self.last_used, {}
         traffic, self.traffic = self.traffic, defaultdict(lambda: [0, 0, 0])
+        first_chunks, self.first_chunks = self.first_chunks, defaultdict(lambda: defaultdict(int))
         try:
             # MULTI/EXEC: all of it arrives or none, so what a failed flush keeps for the next is not counted twice
             async with redis.pipeline(transaction=True) as pipe:
@@ -100,12 +111,18 @@ class Ledger:
                     pipe.hincrby(TRAFFIC + str(minute), "errors", errors)
                     pipe.hincrby(TRAFFIC + str(minute), "tokens", tokens)
                     pipe.expire(TRAFFIC + str(minute), TRAFFIC_KEEP)
+                for minute, buckets in first_chunks.items():
+                    for bucket, n in buckets.items():
+                        pipe.hincrby(TRAFFIC + str(minute), f"{FIRST_CHUNK_FIELD}{bucket}", n)
                 await pipe.execute()
         except BaseException:  # Redis away: keep the counts for the next flush instead of losing them
-            self._keep(usage, last_used, traffic)
+            self._keep(usage, last_used, traffic, first_chunks)
             raise
 
-    def _keep(self, usage, last_used, traffic=None) -> None:
+    def _keep(self, usage, last_used, traffic=None, first_chunks=None) -> None:
+        for minute, buckets in (first_chunks or {}).items():
+            for bucket, n in buckets.items():
+                self.first_chunks[minute][bucket] += n
         for minute, counts in (traffic or {}).items():
             row = self.traffic[minute]
             for i, n in enumerate(counts):
@@ -133,3 +150,39 @@ def traffic(redis, minutes: int = 60, now: float | None = None) -> list[dict]:
         out.append({"minute": minute, "requests": values.get("requests", 0), "errors": values.get("errors", 0),
                     "tokens": values.get("tokens", 0)})
     return out
+
+
+def first_chunk_percentiles(redis, quantiles=(0.5, 0.95), minutes: int = 60, now: float | None = None) -> dict:
+    """Streamed requests' time to first chunk over the last `minutes` whole minutes, every web process together:
+    {"count": n, 0.5: seconds, 0.95: seconds} (None where nothing streamed), each quantile read off the buckets as
+    Prometheus' histogram_quantile does: linear within the bucket it falls in."""
+    last = _minute(now or time.time()) - 1
+    with redis.pipeline(transaction=False) as pipe:
+        for minute in range(last - minutes + 1, last + 1):
+            pipe.hgetall(TRAFFIC + str(minute))
+        rows = pipe.execute()
+    counts = [0] * (len(BUCKETS) + 1)
+    for row in rows:
+        for field, n in (row or {}).items():
+            field = field.decode() if isinstance(field, bytes) else field
+            if field.startswith(FIRST_CHUNK_FIELD):
+                index = int(field[len(FIRST_CHUNK_FIELD):])
+                if 0 <= index < len(counts):
+                    counts[index] += int(n)
+    total = sum(counts)
+    out: dict = {"count": total}
+    for q in quantiles:
+        out[q] = _quantile(counts, total, q) if total else None
+    return out
+
+
+def _quantile(counts: list[int], total: int, q: float) -> float:
+    rank, seen = q * total, 0
+    for index, n in enumerate(counts):
+        if n and seen + n >= rank:
+            if index == len(BUCKETS):  # above the last bound: that bound is all that can be said
+                return BUCKETS[-1]
+            low = BUCKETS[index - 1] if index else 0.0
+            return low + (BUCKETS[index] - low) * (rank - seen) / n
+        seen += n
+    return BUCKETS[-1]

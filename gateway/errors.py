@@ -1,12 +1,15 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "code"}}. Never a 500, never an HTML page."""
 
-from django.http import JsonResponse
+import json
+
+from gateway.http import Answer, json_answer
 
 TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     502: "api_error",
@@ -20,24 +23,23 @@ class GatewayError(Exception):
         super().__init__(message)
         self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
 
-    def response(self) -> JsonResponse:
+    def response(self) -> Answer:
         return error_response(self.status, self.code, self.message, self.retry_after)
 
     def event(self) -> bytes:
         """The same error as a server-sent event, for a stream that already began."""
-        import json
-
-        body = {"error": {"message": self.message, "type": TYPES.get(self.status, "api_error"), "code": self.code}}
-        return f"data: {json.dumps(body)}\n\n".encode()
+        return f"data: {json.dumps(_body(self.status, self.code, self.message))}\n\n".encode()
 
 
-def error_response(status: int, code: str, message: str, retry_after: int | None = None) -> JsonResponse:
-    response = JsonResponse(
-        {"error": {"message": message, "type": TYPES.get(status, "api_error"), "code": code}}, status=status
-    )
+def _body(status: int, code: str, message: str) -> dict:
+    return {"error": {"message": message, "type": TYPES.get(status, "api_error"), "code": code}}
+
+
+def error_response(status: int, code: str, message: str, retry_after: int | None = None) -> Answer:
+    answer = json_answer(_body(status, code, message), status)
     if retry_after is not None:
-        response["Retry-After"] = str(max(1, int(retry_after)))
-    return response
+        answer["Retry-After"] = str(max(1, int(retry_after)))
+    return answer
 
 
 def invalid(message: str) -> GatewayError:

@@ -1,136 +1,148 @@
-"""The ASGI handler for /v1/ and /metrics: Django's, without what a browser request needs and the gateway does not.
+"""The ASGI application for /v1/ and /metrics: the gateway's own, not Django's request handling.
 
-Django's `ASGIHandler` wraps every request in an asgiref `ThreadSensitiveContext` (a fresh thread pool per
-request, started and joined around it), sends `request_started` and `request_finished` (their database
-receivers run in that pool), and spools the body to a temporary file. For a proxy answering in a millisecond
-those thread hops were most of its CPU time. This handler keeps Django's request, URL resolution, views and
-responses, and the cancellation of a view when the client disconnects; it drops
+Django's `ASGIHandler` wraps every request in an asgiref `ThreadSensitiveContext` (a thread pool per request),
+sends `request_started` and `request_finished`, runs the middleware, resolves the URL against every pattern,
+builds an HttpRequest (META, a file for the body) and an HttpResponse, and watches for a disconnect with a task
+of its own beside one for the view. For a proxy answering in a fraction of a millisecond that was most of its
+CPU time (bench/gateway.py). This application reads the body into memory (a larger one than
+`LLMGW_MAX_BODY_BYTES` is refused with 413 as soon as it passes the limit), finds the view by its path
+(`gateway.urls`), hands it a `gateway.http.Request` and sends the `Answer` or `Streamed` it returns. The views
+touch the database only through `channels.db.database_sync_to_async`, which closes stale connections itself.
 
-- the middleware (sessions, CSRF, the auth user, messages: the gateway authenticates each request by its key);
-- the per-request thread pool and the two signals: the gateway's views touch the database only through
-  `channels.db.database_sync_to_async`, which closes stale connections itself;
-- the temporary file: the body is read into memory up to `LLMGW_MAX_BODY_BYTES`, and a larger one is refused
-  with 413 as soon as it passes the limit, without reading the rest.
+A client that hangs up while its request runs cancels the view (and with it the upstream request, so the engine
+stops generating), whether the answer is still being computed or already streaming.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 
 from django.conf import settings
-from django.core.exceptions import RequestAborted
-from django.core.handlers.asgi import ASGIHandler, get_script_prefix
-from django.core.handlers.exception import convert_exception_to_response
-from django.urls import set_script_prefix
 
 from gateway.errors import error_response
+from gateway.http import Request
 
-GATEWAY_PREFIXES = ("/v1/", "/metrics")
+GATEWAY_PREFIXES = ("/v1", "/metrics")  # and whatever follows (/v1x, /metrics/): a JSON 404, never a page
+
+View = Callable[..., Awaitable]
 
 
 class BodyTooLarge(Exception):
     pass
 
 
-class GatewayHandler(ASGIHandler):
-    def load_middleware(self, is_async=False):
-        self._view_middleware = []
-        self._template_response_middleware = []
-        self._exception_middleware = []
-        self._middleware_chain = convert_exception_to_response(self._get_response_async)
+class HungUp(Exception):
+    pass
+
+
+class GatewayHandler:
+    def __init__(self, resolve: Callable[[str], tuple[View, dict]]):
+        self.resolve = resolve
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             raise ValueError(f"the gateway serves HTTP only, not {scope['type']}")
-        await self.handle(scope, receive, send)
-
-    async def handle(self, scope, receive, send):
         try:
-            body_file = await self.read_body(receive)
-        except RequestAborted:
+            body = await read_body(receive)
+        except HungUp:
             return
         except BodyTooLarge:
             limit = settings.LLMGW_MAX_BODY_BYTES
-            await self.send_response(
-                error_response(413, "request_too_large", f"the request body is over {limit} bytes"), send
-            )
+            await send_answer(error_response(413, "request_too_large", f"the request body is over {limit} bytes"), send)
             return
-        set_script_prefix(get_script_prefix(scope))
-        request, early = self.create_request(scope, body_file)
-        if request is None:
-            await self.send_response(early, send)
-            return
-
-        async def process_request():
-            response = await self.run_get_response(request)
-            try:
-                await self.send_response(response, send)
-            except asyncio.CancelledError:
-                pass  # the client went away while the answer was going out
-
-        # as Django's handler does: a disconnect while the view runs cancels it (and its upstream request)
-        tasks = [
-            asyncio.create_task(self.listen_for_disconnect(receive)),
-            asyncio.create_task(process_request()),
-        ]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in tasks:
-            if task.done():
-                try:
-                    task.result()
-                except RequestAborted:
-                    pass
-            else:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-
-    async def read_body(self, receive):
-        limit = settings.LLMGW_MAX_BODY_BYTES
-        body = io.BytesIO()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise RequestAborted()
-            chunk = message.get("body", b"")
-            if chunk:
-                if body.tell() + len(chunk) > limit:
-                    raise BodyTooLarge()
-                body.write(chunk)
-            if not message.get("more_body", False):
-                break
-        body.seek(0)
-        return body
-
-    async def send_response(self, response, send):
-        """Django's, for the responses the gateway gives (no cookies, no files), and with no sync `close()`."""
-        headers = [
-            (header.encode("ascii") if isinstance(header, str) else header, value.encode("latin1") if isinstance(value, str) else value)
-            for header, value in response.items()
-        ]
+        view, kwargs = self.resolve(scope.get("path", ""))
+        request = Request.from_scope(scope, body)
+        watch = Watch(receive)
         try:
-            await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-            if response.streaming:
-                async with aclosing(aiter(response)) as content:
-                    async for part in content:
-                        await send({"type": "http.response.body", "body": part, "more_body": True})
-                await send({"type": "http.response.body"})
-            else:
-                await send({"type": "http.response.body", "body": response.content})
+            answer = await view(request, **kwargs)
+            await send_answer(answer, send)
+        except asyncio.CancelledError:
+            if not watch.hung_up:
+                raise  # the server is stopping this request, not the client
+            watch.task.uncancel()  # the client left: its request ends here, and so does the cancellation
         finally:
-            settle = getattr(response, "settle", None)  # a gateway stream: its upstream and in-flight count
-            if settle is not None:
-                settle(499)  # a no-op when the stream already ended its own way
+            watch.stop()
+
+
+class Watch:
+    """Cancels the request when its client hangs up. The only message left to receive once the body is read is
+    the disconnect, and only a task waiting on `receive` hears it; most requests are answered long before a
+    client could hang up, so that task starts only once a request has run for WATCH_AFTER seconds (a timer
+    costs a fraction of a task)."""
+
+    WATCH_AFTER = 0.05
+
+    def __init__(self, receive):
+        self.receive = receive
+        self.task = asyncio.current_task()
+        self.hung_up = False
+        self.watcher: asyncio.Task | None = None
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_later(self.WATCH_AFTER, self._start)
+
+    def _start(self) -> None:
+        self.watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                self.hung_up = True
+                self.task.cancel()
+                return
+
+    def stop(self) -> None:
+        self.timer.cancel()
+        if self.watcher is not None:
+            self.watcher.cancel()
+
+
+async def read_body(receive) -> bytes:
+    limit = settings.LLMGW_MAX_BODY_BYTES
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        raise HungUp()
+    body = message.get("body", b"")
+    if not message.get("more_body", False):
+        if len(body) > limit:
+            raise BodyTooLarge()
+        return body
+    parts = [body]
+    size = len(body)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise HungUp()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge()
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def send_answer(answer, send) -> None:
+    try:
+        await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
+        if answer.streaming:
+            async with aclosing(answer.chunks) as chunks:
+                async for part in chunks:
+                    await send({"type": "http.response.body", "body": part, "more_body": True})
+            await send({"type": "http.response.body"})
+        else:
+            await send({"type": "http.response.body", "body": answer.body})
+    finally:
+        if answer.streaming:
+            answer.settle(499)  # its upstream and in-flight count, however the stream ended
 
 
 def http_router(django_app, gateway_app):
     async def route(scope, receive, send):
         path = scope.get("path", "")
-        app = gateway_app if path.startswith(GATEWAY_PREFIXES) or path == "/v1" else django_app
+        app = gateway_app if path.startswith(GATEWAY_PREFIXES) else django_app
         return await app(scope, receive, send)
 
     return route

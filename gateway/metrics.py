@@ -2,10 +2,53 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
-BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+UNKNOWN_MODEL = "unknown"  # the label of every model name llmgw does not serve
+# LLM latencies: a cached prompt's first token in tens of milliseconds, a cold long prompt's in seconds, a long
+# completion in minutes; the bounds are dense where TTFT objectives sit (0.1 to 2 s) and reach 10 minutes
+BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600)
+ATTEMPT_BUCKETS = (1, 2, 3, 4, 5, 8)
 
 REQUESTS = Counter("llmgw_requests_total", "Requests through the gateway", ["model", "status", "replica"])
 LATENCY = Histogram("llmgw_request_seconds", "Whole request time", ["model"], buckets=BUCKETS)
 FIRST_TOKEN = Histogram("llmgw_time_to_first_chunk_seconds", "Time to the first streamed chunk", ["model"], buckets=BUCKETS)
+WAITED = Histogram("llmgw_replica_wait_seconds", "Time a request waited for a ready replica (0: one was ready)",
+                   ["model"], buckets=(0.001, *BUCKETS))
+ATTEMPTS = Histogram("llmgw_upstream_attempts", "Replicas a request was sent to (more than 1: it failed over)",
+                     ["model"], buckets=ATTEMPT_BUCKETS)
 INFLIGHT = Gauge("llmgw_inflight_requests", "Requests in flight in this process", ["model"])
 TOKENS = Counter("llmgw_tokens_total", "Tokens, from the engines' usage", ["model", "kind"])
+
+
+class ModelMetrics:
+    """One model's series, looked up once: `labels()` takes a lock and builds a key on every call, and a request
+    touches seven of them."""
+
+    __slots__ = ("model", "latency", "first_token", "waited", "attempts", "inflight", "prompt", "completion", "_requests")
+
+    def __init__(self, model: str):
+        self.model = model
+        self.latency = LATENCY.labels(model)
+        self.first_token = FIRST_TOKEN.labels(model)
+        self.waited = WAITED.labels(model)
+        self.attempts = ATTEMPTS.labels(model)
+        self.inflight = INFLIGHT.labels(model)
+        self.prompt = TOKENS.labels(model, "prompt")
+        self.completion = TOKENS.labels(model, "completion")
+        self._requests: dict[tuple[int, str], object] = {}
+
+    def requests(self, status: int, replica: str):
+        series = self._requests.get((status, replica))
+        if series is None:
+            series = self._requests[(status, replica)] = REQUESTS.labels(self.model, str(status), replica)
+        return series
+
+
+_models: dict[str, ModelMetrics] = {}
+
+
+def of(model: str) -> ModelMetrics:
+    """The series of a model llmgw serves (or of UNKNOWN_MODEL): a bounded set, as the labels are."""
+    found = _models.get(model)
+    if found is None:
+        found = _models[model] = ModelMetrics(model)
+    return found

@@ -5,10 +5,10 @@ import hmac
 
 from channels.db import database_sync_to_async
 from django.conf import settings
-from django.http import HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.errors import error_response
+from gateway.http import Answer
 
 
 def _token_ok(token: str) -> bool:
@@ -20,8 +20,8 @@ def _token_ok(token: str) -> bool:
 
 
 async def metrics_view(request):
-    header = request.headers.get("Authorization", "")
+    header = request.header("authorization")
     token = header[7:].strip() if header.lower().startswith("bearer ") else ""
     if not token or not await database_sync_to_async(_token_ok)(token):
         return error_response(401, "invalid_api_key", "metrics need `Authorization: Bearer <token>`")
-    return HttpResponse(generate_latest(), content_type=CONTENT_TYPE_LATEST)
+    return Answer(generate_latest(), content_type=CONTENT_TYPE_LATEST)

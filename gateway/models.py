@@ -18,6 +18,7 @@ class ApiKey(models.Model):
     allowed_models = models.JSONField(default=list, blank=True)  # model names it may use; empty: all
     rpm = models.PositiveIntegerField(null=True, blank=True)  # requests per minute
     tpm = models.PositiveIntegerField(null=True, blank=True)  # tokens per minute
+    max_tokens = models.PositiveIntegerField(null=True, blank=True)  # per completion, below the model's own cap
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)  # flushed from Redis, not written per request

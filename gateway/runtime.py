@@ -18,21 +18,22 @@ import time
 import weakref
 from collections import Counter
 
-import aiohttp
 import redis.asyncio as aioredis
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 
+from cluster import events, inflight, notify
+from cluster.models import Model
+from gateway import affinity
 from gateway import table as routing
 from gateway.accounting import Ledger
+from gateway.engines_http import Pool
 
 log = logging.getLogger("llmgw.gateway")
-GROUP = "gateway"
-INFLIGHT_PREFIX = "llmgw:inflight:"
-INFLIGHT_TTL = 15  # seconds a dead process's counts survive it
 FLUSH_INTERVAL = 0.25
 SHARED_INTERVAL = 1.0
+PREFIX = Model.Routing.PREFIX
 
 _runtimes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -55,26 +56,30 @@ class Gateway:
     def __init__(self):
         self.table: routing.Table | None = None
         self.changed = asyncio.Condition()
+        self.listening = asyncio.Event()  # set once this process hears `routing.changed`
         self._refreshing: asyncio.Task | None = None
         self._first_load: asyncio.Task | None = None
         self._stale = True
+        self._loads = 0  # loads begun, in order; the newest one finished is the table
+        self._installed = 0
         self.local: Counter[str] = Counter()
+        # requests waiting for a replica of a model that has none ready: (how many, since when), and when each
+        # model was last asked for; the autoscaler reads both (cluster.inflight)
+        self.waiting: dict[str, tuple[int, float]] = {}
+        self.asked: dict[str, float] = {}
+        self._asked_dirty = False
         self.shared: dict[str, int] = {}
         self._dirty = True
-        self.proc_key = f"{INFLIGHT_PREFIX}{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        me = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.proc_key = inflight.PREFIX + me
+        self.waiting_key = inflight.WAITING_PREFIX + me
         self.redis = aioredis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=3)
-        # aiohttp, not httpx: on this project's 2-core test machine httpx spent 1.7 ms of CPU per proxied request
-        # at concurrency 1 and 4 ms at 64 (its connection pool walks every connection per request); aiohttp
-        # 0.4 and 0.3 (bench/README.md)
-        self.http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=False),
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=settings.LLMGW_UPSTREAM_CONNECT_TIMEOUT, sock_read=settings.LLMGW_UPSTREAM_TIMEOUT
-            ),
-            auto_decompress=False,  # the engine's bytes go to the client as they are
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
-            trust_env=False,
-        )
+        # the engines' connections (gateway/engines_http.py: httptools, not aiohttp, for the CPU per request)
+        self.engines = Pool(settings.LLMGW_UPSTREAM_CONNECT_TIMEOUT, settings.LLMGW_UPSTREAM_TIMEOUT)
+        # read once: Django's settings object costs a lookup of its own on every attribute
+        self.refresh_every = settings.LLMGW_GATEWAY_REFRESH
+        self.load_factor = settings.LLMGW_ROUTING_LOAD_FACTOR
+        self.tries = settings.LLMGW_GATEWAY_TRIES
         self._tasks: list[asyncio.Task] = []
         self._spawned: set[asyncio.Task] = set()
         self.ledger = Ledger()
@@ -93,7 +98,7 @@ class Gateway:
             for task in self._tasks:
                 task.cancel()
             await asyncio.wait(self._tasks, timeout=0.5)
-        await self.http.close()
+        await self.engines.aclose()
         await self.redis.aclose()
 
     def may_reload_for_unknown_key(self) -> bool:
@@ -115,16 +120,24 @@ class Gateway:
             await asyncio.shield(self._first_load)
             if not self._tasks:
                 self._start_background()
-        elif self._stale or time.monotonic() - self.table.loaded_at > settings.LLMGW_GATEWAY_REFRESH:
+        elif self._stale or time.monotonic() - self.table.loaded_at > self.refresh_every:
             self._refresh_soon()
         return self.table
 
     def _refresh_soon(self) -> None:
+        # a change heard while a load runs may have committed after that load read: load once more after it
+        self._stale = True
         if self._refreshing is None or self._refreshing.done():
-            self._refreshing = _background(self.refresh())
+            self._refreshing = _background(self._refresh_while_stale())
+
+    async def _refresh_while_stale(self) -> None:
+        while self._stale:
+            await self.refresh()
 
     async def refresh(self) -> None:
         self._stale = False
+        self._loads += 1
+        load = self._loads
         try:
             table = await database_sync_to_async(routing.load)()
         except Exception:  # keep routing with what we had; the timer tries again
@@ -132,6 +145,9 @@ class Gateway:
             if self.table is None:
                 raise
             return
+        if load < self._installed:
+            return  # a load that began later has finished first: what it read is newer than this
+        self._installed = load
         self.table = table
         async with self.changed:
             self.changed.notify_all()
@@ -150,25 +166,26 @@ class Gateway:
         loop.call_later(delay, self._refresh_soon, context=contextvars.Context())
 
     def _start_background(self) -> None:
-        loop = asyncio.get_running_loop()
         self._tasks = [_background(self._listen()), _background(self._keep_inflight())]
 
     async def _listen(self) -> None:
-        """Channel-layer events say when to reload: replicas, models, keys or the system state changed."""
+        """`routing.changed` on the channel layer (cluster.notify) says when to reload: replicas, models, keys or
+        the system state changed."""
         delay = 1.0
         while True:
             try:
                 layer = get_channel_layer()
                 channel = await layer.new_channel()
-                await layer.group_add(GROUP, channel)
+                await layer.group_add(notify.GATEWAY_GROUP, channel)
+                self.listening.set()
                 delay = 1.0
                 while True:
                     await layer.receive(channel)
-                    self._stale = True
                     self._refresh_soon()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the timer still refreshes; listen again shortly
+                self.listening.clear()
                 log.warning("gateway change feed interrupted (%s); retrying", exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30)
@@ -185,11 +202,53 @@ class Gateway:
             del self.local[replica]
         self._dirty = True
 
+    def requested(self, model: str) -> None:
+        self.asked[model] = time.time()
+        self._asked_dirty = True
+
+    async def wait_begin(self, model: str) -> None:
+        """A request waits for a replica of the model: said in Redis at once, and when it is the first, the
+        reconciler is asked to run (for a model at zero, that starts one)."""
+        n, since = self.waiting.get(model, (0, 0.0))
+        self.waiting[model] = (n + 1, since if n else time.time())
+        if n:
+            return
+        try:
+            await self._share_waiting()
+        except Exception as exc:  # the timer shares it; the reconciler's tick finds it
+            log.warning("could not share the requests waiting (%s)", exc)
+        self.spawn(asyncio.to_thread(events.ask_reconciler))
+
+    def wait_end(self, model: str) -> None:
+        n, since = self.waiting.get(model, (1, 0.0))
+        if n <= 1:
+            self.waiting.pop(model, None)
+        else:
+            self.waiting[model] = (n - 1, since)
+        self._dirty = True
+
+    async def _share_waiting(self) -> None:
+        await self._share(self.waiting_key, {model: f"{n} {since:.3f}" for model, (n, since) in self.waiting.items()})
+
+    async def _share(self, key: str, mapping: dict) -> None:
+        """This process's hash, replaced whole, alive for inflight.TTL unless shared again."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(key)
+            if mapping:
+                pipe.hset(key, mapping=mapping)
+            pipe.expire(key, inflight.TTL)
+            await pipe.execute()
+
     def load_of(self, replica: str) -> int:
         return self.local.get(replica, 0) + self.shared.get(replica, 0)
 
-    def pick(self, upstreams, exclude=()) -> routing.Upstream | None:
-        candidates = [u for u in upstreams if u.replica not in exclude]
+    def pick(self, route: routing.ModelRoute, exclude=(), key: int | None = None) -> routing.Upstream | None:
+        """A ready replica not in `exclude`: by the request's key on the model's ring when it routes by prefix
+        (gateway/affinity.py), else one with the fewest requests in flight."""
+        if key is not None and route.routing == PREFIX:
+            name = affinity.choose(route.ring, key, self.load_of, exclude, self.load_factor)
+            return next((u for u in route.ready if u.replica == name), None)
+        candidates = [u for u in route.ready if u.replica not in exclude]
         if not candidates:
             return None
         least = min(self.load_of(u.replica) for u in candidates)
@@ -200,16 +259,15 @@ class Gateway:
         while True:
             try:
                 now = time.monotonic()
-                if self._dirty or now - last_alive > INFLIGHT_TTL / 3:
+                if self._dirty or now - last_alive > inflight.TTL / 3:
                     self._dirty = False
-                    snapshot = dict(self.local)
-                    async with self.redis.pipeline(transaction=True) as pipe:
-                        pipe.delete(self.proc_key)
-                        if snapshot:
-                            pipe.hset(self.proc_key, mapping=snapshot)
-                        pipe.expire(self.proc_key, INFLIGHT_TTL)
-                        await pipe.execute()
+                    await self._share(self.proc_key, dict(self.local))
+                    await self._share_waiting()
                     last_alive = now
+                if self._asked_dirty:
+                    self._asked_dirty = False
+                    asked = {model: f"{t:.3f}" for model, t in self.asked.items()}
+                    await self.redis.hset(inflight.LAST_REQUEST, mapping=asked)
                 if now - last_shared > SHARED_INTERVAL:
                     self.shared = await self._others()
                     await self.ledger.flush(self.redis)
@@ -224,32 +282,9 @@ class Gateway:
 
     async def _others(self) -> dict[str, int]:
         totals: Counter[str] = Counter()
-        async for key in self.redis.scan_iter(match=INFLIGHT_PREFIX + "*", count=100):
+        async for key in self.redis.scan_iter(match=inflight.PREFIX + "*", count=100):
             if key.decode() == self.proc_key:
                 continue
             for replica, n in (await self.redis.hgetall(key)).items():
                 totals[replica.decode()] += int(n)
         return dict(totals)
-
-
-def inflight_totals(client) -> dict[str, int]:
-    """Requests in flight per replica across every live web process (sync; for the reconciler's drains)."""
-    totals: Counter[str] = Counter()
-    for key in client.scan_iter(match=INFLIGHT_PREFIX + "*", count=100):
-        for replica, n in client.hgetall(key).items():
-            totals[replica.decode()] += int(n)
-    return dict(totals)
-
-
-def notify_change() -> None:
-    """After commit, tell every web process to reload its routing table."""
-    from asgiref.sync import async_to_sync
-    from django.db import transaction
-
-    def send():
-        try:
-            async_to_sync(get_channel_layer().group_send)(GROUP, {"type": "routing.changed"})
-        except Exception as exc:  # the gateways' timer catches up
-            log.warning("could not tell the gateways about a change: %s", exc)
-
-    transaction.on_commit(send)

@@ -13,7 +13,9 @@ from datetime import timedelta
 from django.db.models import Q
 from django.utils import timezone
 
-from cluster.models import ClusterSettings, Model, Replica
+from agents.engines import CAPABILITIES
+from cluster.models import ClusterSettings, Demand, Model, Replica
+from gateway.affinity import Ring
 from gateway.models import ApiKey
 
 FREED_RECENTLY = 30  # seconds a replaced replica's stop counts as room freed for its unplaced replacement
@@ -25,6 +27,15 @@ class Upstream:
     replica: str
     base_url: str  # http://host:port
     engine_key: str
+    host: str = field(init=False)  # as in the URL: an IPv6 address in brackets
+    port: int = field(init=False)
+    authorization: str = field(init=False, repr=False)  # the header the engine wants
+
+    def __post_init__(self):
+        host, port = self.base_url[len("http://"):].rsplit(":", 1)
+        object.__setattr__(self, "host", host)
+        object.__setattr__(self, "port", int(port))
+        object.__setattr__(self, "authorization", f"Bearer {self.engine_key}")
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,13 @@ class ModelRoute:
     wait_seconds: int
     ready: tuple[Upstream, ...] = ()
     coming: int = 0  # replicas on their way (pending, downloading, starting): worth waiting for
+    capabilities: frozenset[str] = frozenset(CAPABILITIES)  # what its engine serves, as its profile says
+    max_tokens: int | None = None  # a completion's cap
+    routing: str = Model.Routing.LEAST_INFLIGHT
+    ring: Ring = field(default_factory=lambda: Ring(()))  # the ready replicas, for `prefix` (gateway/affinity.py)
+    # autoscaled: a request finding no replica asks for one (at zero, it wakes the model) and waits for it
+    autoscaled: bool = False
+    no_room: str = ""  # why its replica cannot be placed and no room is coming: a request is answered at once
 
 
 @dataclass(frozen=True)
@@ -45,6 +63,7 @@ class KeyInfo:
     tpm: int | None
     expires_at: float | None
     revoked: bool
+    max_tokens: int | None = None  # a completion's cap, below the model's
 
 
 @dataclass(frozen=True)
@@ -75,8 +94,10 @@ def load() -> Table:
     rows = Replica.objects.filter(
         Q(state__in=(Replica.State.READY, Replica.State.DRAINING, Replica.State.STOPPING, *WAITING_STATES)) | just_freed,
         model__removing=False,
-    ).values_list("name", "state", "port", "snapshot", "model__name", "node__address", "node__facts", "node_id")
-    for name, state, port, snapshot, model, address, facts, node_id in rows:
+    ).values_list("name", "state", "port", "snapshot", "model__name", "node__address", "node__facts", "node_id",
+                  "waiting_for_room", "reason")
+    no_room: dict[str, str] = {}
+    for name, state, port, snapshot, model, address, facts, node_id, waiting_for_room, reason in rows:
         if state == Replica.State.READY or state in WAITING_STATES:
             present[model] = present.get(model, 0) + 1
         if state == Replica.State.READY and port:
@@ -85,7 +106,11 @@ def load() -> Table:
         elif state in (Replica.State.DRAINING, Replica.State.STOPPING, Replica.State.STOPPED):
             making_room.add(model)
         elif state == Replica.State.PENDING and node_id is None:
-            unplaced[model] = unplaced.get(model, 0) + 1
+            if waiting_for_room:  # an eviction makes room for it: worth waiting for
+                coming[model] = coming.get(model, 0) + 1
+            else:
+                unplaced[model] = unplaced.get(model, 0) + 1
+                no_room.setdefault(model, reason)
         elif state in WAITING_STATES:
             coming[model] = coming.get(model, 0) + 1
     for model, n in unplaced.items():
@@ -96,13 +121,20 @@ def load() -> Table:
         if model in making_room:
             coming[model] = coming.get(model, 0) + n
     models = {}
-    for name, wait, wanted in Model.objects.filter(removing=False).values_list("name", "wait_seconds", "replicas"):
+    demanded = dict(Demand.objects.values_list("model_id", "replicas"))
+    for m in Model.objects.filter(removing=False).select_related("engine", "profile"):
+        name, wanted = m.name, m.replicas
+        if m.autoscaled:  # what its autoscaler wants now
+            wanted = demanded.get(m.id, m.min_replicas)
         # Replicas the model wants that do not exist yet: the reconciler's next run creates them (a model just
         # added, scaled up, or serving just started again). Worth waiting for; once the reconciler finds no room
         # it creates them unplaced, and they no longer count here.
         missing = 0 if cluster.serving_stopped else max(0, wanted - present.get(name, 0))
         upstreams = tuple(sorted(ready.get(name, []), key=lambda u: u.replica))
-        models[name] = ModelRoute(name, wait, upstreams, coming.get(name, 0) + missing)
+        serves = frozenset(m.capabilities())
+        models[name] = ModelRoute(name, m.wait_seconds, upstreams, coming.get(name, 0) + missing, serves, m.max_tokens,
+                                  m.routing, Ring(u.replica for u in upstreams), m.autoscaled,
+                                  no_room.get(name, "") if name not in making_room else "")
     keys = {
         k["key_hash"]: KeyInfo(
             id=k["id"],
@@ -111,9 +143,11 @@ def load() -> Table:
             models=frozenset(k["allowed_models"] or ()),
             rpm=k["rpm"],
             tpm=k["tpm"],
+            max_tokens=k["max_tokens"],
             expires_at=k["expires_at"].timestamp() if k["expires_at"] else None,
             revoked=k["revoked_at"] is not None,
         )
-        for k in ApiKey.objects.values("id", "name", "prefix", "key_hash", "allowed_models", "rpm", "tpm", "expires_at", "revoked_at")
+        for k in ApiKey.objects.values("id", "name", "prefix", "key_hash", "allowed_models", "rpm", "tpm", "max_tokens",
+                                   "expires_at", "revoked_at")
     }
     return Table(serving_stopped=cluster.serving_stopped, models=models, keys=keys)

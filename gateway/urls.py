@@ -1,14 +1,29 @@
-from django.urls import path, re_path
+"""Where each /v1/ and /metrics path goes, and the gateway's ASGI application built on it."""
 
 from gateway import views
+from gateway.handler import GatewayHandler
 from gateway.metrics_view import metrics_view
 
-urlpatterns = [
-    path("v1/chat/completions", views.chat_completions),
-    path("v1/completions", views.completions),
-    path("v1/embeddings", views.embeddings),
-    path("v1/models", views.models_list),
-    re_path(r"^v1/models/(?P<model>.+)$", views.model_detail),
-    re_path(r"^v1(?:/(?P<rest>.*))?$", views.not_found),
-    path("metrics", metrics_view),
-]
+EXACT = {
+    "/v1/chat/completions": views.chat_completions,
+    "/v1/completions": views.completions,
+    "/v1/embeddings": views.embeddings,
+    "/v1/models": views.models_list,
+    "/metrics": metrics_view,
+}
+MODEL_DETAIL = "/v1/models/"
+
+
+def resolve(path: str):
+    """The view for a path and its arguments; anything else under /v1 or /metrics (/v1x, /v1/nope, /metrics/) is
+    the gateway's JSON 404."""
+    view = EXACT.get(path)
+    if view is not None:
+        return view, {}
+    if path.startswith(MODEL_DETAIL) and len(path) > len(MODEL_DETAIL):
+        return views.model_detail, {"model": path[len(MODEL_DETAIL):]}
+    return views.not_found, {}
+
+
+def application() -> GatewayHandler:
+    return GatewayHandler(resolve)

@@ -10,16 +10,17 @@ import json
 import logging
 import time
 
-import aiohttp
-from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
-from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
-from gateway import metrics
+from cluster import throttle
+from cluster.clients import address_of
+from gateway import affinity, metrics
 from gateway.accounting import check_limits, count_tokens
+from gateway.engines_http import ConnectTimeout, ReadTimeout, UpstreamError
 from gateway.errors import GatewayError, error_response, invalid
+from gateway.http import Answer, Streamed, json_answer
 from gateway.models import ApiKey
-from gateway.runtime import runtime
+from gateway.runtime import PREFIX, runtime
+from gateway.upstream import KEY_REFUSED, cap_tokens, check_capabilities, refusal, scrub
 
 log = logging.getLogger("llmgw.gateway")
 access = logging.getLogger("llmgw.access")
@@ -27,6 +28,7 @@ access = logging.getLogger("llmgw.access")
 # endpoint -> the field it cannot do without
 ENDPOINTS = {"chat/completions": "messages", "completions": "prompt", "embeddings": "input"}
 RETRYABLE_STATUS = (502, 503)
+NO_ROOM_RECHECK = 1.0  # seconds a request asking for a model found without room waits for the reconciler's word
 
 
 async def models_list(request):
@@ -37,7 +39,7 @@ async def models_list(request):
     except GatewayError as exc:
         return exc.response()
     data = [_model_object(route) for route in sorted(table.models.values(), key=lambda r: r.name)]
-    return JsonResponse({"object": "list", "data": data})
+    return json_answer({"object": "list", "data": data})
 
 
 async def model_detail(request, model: str):
@@ -50,11 +52,12 @@ async def model_detail(request, model: str):
             raise GatewayError(404, "model_not_found", f"no model named {model!r}")
     except GatewayError as exc:
         return exc.response()
-    return JsonResponse(_model_object(route))
+    return json_answer(_model_object(route))
 
 
 def _model_object(route) -> dict:
-    return {"id": route.name, "object": "model", "created": 0, "owned_by": "llmgw", "ready": bool(route.ready)}
+    return {"id": route.name, "object": "model", "created": 0, "owned_by": "llmgw", "ready": bool(route.ready),
+            "replicas_ready": len(route.ready), "routing": route.routing}
 
 
 async def chat_completions(request):
@@ -80,26 +83,43 @@ class Call:
         self.started = time.monotonic()
         self.key = None
         self.model = "-"
+        self.known = False  # `model` names a model llmgw serves: only such names become metric labels
         self.replica = "-"
         self.status = 0
         self.prompt = self.completion = 0
         self.first_chunk: float | None = None
         self.gw = None  # the process's gateway runtime, once the request reached it
+        self.affinity: int | None = None  # its key on the model's ring, when the model routes by prefix
+        self.attempts = 0  # replicas it was sent to
+        self.waited: float | None = None  # seconds it waited for a ready replica, once it looked for one
+        self.asked_until = 0.0  # an autoscaled model found without room: until when the request waits for news
+
+    @property
+    def label(self) -> str:
+        """The model as a metric label: a model llmgw serves, else the one `unknown` bucket (any client could
+        otherwise grow the series, and the web process with them, a name at a time)."""
+        return self.model if self.known else metrics.UNKNOWN_MODEL
 
     def finish(self, status: int) -> None:
         self.status = status
         seconds = time.monotonic() - self.started
-        metrics.REQUESTS.labels(self.model, str(status), self.replica).inc()
-        metrics.LATENCY.labels(self.model).observe(seconds)
+        series = metrics.of(self.label)
+        series.requests(status, self.replica).inc()
+        series.latency.observe(seconds)
+        if self.attempts:
+            series.attempts.observe(self.attempts)
+        if self.waited is not None:
+            series.waited.observe(self.waited)
         if self.prompt or self.completion:
-            metrics.TOKENS.labels(self.model, "prompt").inc(self.prompt)
-            metrics.TOKENS.labels(self.model, "completion").inc(self.completion)
+            series.prompt.inc(self.prompt)
+            series.completion.inc(self.completion)
         if self.gw is not None:
-            self.gw.ledger.count(status, self.prompt + self.completion)
+            first = self.first_chunk - self.started if self.first_chunk is not None else None
+            self.gw.ledger.count(status, self.prompt + self.completion, first_chunk=first)
         access.info(
             "key=%s model=%s replica=%s status=%s duration_ms=%.1f prompt_tokens=%d completion_tokens=%d",
             self.key.prefix if self.key else "-",
-            self.model,
+            self.model if self.known or self.model == "-" else f"unknown({self.model[:64]!r})",
             self.replica,
             status,
             seconds * 1000,
@@ -108,8 +128,17 @@ class Call:
         )
 
 
+REPLICA_HEADER = "X-Llmgw-Replica"  # where the request went (`-`: to no replica), as the access log says
+
+
 async def proxy(request, endpoint: str):
     call = Call(request)
+    response = await _proxy(call, request, endpoint)
+    response[REPLICA_HEADER] = call.replica
+    return response
+
+
+async def _proxy(call, request, endpoint: str):
     try:
         if request.method != "POST":
             raise GatewayError(405, "method_not_allowed", f"{request.path} takes POST")
@@ -122,16 +151,23 @@ async def proxy(request, endpoint: str):
         call.model = body["model"]
         route = table.models.get(call.model)
         if route is None:
-            raise GatewayError(404, "model_not_found", f"no model named {call.model!r}")
+            raise GatewayError(404, "model_not_found", f"no model named {call.model[:64]!r}")
+        call.known = True
+        gw.requested(call.model)
         if call.key.models and call.model not in call.key.models:
             raise GatewayError(403, "model_not_allowed", f"this key may not use model {call.model!r}")
+        check_capabilities(call.model, route.capabilities, endpoint, body)
+        if route.routing == PREFIX:
+            call.affinity = affinity.request_key(endpoint, body)
         await check_limits(gw.redis, call.key)
         stream = bool(body.get("stream"))
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
-        payload = raw  # the client's bytes as they came, unknown fields and all
+        changed = endpoint != "embeddings" and cap_tokens(body, (route.max_tokens, call.key.max_tokens))
         if stream and not wants_usage:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-            payload = json.dumps(body).encode()
+            changed = True
+        # the client's bytes as they came, unknown fields and all, unless the gateway had to add to them
+        payload = json.dumps(body).encode() if changed else raw
         if stream:
             return await _stream(gw, call, endpoint, payload, wants_usage)
         return await _once(gw, call, endpoint, payload)
@@ -148,7 +184,12 @@ async def proxy(request, endpoint: str):
 
 
 async def _authenticate(gw, table, request):
-    header = request.headers.get("Authorization", "")
+    # an address that keeps guessing waits, whatever it sends (cluster/throttle.py)
+    found = throttle.subjects(address_of(request.client, request.header("x-forwarded-for")))
+    wait = throttle.GATEWAY.shut(found)
+    if wait:
+        raise GatewayError(429, "rate_limited", f"too many unknown API keys from your address; try again in {wait} s", wait)
+    header = request.header("authorization")
     if not header.lower().startswith("bearer ") or not header[7:].strip():
         raise GatewayError(401, "invalid_api_key", "give your API key as `Authorization: Bearer sk-…`")
     key_hash = ApiKey.hash(header[7:].strip())
@@ -156,6 +197,8 @@ async def _authenticate(gw, table, request):
     if key is None and gw.may_reload_for_unknown_key():
         await gw.refresh()  # a key created a moment ago, before the change reached this process
         key = gw.table.keys.get(key_hash)
+    if key is None:
+        await throttle.GATEWAY.afailed(gw.redis, found)
     if key is None or key.revoked:
         raise GatewayError(401, "invalid_api_key", "unknown or revoked API key")
     if key.expires_at is not None and key.expires_at <= time.time():
@@ -165,16 +208,13 @@ async def _authenticate(gw, table, request):
 
 
 def _parse(request, endpoint: str) -> tuple[bytes, dict]:
-    try:
-        raw = request.body
-    except RequestDataTooBig:
-        raise GatewayError(413, "request_too_large", f"the request body is over {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes")
-    if len(raw) > settings.LLMGW_MAX_BODY_BYTES:
-        raise GatewayError(413, "request_too_large", f"the request body is over {settings.LLMGW_MAX_BODY_BYTES} bytes")
+    raw = request.body  # no larger than LLMGW_MAX_BODY_BYTES: gateway.handler refused it as it came
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid("the body is not valid JSON: it is nested too deeply") from None
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
     model = body.get("model")
@@ -193,73 +233,107 @@ def _parse(request, endpoint: str) -> tuple[bytes, dict]:
 
 
 async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = None):
-    """A ready replica with the fewest requests in flight; wait for one that is on its way, up to wait_seconds.
-    With every ready replica tried and none coming, the last one's failure is the answer."""
+    """A ready replica, as the model's routing picks; wait for one that is on its way, up to wait_seconds. A
+    request for an autoscaled model with no replica ready asks for one (at zero, that wakes the model) and waits
+    for it, unless no room can be made for it. With every ready replica tried and none coming, the last one's
+    failure is the answer."""
     deadline = None
-    while True:
-        table = await gw.current()
-        if table.serving_stopped:
-            raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)
-        route = table.models.get(call.model)
-        if route is None:
-            raise GatewayError(404, "model_not_found", f"no model named {call.model!r}")
-        upstream = gw.pick(route.ready, tried)
-        if upstream is not None:
-            return upstream
-        if deadline is None:
-            deadline = time.monotonic() + route.wait_seconds
-        left = deadline - time.monotonic()
-        if tried and route.coming == 0:
-            raise last_error or GatewayError(502, "upstream_error", f"every ready replica of {call.model} failed this request")
-        if route.coming == 0 or left <= 0:
-            what = "none is on its way" if route.coming == 0 else f"waited {route.wait_seconds}s"
-            raise GatewayError(503, "no_replica_ready", f"no replica of {call.model} is ready ({what})", 5)
-        await gw.wait_for_change(min(left, 1.0))
+    waiting = False
+    try:
+        while True:
+            table = await gw.current()
+            if table.serving_stopped:
+                raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)
+            route = table.models.get(call.model)
+            if route is None:
+                raise GatewayError(404, "model_not_found", f"no model named {call.model!r}")
+            upstream = gw.pick(route, tried, call.affinity)
+            if upstream is not None:
+                return upstream
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + route.wait_seconds
+            left = deadline - now
+            if tried and route.coming == 0:
+                raise last_error or GatewayError(502, "upstream_error", f"every ready replica of {call.model} failed this request")
+            # no room for it, as the reconciler last found: asked again (the room may be there now), it has a
+            # moment to say otherwise
+            asks = route.autoscaled and not tried and (not route.no_room or not waiting or now < call.asked_until)
+            if (route.coming == 0 and not asks) or left <= 0:
+                if route.coming == 0 and not asks:
+                    what = "none is on its way" + (f": {route.no_room}" if route.no_room else "")
+                else:
+                    what = f"waited {route.wait_seconds}s"
+                raise GatewayError(503, "no_replica_ready", f"no replica of {call.model} is ready ({what})", 5)
+            if route.autoscaled and not waiting:
+                waiting = True
+                call.asked_until = now + NO_ROOM_RECHECK
+                await gw.wait_begin(call.model)
+            await gw.wait_for_change(min(left, 1.0))
+    finally:
+        if waiting:
+            gw.wait_end(call.model)
 
 
 def _done(gw, call, upstream) -> None:
     gw.end(upstream.replica)
-    metrics.INFLIGHT.labels(call.model).dec()
+    metrics.of(call.model).inflight.dec()
 
 
 async def _send(gw, call, endpoint, payload):
     """Send to a replica; before any byte of an answer, retry another on a connection failure or a 502/503."""
     tried: set[str] = set()
     last_error = None
-    for _ in range(settings.LLMGW_GATEWAY_TRIES):
-        upstream = await _choose(gw, call, tried, last_error)
+    for _ in range(gw.tries):
+        choosing = time.monotonic()
+        try:
+            upstream = await _choose(gw, call, tried, last_error)
+        finally:
+            call.waited = (call.waited or 0.0) + time.monotonic() - choosing
+        call.attempts += 1
         tried.add(upstream.replica)
         call.replica = upstream.replica
         gw.start(upstream.replica)
-        metrics.INFLIGHT.labels(call.model).inc()
+        metrics.of(call.model).inflight.inc()
         try:
-            response = await gw.http.post(f"{upstream.base_url}/v1/{endpoint}", data=payload, headers=_headers(upstream))
-        except aiohttp.ConnectionTimeoutError:
+            response = await gw.engines.post(upstream.host, upstream.port, f"/v1/{endpoint}", payload, upstream.authorization)
+        except ConnectTimeout:
             _done(gw, call, upstream)
             last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} did not accept the connection")
             continue
-        except (aiohttp.ServerTimeoutError, TimeoutError):
+        except ReadTimeout:
             _done(gw, call, upstream)
             raise GatewayError(504, "upstream_timeout", f"replica {upstream.replica} did not answer in time") from None
-        except aiohttp.ClientError as exc:  # refused, reset, closed before an answer: nothing reached the client
+        except UpstreamError as exc:  # refused, reset, closed before an answer: nothing reached the client
             _done(gw, call, upstream)
             last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} failed: {_describe(exc)}")
             continue
         except BaseException:  # cancelled: the client went away before the engine answered; the count must not leak
             _done(gw, call, upstream)
             raise
-        if response.status in RETRYABLE_STATUS:
+        if response.status in RETRYABLE_STATUS or response.status in KEY_REFUSED:
             response.close()
             _done(gw, call, upstream)
-            last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} answered {response.status}")
+            log.warning("replica %s answered %s to %s; trying another", upstream.replica, response.status, call.model)
+            if response.status in KEY_REFUSED:
+                last_error = refusal(call.model, endpoint, response.status, b"")
+            else:
+                last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} answered {response.status}")
             continue
         return upstream, response
     raise last_error or GatewayError(502, "upstream_error", "no replica could take the request")
 
 
 def _describe(exc: BaseException) -> str:
-    detail = str(exc).strip()
-    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+    """What went wrong, for the client, in words that name no host or port; the web log has the rest."""
+    log.warning("upstream failure: %s: %s", type(exc).__name__, exc)
+    return scrub(str(exc)) or type(exc).__name__
+
+
+def _refused(call, endpoint, upstream, status: int, content: bytes) -> GatewayError:
+    said = content[:500].decode(errors="replace")
+    log.warning("replica %s answered %s to %s: %s", upstream.replica, status, call.model, said)
+    return refusal(call.model, endpoint, status, content)
 
 
 async def _once(gw, call, endpoint, payload):
@@ -267,26 +341,21 @@ async def _once(gw, call, endpoint, payload):
     try:
         try:
             content = await response.read()
-        except (aiohttp.ServerTimeoutError, TimeoutError):
+        except ReadTimeout:
             raise GatewayError(504, "upstream_timeout", f"replica {upstream.replica} did not finish in time") from None
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             raise GatewayError(502, "upstream_error", f"replica {upstream.replica} broke off: {_describe(exc)}") from None
     finally:
         response.release()
         _done(gw, call, upstream)
     status = response.status
-    if status >= 500:
-        raise GatewayError(502, "upstream_error", f"replica {upstream.replica} answered {status}: {content[:300]!r}")
+    if status >= 400:
+        raise _refused(call, endpoint, upstream, status, content)
     if status == 200:
         _take_usage(call, content)
         await _account(gw, call)
     call.finish(status)
-    return HttpResponse(content, status=status, content_type=response.headers.get("Content-Type", "application/json"))
-
-
-def _headers(upstream) -> dict:
-    """Only what the engine needs: the client's key and anything that identifies the client stay here."""
-    return {"content-type": "application/json", "authorization": f"Bearer {upstream.engine_key}"}
+    return Answer(content, status, response.content_type)
 
 
 def _take_usage(call, content: bytes) -> None:
@@ -309,17 +378,17 @@ async def _stream(gw, call, endpoint, payload, wants_usage: bool):
     if response.status != 200:
         try:
             content = await response.read()
-        except (aiohttp.ClientError, TimeoutError):
+        except UpstreamError:
             content = b""
         finally:
             response.release()
             _done(gw, call, upstream)
-        if response.status >= 500:
-            raise GatewayError(502, "upstream_error", f"replica {upstream.replica} answered {response.status}")
+        if response.status >= 400:
+            raise _refused(call, endpoint, upstream, response.status, content)
         call.finish(response.status)
-        return HttpResponse(content, status=response.status, content_type=response.headers.get("Content-Type"))
+        return Answer(content, response.status, response.content_type)
 
-    state = {"finished": False, "settled": False}
+    state = {"finished": False, "settled": False, "done_sent": False}
 
     def settle(status: int) -> None:
         """Let the upstream go and count the request, once, however the stream ended."""
@@ -340,10 +409,10 @@ async def _stream(gw, call, endpoint, payload, wants_usage: bool):
         buffer = b""
         status = 499  # unless it ends otherwise: the client went away, and closing the upstream cancels the work
         try:
-            async for chunk in response.content.iter_any():
+            async for chunk in response.chunks():
                 if call.first_chunk is None:
                     call.first_chunk = time.monotonic()
-                    metrics.FIRST_TOKEN.labels(call.model).observe(call.first_chunk - call.started)
+                    metrics.of(call.model).first_token.observe(call.first_chunk - call.started)
                 buffer += chunk
                 out = []
                 while b"\n\n" in buffer:
@@ -351,38 +420,25 @@ async def _stream(gw, call, endpoint, payload, wants_usage: bool):
                     if _keep_event(call, event, wants_usage):
                         out.append(event + b"\n\n")
                 if out:
+                    last = any(e.startswith(b"data: [DONE]") for e in out)
                     yield b"".join(out)
+                    # asked for more: the [DONE] went out. A client that hangs up now got the whole stream
+                    state["done_sent"] = state["done_sent"] or last
             if buffer.strip():
                 yield buffer
             state["finished"], status = True, 200
-        except (aiohttp.ServerTimeoutError, TimeoutError):
+        except ReadTimeout:
             status = 504
             yield GatewayError(504, "upstream_timeout", f"replica {upstream.replica} stopped sending").event()
             yield b"data: [DONE]\n\n"
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             status = 502
             yield GatewayError(502, "upstream_error", f"replica {upstream.replica} broke off: {_describe(exc)}").event()
             yield b"data: [DONE]\n\n"
         finally:
-            settle(status)
+            settle(200 if status == 499 and state["done_sent"] else status)
 
-    return GatewayStream(events(), settle)
-
-
-class GatewayStream(StreamingHttpResponse):
-    """An event stream that lets its upstream go however it ends: read to the end, cut short, or never started
-    (the client left between the view's answer and its first byte: a generator that never ran runs no
-    `finally`). gateway.handler calls `settle` after sending; Django's own handler calls `close()`."""
-
-    def __init__(self, events, settle):
-        super().__init__(events, content_type="text/event-stream")
-        self.settle = settle
-        self["Cache-Control"] = "no-cache"
-        self["X-Accel-Buffering"] = "no"
-
-    def close(self):
-        self.settle(499)
-        super().close()
+    return Streamed(events(), settle)
 
 
 def _keep_event(call, event: bytes, wants_usage: bool) -> bool:

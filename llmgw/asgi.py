@@ -11,14 +11,15 @@ from django.urls import path  # noqa: E402
 
 from agents.consumers import AgentConsumer  # noqa: E402
 from dashboard.consumers import dashboard_socket  # noqa: E402
-from gateway.handler import GatewayHandler, http_router  # noqa: E402
-from llmgw import control  # noqa: E402
+from gateway.handler import http_router  # noqa: E402
+from gateway.urls import application as gateway_application  # noqa: E402
+from cluster import control  # noqa: E402
 
 control.start("web")  # register with the control plane; obey `llmgw restart`
 
 application = ProtocolTypeRouter(
     {
-        "http": http_router(django_asgi_app, GatewayHandler()),
+        "http": http_router(django_asgi_app, gateway_application()),
         "websocket": URLRouter(
             [
                 path("ws/agent/", AgentConsumer.as_asgi()),

@@ -12,13 +12,13 @@ app.autodiscover_tasks()
 
 @worker_ready.connect
 def _worker_ready(**kwargs):
-    from llmgw import control
+    from cluster import control
 
     control.start("worker")  # register with the control plane; obey `llmgw restart`
 
 
 @beat_init.connect
 def _beat_init(**kwargs):
-    from llmgw import control
+    from cluster import control
 
     control.start("beat")

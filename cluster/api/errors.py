@@ -1,4 +1,14 @@
-"""How a refused operation answers: a 400 (or 404) with its one-line message, never a 500."""
+"""How a refused operation answers over the API, never a 500:
+
+- 400: a malformed field or parameter, what the schema itself refuses (`{"field": ["why"]}`);
+- 404: the object the URL names does not exist;
+- 409 (`Conflict`): the request clashes with the cluster as it is now (a name taken, in use, already so);
+- 422: well formed, but refused for a reason the schema cannot say (a body naming an engine that does not
+  exist, a file that is not GGUF for a GGUF engine, an expiry in the past);
+- 503 (`Unavailable`): a part the operation needs did not answer.
+
+Each but 400 is `{"detail": "why"}`, the operation's one-line message.
+"""
 
 from __future__ import annotations
 
@@ -7,31 +17,53 @@ from contextlib import contextmanager
 from rest_framework import exceptions, status
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from cluster import operations
-
-
-def exception_handler(exc, context):
-    """Refused operations that reach here unwrapped still answer 400/404 with their one-line message."""
-    if isinstance(exc, operations.NotFound):
-        exc = exceptions.NotFound(str(exc))
-    elif isinstance(exc, operations.OperationError):
-        exc = Refused(str(exc))
-    return drf_exception_handler(exc, context)
+from cluster.errors import Conflict, NotFound, OperationError, Unavailable
 
 
 class Refused(exceptions.APIException):
-    status_code = status.HTTP_400_BAD_REQUEST
+    status_code = status.HTTP_422_UNPROCESSABLE_ENTITY
     default_detail = "refused"
     default_code = "refused"
 
 
+class Conflicted(exceptions.APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_detail = "conflict"
+    default_code = "conflict"
+
+
+class Unanswered(exceptions.APIException):
+    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    default_detail = "unavailable"
+    default_code = "unavailable"
+
+
+def as_api_error(exc: OperationError) -> exceptions.APIException:
+    """An operation's refusal of a request whose URL was found: a body's reference to something missing is a
+    422, not a 404 (the URL itself was found)."""
+    if isinstance(exc, Conflict):
+        return Conflicted(str(exc))
+    if isinstance(exc, Unavailable):
+        return Unanswered(str(exc))
+    return Refused(str(exc))
+
+
+def exception_handler(exc, context):
+    """Refused operations that reach here unwrapped still answer with their status and one-line message."""
+    if isinstance(exc, NotFound):
+        exc = exceptions.NotFound(str(exc))
+    elif isinstance(exc, OperationError):
+        exc = as_api_error(exc)
+    return drf_exception_handler(exc, context)
+
+
 @contextmanager
 def refused(reads_files: bool = False):
-    """An operation's refusal of the request body is a 400, even "no such engine": the URL itself was found."""
+    """An operation's refusal as the API's answer (see the module's docstring)."""
     try:
         yield
-    except operations.OperationError as exc:
-        raise Refused(str(exc)) from None
+    except OperationError as exc:
+        raise as_api_error(exc) from None
     except OSError as exc:
         if not reads_files:
             raise

@@ -6,26 +6,24 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from agents.engines import DRIVERS
+from agents.engines import CAPABILITIES, DRIVERS
+from agents.units import MAX_DURATION
+from cluster import queries
+from cluster.api.base import INT_MAX, NameField, StrictSerializer, UserNameField
 from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
+from cluster.operations import DEFAULT_MAX_TOKENS, MAX_MEMORY, MAX_REPLICAS, PROFILE_MAXIMA
 from cluster.roles import ROLES
-from gateway.models import ApiKey
-
-INT_MAX = 2**31 - 1  # PostgreSQL's integer: a bigger number must be a 400 here, not a database error
-BIGINT_MAX = 2**63 - 1
-
-
-class StrictSerializer(serializers.Serializer):
-    """An input serializer that refuses fields it does not know, so a typo is not silently ignored."""
-
-    def validate(self, attrs):
-        unknown = sorted(set(self.initial_data) - set(self.fields))
-        if unknown:
-            raise serializers.ValidationError({k: ["unknown field"] for k in unknown})
-        return attrs
-
 
 # Nodes
+
+
+class NodeListSerializer(serializers.ListSerializer):
+    """A page of nodes: the memory their replicas hold is read once for the page, not once per node."""
+
+    def to_representation(self, data):
+        nodes = list(data.all() if hasattr(data, "all") else data)
+        self.child.context["memory"] = queries.memory_in_use(nodes)
+        return super().to_representation(nodes)
 
 
 class NodeSerializer(serializers.ModelSerializer):
@@ -35,9 +33,14 @@ class NodeSerializer(serializers.ModelSerializer):
         "or drained (nothing left on it)"
     )
     replica_count = serializers.IntegerField(read_only=True, help_text="replicas on the node that are not over")
+    memory_used_bytes = serializers.SerializerMethodField(
+        help_text="RAM its replicas hold (placed until their engine has stopped), as placement counts it"
+    )
+    gpu_memory_used_bytes = serializers.SerializerMethodField(help_text="memory its replicas hold on each GPU, by index")
 
     class Meta:
         model = Node
+        list_serializer_class = NodeListSerializer
         fields = [
             "name",
             "address",
@@ -49,6 +52,8 @@ class NodeSerializer(serializers.ModelSerializer):
             "drain_force",
             "drain_note",
             "memory_bytes",
+            "memory_used_bytes",
+            "gpu_memory_used_bytes",
             "facts",
             "replica_count",
             "created_at",
@@ -65,9 +70,23 @@ class NodeSerializer(serializers.ModelSerializer):
     def get_drain(self, node: Node) -> str | None:
         return node.drain_state(node.replica_count) or None
 
+    def _memory(self, node: Node):
+        memory = self.context.get("memory")  # a page's, from NodeListSerializer
+        if memory is None:
+            memory = self.context["memory"] = queries.memory_in_use([node])
+        return memory
+
+    @extend_schema_field(OpenApiTypes.INT64)
+    def get_memory_used_bytes(self, node: Node) -> int:
+        return self._memory(node).ram(node.pk)
+
+    @extend_schema_field(serializers.ListField(child=serializers.IntegerField()))
+    def get_gpu_memory_used_bytes(self, node: Node) -> list[int]:
+        return self._memory(node).gpus(node.pk, len(node.gpus))
+
 
 class NodeCreateSerializer(StrictSerializer):
-    name = serializers.CharField(max_length=63)
+    name = NameField()
 
 
 class NewNodeSerializer(NodeSerializer):
@@ -92,6 +111,19 @@ class ModelFileRefSerializer(serializers.ModelSerializer):
 STATES = Replica.State.values
 
 
+class ScalingShownSerializer(serializers.Serializer):
+    mode = serializers.ChoiceField(choices=["fixed", "autoscaled", "on-demand"])
+    wanted = serializers.IntegerField(help_text="the replicas it wants now (the autoscaler's number when autoscaled)")
+    min_replicas = serializers.IntegerField(allow_null=True)
+    max_replicas = serializers.IntegerField(allow_null=True)
+    target_inflight = serializers.IntegerField(allow_null=True)
+    idle_after_seconds = serializers.IntegerField(allow_null=True)
+    scale_down_delay_seconds = serializers.IntegerField(allow_null=True)
+    last_request_at = serializers.DateTimeField(allow_null=True)
+    idle_at = serializers.DateTimeField(allow_null=True, help_text="on demand and loaded: when it goes to zero if "
+                                        "no request comes")
+
+
 class ServedModelSerializer(serializers.ModelSerializer):
     file = ModelFileRefSerializer(read_only=True)
     engine = serializers.CharField(source="engine.name", read_only=True)
@@ -103,6 +135,14 @@ class ServedModelSerializer(serializers.ModelSerializer):
     )
     replica_states = serializers.SerializerMethodField(help_text="number of replicas in each state")
     nodes = serializers.ListField(child=serializers.CharField(), read_only=True, help_text="allowed nodes; empty: any")
+    capabilities = serializers.SerializerMethodField(
+        help_text="what its engine serves with its profile: /v1/ endpoints (chat, completions, embeddings) and inputs"
+        " beyond text (images, audio); the gateway refuses the rest with a 400"
+    )
+    scaling = serializers.SerializerMethodField(
+        help_text="how it scales: mode (fixed, autoscaled, on-demand), the replicas it wants now, its range and the "
+        "autoscaler's knobs (null for a fixed model), its last request, and when an on-demand model goes idle"
+    )
 
     class Meta:
         model = Model
@@ -111,11 +151,20 @@ class ServedModelSerializer(serializers.ModelSerializer):
             "file",
             "engine",
             "profile",
+            "capabilities",
             "replicas",
             "memory_bytes",
             "memory_estimated",
             "nodes",
             "wait_seconds",
+            "max_tokens",
+            "routing",
+            "min_replicas",
+            "max_replicas",
+            "target_inflight",
+            "idle_after_seconds",
+            "scale_down_delay_seconds",
+            "scaling",
             "removing",
             "placement_note",
             "counting",
@@ -124,9 +173,17 @@ class ServedModelSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = fields
 
+    @extend_schema_field(ScalingShownSerializer)
+    def get_scaling(self, model: Model) -> dict:
+        return ScalingShownSerializer(queries.scaling_shown(model)).data
+
     @extend_schema_field(OpenApiTypes.INT64)
     def get_memory_bytes(self, model: Model) -> int:
         return model.memory_estimate()
+
+    @extend_schema_field(serializers.ListField(child=serializers.ChoiceField(choices=CAPABILITIES)))
+    def get_capabilities(self, model: Model) -> list[str]:
+        return list(model.capabilities())
 
     @extend_schema_field(OpenApiTypes.BOOL)
     def get_memory_estimated(self, model: Model) -> bool:
@@ -137,33 +194,68 @@ class ServedModelSerializer(serializers.ModelSerializer):
         return {s: getattr(model, f"n_{s}") for s in STATES}
 
 
-class ServedModelUpdateSerializer(StrictSerializer):
+ROUTING_HELP = (
+    "how the gateway picks among the ready replicas: prefix (requests sharing an opening, such as the turns of"
+    " a conversation, to the replica holding it in its cache, within a load bound) or least-inflight"
+)
+
+
+class ScalingFields(StrictSerializer):
+    """A model's replicas: fixed (`replicas`) or autoscaled (`min_replicas` to `max_replicas`, and the knobs)."""
+
+    min_replicas = serializers.IntegerField(
+        required=False, min_value=0, max_value=MAX_REPLICAS, allow_null=True,
+        help_text="autoscale from this many (0: on demand, loaded when a request asks for it); with max_replicas, "
+        "never with replicas")
+    max_replicas = serializers.IntegerField(required=False, min_value=1, max_value=MAX_REPLICAS, allow_null=True,
+                                            help_text="autoscale up to this many")
+    target_inflight = serializers.IntegerField(required=False, min_value=1, max_value=10_000, allow_null=True,
+                                               help_text="requests in flight per replica the autoscaler aims at")
+    idle_after_seconds = serializers.IntegerField(
+        required=False, min_value=0, max_value=MAX_DURATION, allow_null=True,
+        help_text="min_replicas 0: with no request this long the model goes to zero replicas")
+    scale_down_delay_seconds = serializers.IntegerField(
+        required=False, min_value=0, max_value=MAX_DURATION, allow_null=True,
+        help_text="below the target this long, one replica fewer")
+
+
+class ServedModelUpdateSerializer(ScalingFields):
     file = serializers.CharField(
         required=False, help_text="a sha256 (or 8+ hex digits of one), a file name in the mirror, or a path"
     )
     engine = serializers.CharField(required=False, help_text="engine name, e.g. llama.cpp")
     profile = serializers.CharField(required=False)
-    replicas = serializers.IntegerField(required=False, min_value=0, max_value=INT_MAX)
+    replicas = serializers.IntegerField(required=False, min_value=0, max_value=MAX_REPLICAS)
     memory_bytes = serializers.IntegerField(
-        required=False, min_value=0, max_value=BIGINT_MAX, allow_null=True, help_text="per replica; null or 0: estimate"
+        required=False, min_value=0, max_value=MAX_MEMORY, allow_null=True, help_text="per replica; null or 0: estimate"
     )
-    nodes = serializers.ListField(
-        required=False, child=serializers.CharField(), help_text="node names allowed; empty: any"
+    nodes = serializers.ListField(required=False, child=NameField(), help_text="node names allowed; empty: any")
+    wait_seconds = serializers.IntegerField(required=False, min_value=0, max_value=3600)
+    max_tokens = serializers.IntegerField(
+        required=False, min_value=1, max_value=INT_MAX, allow_null=True,
+        help_text="most tokens a completion may generate; null: no cap of llmgw's",
     )
-    wait_seconds = serializers.IntegerField(required=False, min_value=0, max_value=INT_MAX)
+    routing = serializers.ChoiceField(choices=Model.Routing.choices, required=False, help_text=ROUTING_HELP)
 
 
-class ServedModelCreateSerializer(StrictSerializer):
-    name = serializers.CharField(max_length=63)
+class ServedModelCreateSerializer(ScalingFields):
+    name = NameField()
     file = serializers.CharField(help_text="a sha256 (or 8+ hex digits of one), a file name in the mirror, or a path")
     engine = serializers.CharField(help_text="engine name, e.g. llama.cpp")
     profile = serializers.CharField(default="default")
-    replicas = serializers.IntegerField(min_value=0, max_value=INT_MAX, default=1)
+    replicas = serializers.IntegerField(min_value=0, max_value=MAX_REPLICAS, allow_null=True, default=None,
+                                        help_text="a fixed number of replicas (1 when neither this nor a range is given)")
     memory_bytes = serializers.IntegerField(
-        min_value=0, max_value=BIGINT_MAX, allow_null=True, default=None, help_text="per replica; null: estimate"
+        min_value=0, max_value=MAX_MEMORY, allow_null=True, default=None, help_text="per replica; null or 0: estimate"
     )
-    nodes = serializers.ListField(child=serializers.CharField(), default=list, help_text="node names; empty: any")
-    wait_seconds = serializers.IntegerField(min_value=0, max_value=INT_MAX, allow_null=True, default=None)
+    nodes = serializers.ListField(child=NameField(), default=list, help_text="node names; empty: any")
+    wait_seconds = serializers.IntegerField(min_value=0, max_value=3600, allow_null=True, default=None)
+    max_tokens = serializers.IntegerField(
+        min_value=1, max_value=INT_MAX, allow_null=True, default=DEFAULT_MAX_TOKENS,
+        help_text="most tokens a completion may generate, set when a client asks for none and lowered when it asks"
+        " for more; null: no cap of llmgw's",
+    )
+    routing = serializers.ChoiceField(choices=Model.Routing.choices, default=Model.Routing.PREFIX, help_text=ROUTING_HELP)
 
 
 # Replicas
@@ -200,7 +292,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-    @extend_schema_field(OpenApiTypes.STR)
+    @extend_schema_field({"type": "string", "nullable": True})
     def get_stale(self, replica: Replica) -> str | None:
         from cluster.models import ClusterSettings
         from cluster.operations import staleness
@@ -230,13 +322,17 @@ class ProfileSerializer(serializers.ModelSerializer):
 
 
 class ProfileUpdateSerializer(StrictSerializer):
-    context_size = serializers.IntegerField(required=False, min_value=1, max_value=INT_MAX)
-    threads = serializers.IntegerField(required=False, min_value=1, max_value=INT_MAX, allow_null=True)
-    gpu_layers = serializers.IntegerField(
-        required=False, min_value=-1, max_value=INT_MAX, allow_null=True, help_text="-1: all"
+    context_size = serializers.IntegerField(required=False, min_value=1, max_value=PROFILE_MAXIMA["context_size"])
+    threads = serializers.IntegerField(
+        required=False, min_value=1, max_value=PROFILE_MAXIMA["threads"], allow_null=True
     )
-    batch_size = serializers.IntegerField(required=False, min_value=1, max_value=INT_MAX, allow_null=True)
-    parallel = serializers.IntegerField(required=False, min_value=1, max_value=INT_MAX)
+    gpu_layers = serializers.IntegerField(
+        required=False, min_value=-1, max_value=100_000, allow_null=True, help_text="-1: all"
+    )
+    batch_size = serializers.IntegerField(
+        required=False, min_value=1, max_value=PROFILE_MAXIMA["batch_size"], allow_null=True
+    )
+    parallel = serializers.IntegerField(required=False, min_value=1, max_value=PROFILE_MAXIMA["parallel"])
     extra_args = serializers.ListField(
         required=False,
         child=serializers.CharField(trim_whitespace=False),
@@ -245,7 +341,7 @@ class ProfileUpdateSerializer(StrictSerializer):
 
 
 class ProfileCreateSerializer(ProfileUpdateSerializer):
-    name = serializers.CharField(max_length=63)
+    name = NameField()
 
 
 # Engines
@@ -259,7 +355,7 @@ class EngineSerializer(serializers.ModelSerializer):
 
 
 class EngineCreateSerializer(StrictSerializer):
-    name = serializers.CharField(max_length=63)
+    name = NameField()
     kind = serializers.ChoiceField(choices=sorted(DRIVERS))
     version = serializers.CharField(max_length=64, allow_blank=True, default="")
     device = serializers.ChoiceField(choices=EngineVersion.Device.choices, default=EngineVersion.Device.CPU)
@@ -285,15 +381,19 @@ class ModelFileSerializer(serializers.ModelSerializer):
 
 
 class ModelFileImportSerializer(StrictSerializer):
-    path = serializers.CharField(required=False, help_text="a file on the server (in LLMGW_IMPORT_DIRS), copied into the mirror")
-    file = serializers.FileField(required=False, help_text="or the file itself, sent as multipart/form-data")
+    """As JSON: a path on the server, copied into the mirror."""
+
+    path = serializers.CharField(help_text="a file on the server (in LLMGW_IMPORT_DIRS), copied into the mirror")
     name = serializers.CharField(max_length=255, required=False, help_text="default: the file's name")
 
-    def validate(self, data):
-        data = super().validate(data)
-        if ("path" in data) == ("file" in data):
-            raise serializers.ValidationError("give either path (a file on the server) or file (an upload)")
-        return data
+
+class ModelFileUploadSerializer(StrictSerializer):
+    """As multipart/form-data: the file itself."""
+
+    # The file alone, named by its filename: a form's other fields are all text, so no schema can tell a client
+    # that sends 1.5 for a name it meant as a number from one that means the name "1.5".
+    file = serializers.FileField(allow_empty_file=True, help_text="the file itself, named by its filename (an empty"
+                                 " one is refused, 422)")
 
 
 # Events
@@ -335,10 +435,11 @@ class SystemRestartSerializer(serializers.Serializer):
 
 
 class UserCreateSerializer(StrictSerializer):
-    name = serializers.CharField(max_length=150)
+    name = UserNameField()
     role = serializers.ChoiceField(choices=ROLES)
     password = serializers.CharField(
-        required=False, write_only=True, trim_whitespace=False, help_text="for the dashboard; none: API token only"
+        required=False, write_only=True, min_length=8, help_text="for the dashboard (8 characters or more); none: API"
+        " token only",
     )
 
 
@@ -346,73 +447,6 @@ class NewUserSerializer(serializers.Serializer):
     name = serializers.CharField()
     role = serializers.ChoiceField(choices=ROLES)
     token = serializers.CharField(help_text="the API token; shown this once")
-
-
-# Client keys and usage (the gateway's)
-
-KEY_STATES = ["active", "revoked", "expired"]
-
-
-class ApiKeySerializer(serializers.ModelSerializer):
-    models = serializers.ListField(
-        source="allowed_models",
-        child=serializers.CharField(),
-        read_only=True,
-        help_text="models it may use; empty: all",
-    )
-    state = serializers.SerializerMethodField(help_text="active, revoked or expired")
-
-    class Meta:
-        model = ApiKey
-        fields = [
-            "name",
-            "prefix",
-            "models",
-            "rpm",
-            "tpm",
-            "expires_at",
-            "revoked_at",
-            "last_used_at",
-            "state",
-            "created_at",
-        ]
-        read_only_fields = fields
-
-    # A plain string in the schema: an enum named `state` would collide with the replicas' states.
-    @extend_schema_field(OpenApiTypes.STR)
-    def get_state(self, key: ApiKey) -> str:
-        if key.revoked_at is not None:
-            return "revoked"
-        return "active" if key.active else "expired"
-
-
-class NewApiKeySerializer(ApiKeySerializer):
-    key = serializers.CharField(read_only=True, help_text="the key for `Authorization: Bearer`; shown this once")
-
-    class Meta(ApiKeySerializer.Meta):
-        fields = ApiKeySerializer.Meta.fields + ["key"]
-        read_only_fields = fields
-
-
-class ApiKeyCreateSerializer(StrictSerializer):
-    name = serializers.CharField(max_length=63)
-    models = serializers.ListField(child=serializers.CharField(), default=list, help_text="model names; empty: all")
-    rpm = serializers.IntegerField(
-        min_value=1, max_value=INT_MAX, allow_null=True, default=None, help_text="requests per minute; null: no limit"
-    )
-    tpm = serializers.IntegerField(
-        min_value=1, max_value=INT_MAX, allow_null=True, default=None, help_text="tokens per minute; null: no limit"
-    )
-    expires_at = serializers.DateTimeField(allow_null=True, default=None, help_text="null: never")
-
-
-class UsageSerializer(serializers.Serializer):
-    key = serializers.CharField()
-    model = serializers.CharField()
-    hour = serializers.DateTimeField(help_text="the start of the hour")
-    requests = serializers.IntegerField()
-    prompt_tokens = serializers.IntegerField()
-    completion_tokens = serializers.IntegerField()
 
 
 # Restart and drain
@@ -451,13 +485,25 @@ class EngineKeyRotatedSerializer(serializers.Serializer):
 class ClusterSettingsSerializer(serializers.Serializer):
     drain_grace_seconds = serializers.IntegerField(help_text="how long a draining replica gets for requests in flight")
     reconcile_interval_seconds = serializers.IntegerField(help_text="how often the reconciler runs")
+    min_resident_seconds = serializers.IntegerField(
+        help_text="how long an autoscaled model's replica serves before it may be evicted for another model")
     serving_stopped = serializers.BooleanField(help_text="llmgw stop is in effect (change it with system stop/start)")
     engine_key_fingerprint = serializers.CharField(help_text="of the current engine key")
 
 
 class ClusterSettingsUpdateSerializer(StrictSerializer):
+    """At least one of them (the schema's minProperties)."""
+
     drain_grace_seconds = serializers.IntegerField(required=False, min_value=0, max_value=86400)
     reconcile_interval_seconds = serializers.IntegerField(required=False, min_value=1, max_value=3600)
+    min_resident_seconds = serializers.IntegerField(required=False, min_value=0, max_value=86400)
+
+    def validate(self, attrs):
+        attrs = super().validate(attrs)
+        if not attrs:
+            raise serializers.ValidationError("name a setting to change: drain_grace_seconds, "
+                                              "reconcile_interval_seconds or min_resident_seconds")
+        return attrs
 
 
 class EngineKeyShownSerializer(serializers.Serializer):

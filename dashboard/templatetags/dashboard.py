@@ -1,23 +1,38 @@
-"""Small template filters for the dashboard."""
+"""Small template filters for the dashboard: sizes and ages read as in the CLI (agents.units)."""
 
 from django import template
 from django.utils import timezone
+
+from agents.units import format_age, format_duration, format_size
 
 register = template.Library()
 
 
 @register.filter
 def ago(when) -> str:
-    """How long ago, short: "12 s", "4 min", "3 h 5 min", "2 d" (empty for None). Also takes a timedelta."""
+    """How long ago, short: "12s", "4m", "3h", "2d" (empty for None). Also takes a timedelta."""
     if when is None:
         return ""
-    seconds = int(when.total_seconds() if hasattr(when, "total_seconds") else (timezone.now() - when).total_seconds())
-    seconds = max(seconds, 0)
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min"
-    if seconds < 86400:
-        hours, minutes = divmod(seconds // 60, 60)
-        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
-    return f"{seconds // 86400} d"
+    return format_age(when.total_seconds() if hasattr(when, "total_seconds") else (timezone.now() - when).total_seconds())
+
+
+@register.filter
+def size(n) -> str:
+    """"316.5 MiB", "2.0 GiB": binary units, named as such."""
+    return format_size(n)
+
+
+@register.filter
+def seconds(value) -> str:
+    """A latency, short: "85 ms", "1.4 s", "12 s" (empty for None)."""
+    if value is None:
+        return ""
+    if value < 1:
+        return f"{value * 1000:.0f} ms"
+    return f"{value:.1f} s" if value < 10 else f"{value:.0f} s"
+
+
+@register.filter
+def duration(value) -> str:
+    """Seconds as an operator writes them: "90s", "15m", "2h" (empty for None)."""
+    return "" if value is None else format_duration(value)

@@ -1,4 +1,4 @@
-"""Aligned tables, sizes and ages for the terminal."""
+"""Aligned tables, sizes and ages for the terminal (sizes and ages as agents.units writes them everywhere)."""
 
 from __future__ import annotations
 
@@ -8,28 +8,16 @@ from datetime import datetime
 
 from django.utils import timezone
 
+from agents.units import format_age, format_size as size
 
-def size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+__all__ = ["age", "as_json", "size", "table"]
 
 
 def age(when: datetime | None, now: datetime | None = None) -> str:
+    """How long ago, as agents.units.format_age writes it; "never" for None."""
     if when is None:
         return "never"
-    seconds = int(((now or timezone.now()) - when).total_seconds())
-    if seconds < 0:
-        seconds = 0
-    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= span:
-            return f"{seconds // span}{unit}"
-    return f"{seconds}s"
+    return format_age(((now or timezone.now()) - when).total_seconds())
 
 
 def table(headers: list[str], rows: list[list], out=None) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import CommandError
 
+from agents.agent.records import stop_recorded_engines
 from llmgw.web import web_argv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,9 +94,8 @@ def service(o, out) -> None:
             _run(out, "stop", part)
         if "agent" in parts:
             if o.get("engines"):
-                from llmgw.cli.up import stop_engines
-
-                n = stop_engines(Path(settings.LLMGW_HOME) / "agent")
+                n = len(stop_recorded_engines(Path(settings.LLMGW_HOME) / "agent",
+                                              why="stopped with `llmgw service stop --engines`"))
                 out.write(f"stopped {n} engine(s) (--engines)\n")
             elif action == "stop":
                 out.write("the agent's engines keep serving (the next agent adopts them); --engines stops them too\n")
@@ -114,6 +114,12 @@ def _run(out, verb: str, part: str) -> None:
 def install(o, out) -> None:
     _require_root()
     role = o["role"]
+    workers = o.get("web_workers")
+    if workers is not None and not 1 <= workers <= 64:
+        raise CommandError(f"--web-workers must be between 1 and 64, not {workers}")
+    if ":" in (o.get("host") or "") and (workers or 1) > 1:
+        raise CommandError("--web-workers above 1 needs an IPv4 address to share (on IPv6 each web process binds its own)")
+    o = {**o, "web_workers": workers or (1 if ":" in (o.get("host") or "") else os.cpu_count() or 1)}
     if role in ("agent", "all") and not o.get("server"):
         raise CommandError("the agent unit needs --server URL (the control plane the agent connects to)")
     unit_dir = Path(settings.LLMGW_SYSTEMD_DIR)
@@ -138,7 +144,13 @@ def render(part: str, o: dict, user: str) -> str:
     py = sys.executable
     home = Path(settings.LLMGW_HOME)
     if part == "web":
-        argv = web_argv(o.get("host") or "0.0.0.0", o.get("port") or 8000, o.get("web_server"), python=py)
+        host, port, workers = o.get("host") or "0.0.0.0", o.get("port") or 8000, o.get("web_workers") or 1
+        if workers > 1:  # the unit's process holds the socket and runs the web processes on it (llmgw/web.py)
+            argv = [py, "-m", "llmgw.web", "--host", host, "--port", str(port), "--workers", str(workers)]
+            if o.get("web_server"):
+                argv += ["--server", o["web_server"]]
+        else:
+            argv = web_argv(host, port, o.get("web_server"), python=py)
     elif part == "worker":
         argv = [py, "-m", "celery", "-A", "llmgw", "worker", "-l", "info", "--without-gossip", "--without-mingle"]
     elif part == "beat":
@@ -165,6 +177,8 @@ def render(part: str, o: dict, user: str) -> str:
         "RestartSec=2",
         "TimeoutStopSec=60",
     ]
+    if part == "web":  # a Host naming the address it binds is one it allows (settings.ALLOWED_HOSTS)
+        lines.insert(lines.index("Environment=PYTHONUNBUFFERED=1"), f"Environment=LLMGW_BIND_HOST={o.get('host') or '0.0.0.0'}")
     if part == "agent":
         lines += ["# the engines outlive the agent; the next agent adopts them", "KillMode=process"]
     lines += ["", "[Install]", "WantedBy=multi-user.target", ""]

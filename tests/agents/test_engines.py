@@ -72,6 +72,17 @@ def test_llama_cpp_command_line():
     ]
 
 
+@pytest.mark.integration  # asks the (fake) binary for its --help
+def test_llama_cpp_starts_without_its_web_ui_where_the_binary_knows_how(tmp_path):
+    new, old = tmp_path / "llama-server-new", tmp_path / "llama-server-old"
+    new.write_text("#!/bin/sh\necho '  --webui, --no-webui   whether to enable the Web UI (default: enabled)'\n")
+    old.write_text("#!/bin/sh\necho '  --path PATH   path to serve static files from'\n")
+    for fake in (new, old):
+        fake.chmod(0o755)
+    assert DRIVERS["llama.cpp"].command(spec(binary=str(new), extra_args=[]), "/m", 1)[-1] == "--no-webui"
+    assert "--no-webui" not in DRIVERS["llama.cpp"].command(spec(binary=str(old), extra_args=[]), "/m", 1)
+
+
 def test_llama_cpp_leaves_out_unset_arguments_and_takes_a_binary():
     s = spec(binary="/opt/llama/bin/llama-server", threads=None, gpu_layers=None, batch_size=None, extra_args=[])
     argv = DRIVERS["llama.cpp"].command(s, "/m", 20002)
@@ -195,6 +206,7 @@ def test_command_template_errors_are_one_line():
     assert Command.check_template("serve --port {port} --json {{}}") == ["serve", "--port", "{port}", "--json", "{{}}"]
 
 
+@pytest.mark.integration  # runs the engines' binaries to ask their versions
 def test_detect(tmp_path, monkeypatch):
     assert DRIVERS["command"].detect() == ""
     assert DRIVERS["xllamacpp"].detect()  # installed in this venv, with a version
@@ -207,6 +219,7 @@ def test_detect(tmp_path, monkeypatch):
     assert DRIVERS["llama.cpp"].detect() == "4821 (a2f4d7b1)"
 
 
+@pytest.mark.integration
 def test_llama_server_binary_from_the_environment(tmp_path, monkeypatch):
     fake = tmp_path / "my-llama"
     fake.write_text("#!/bin/sh\necho 'no version here'\n")
@@ -258,6 +271,7 @@ def test_gather_facts():
     assert facts.gather(gpus=[], engines={})["memory_bytes"] == found["memory_total_bytes"]
 
 
+@pytest.mark.integration
 def test_xllamacpp_launcher_refuses_without_a_key():
     env = {k: v for k, v in os.environ.items() if k != "LLMGW_ENGINE_KEY"}
     done = subprocess.run(
@@ -269,3 +283,18 @@ def test_xllamacpp_launcher_refuses_without_a_key():
     )
     assert done.returncode == 2
     assert "refusing to serve without an engine key" in done.stderr
+
+
+def test_the_xllamacpp_launcher_takes_llama_servers_flags_for_embeddings_and_images():
+    import xllamacpp
+
+    from agents import xllamacpp_launcher
+
+    args = xllamacpp_launcher.parser().parse_args(
+        ["--model", "/m.gguf", "--port", "1", "--embeddings", "--pooling", "mean", "--mmproj", "/p.gguf"]
+    )
+    p = xllamacpp_launcher.params(args, "k")
+    assert (p.embedding, p.pooling_type, p.mmproj.path) == (True, xllamacpp.llama_pooling_type(1), "/p.gguf")
+    assert p.ui is False
+    plain = xllamacpp_launcher.params(xllamacpp_launcher.parser().parse_args(["--model", "/m.gguf", "--port", "1"]), "k")
+    assert (plain.embedding, plain.mmproj.path) == (False, "")

@@ -100,7 +100,9 @@ async def test_a_range_past_the_last_byte_is_cut_at_the_end(stored, node):
 
 
 @pytest.mark.parametrize(
-    "header", [f"bytes={len(DATA)}-", f"bytes={len(DATA) + 10}-", "bytes=20-10", "bytes=abc", "lines=1-2"]
+    "header",
+    [f"bytes={len(DATA)}-", f"bytes={len(DATA) + 10}-", "bytes=20-10", "bytes=abc", "lines=1-2",
+     "bytes=" + "9" * 5000 + "-", "bytes=0-" + "9" * 5000],  # 5,000 digits
 )
 async def test_an_unsatisfiable_range_is_416(stored, node, header):
     response = await fetch(stored, Range=header)

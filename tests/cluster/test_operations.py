@@ -401,7 +401,15 @@ def test_add_user_roles_and_tokens(db):
         operations.add_user("bob", "viewer", ACTOR, password="short")
     with pytest.raises(OperationError, match="invalid user name"):
         operations.add_user("bob smith", "viewer", ACTOR)
+    # look-alikes of a name taken are the same name: full-width letters, a ligature, another case
+    for twin in ("ａｌｉｃｅ", "Alice", "ALICE"):
+        with pytest.raises(OperationError, match="a user named 'alice' already exists"):
+            operations.add_user(twin, "viewer", ACTOR)
     assert row_counts() == before
+    office, _ = operations.add_user("oﬃce", "viewer", ACTOR)  # the ﬃ ligature: stored as what it looks like
+    assert office.username == "office"
+    with pytest.raises(OperationError, match="a user named 'office' already exists"):
+        operations.add_user("OFFICE", "viewer", ACTOR)
 
 
 def test_cluster_status(db):
@@ -416,3 +424,17 @@ def test_cluster_status(db):
     assert status["nodes"] == {"total": 2, "connected": 1}
     assert status["models"] == [{"name": "m1", "replicas": 2, "ready": 1, "removing": False, "placement_note": ""}]
     assert status["replicas"] == {"ready": 1, "starting": 1}
+
+
+def test_replicas_whose_engines_were_stopped_on_purpose_are_stopped_not_failed(db):
+    node, model = make_node("n1"), make_model("m")
+    ready = make_replica(model, node, Replica.State.READY)
+    failed = make_replica(model, node, Replica.State.FAILED, reason="crashed")
+    why = "stopped with `llmgw up`"
+    assert operations.replicas_stopped_on_purpose([ready.name, failed.name, "gone"], "up", why) == [ready.name]
+    ready.refresh_from_db()
+    failed.refresh_from_db()
+    assert (ready.state, ready.reason) == (Replica.State.STOPPED, why)
+    assert (failed.state, failed.reason) == (Replica.State.FAILED, "crashed")
+    assert [e.subject for e in Event.objects.filter(kind="replica.stopped")] == [ready.name]
+    assert Model.objects.get(pk=model.pk).failures == 0

@@ -10,7 +10,7 @@ from asgiref.sync import async_to_sync
 from channels.layers import DEFAULT_CHANNEL_LAYER, channel_layers
 from django.utils import timezone
 
-from cluster import operations, reconciler, reports
+from cluster import notify, operations, reconciler, reports
 from cluster.locks import redis_client
 from cluster.models import ClusterSettings, Event, Model, Node, Replica
 from tests.factories import make_agent_node, make_model, make_replica
@@ -49,7 +49,7 @@ class Listener:
     def __init__(self, *nodes):
         self.channel = f"test.listener.{next(_listeners)}"
         self._run(lambda layer: asyncio.gather(
-            *(layer.group_add(reconciler.node_group(node.pk), self.channel) for node in nodes)
+            *(layer.group_add(notify.agent_group(node.pk), self.channel) for node in nodes)
         ))
 
     @staticmethod

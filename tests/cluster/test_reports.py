@@ -52,10 +52,20 @@ def test_hello_stores_the_cleaned_facts_and_says_so_once(db):
 
     reports.hello(node.pk, facts, [])  # the same facts again: nothing to say
     assert events("node.facts") == 1
+    Event.objects.filter(kind="node.facts").update(created_at=timezone.now() - timedelta(minutes=2))
     reports.hello(node.pk, {**facts, "memory_bytes": 4 * 1024**3}, [])
     node.refresh_from_db()
     assert node.memory_bytes == 4 * 1024**3
     assert events("node.facts") == 2
+
+
+def test_hellos_with_new_facts_again_and_again_do_not_flood_the_log(db):
+    node = make_node("gpu-1", alive=False)
+    for i in range(200):
+        reports.hello(node.pk, node_facts(memory_bytes=(i + 1) * 1024**3), [])
+    node.refresh_from_db()
+    assert node.memory_bytes == 200 * 1024**3  # the facts are kept, each time
+    assert events("node.facts") == 1  # one Event for the interval
 
 
 def test_hello_applies_the_replicas_the_agent_runs(node, model):
@@ -203,6 +213,22 @@ def test_a_replica_that_stops_unasked_failed(node, model):
     assert replica.state == S.FAILED
     assert replica.reason == "engine stopped without being asked"
     assert Model.objects.get(pk=model.pk).failures == 1
+
+
+def test_an_engine_stopped_on_purpose_on_its_node_is_stopped_not_failed(node, model):
+    # what the next agent says of the engines `llmgw up` stopped on Ctrl-C: no failure, no back-off
+    replica = make_replica(model, node, S.READY)
+    reason = "stopped with `llmgw up`"
+    reports.hello(node.pk, node_facts(), [status(replica, "stopped", on_purpose=True, reason=reason)])
+    replica.refresh_from_db()
+    assert (replica.state, replica.reason) == (S.STOPPED, reason)
+    model.refresh_from_db()
+    assert (model.failures, model.backoff_until) == (0, None)
+    assert events("replica.failed") == 0 and events("replica.stopped", replica.name) == 1
+    # `on_purpose` must be the boolean true: anything else is the old meaning, a crash
+    other = make_replica(model, node, S.READY)
+    reports.report(node.pk, [status(other, "stopped", on_purpose="yes")], full=False)
+    assert Replica.objects.get(pk=other.pk).state == S.FAILED
 
 
 def test_a_draining_replica_stays_draining_until_it_fails_or_stops(node, model):

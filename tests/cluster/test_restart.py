@@ -1,6 +1,6 @@
 """Restart, drain and engine-key rotation as operations (cluster.operations), and their CLI commands.
 
-The planner's rules have their own tests (test_planner.py); the reconciler applying them is in
+The planner's rules have their own tests (tests/cluster/planner/); the reconciler applying them is in
 test_reconciler_restart.py; the REST endpoints in test_api_restart.py.
 """
 

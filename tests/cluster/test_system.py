@@ -11,18 +11,18 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from cluster import system
+from cluster import control, system
+from cluster.errors import OperationError
 from cluster.locks import redis_client
 from cluster.models import Event
-from llmgw import control
-from tests.cluster.test_api import API, refused
 from tests.factories import client_for, make_node
+from tests.rest import API, refused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROCESS = """
 import django, os, time
 django.setup()
-from llmgw import control
+from cluster import control
 control.start("worker")
 print("registered", flush=True)
 time.sleep(120)
@@ -50,6 +50,7 @@ def registered():
     proc.wait()
 
 
+@pytest.mark.integration
 def test_a_process_registers_and_restarts_when_told(registered):
     (entry,) = [p for p in control.processes() if p.pid == registered.pid]
     assert (entry.role, entry.id) == ("worker", f"worker@{entry.host}:{registered.pid}")
@@ -66,6 +67,7 @@ def test_entries_of_dead_processes_are_dropped():
     assert r.hlen(control.PROCS) == 0
 
 
+@pytest.mark.integration
 def test_restart_asks_each_process_and_waits_for_it(db, registered):
     """Nothing supervises the test's process, so it does not come back: the step times out, the restart goes on,
     says so and exits 1; the Events tell the same."""
@@ -99,7 +101,7 @@ def test_one_restart_at_a_time(db):
     try:
         with pytest.raises(CommandError, match="already running"):
             cli("restart")
-        refused(operator.post(f"{API}/system/restart/"), 400, "already running")
+        refused(operator.post(f"{API}/system/restart/"), 409, "already running")
     finally:
         lock.release()
     assert Event.objects.count() == events
@@ -109,6 +111,33 @@ def test_the_api_queues_the_restart_for_a_worker(db):
     response = client_for("operator").post(f"{API}/system/restart/")
     assert response.status_code == 202, response.content
     assert response.json() == {"queued": True, "watch": "/api/v1/events/"}
+    assert Event.objects.filter(kind="system.restart_queued").count() == 1
+
+
+def test_a_double_click_queues_one_restart(db):
+    operator = client_for("operator")
+    assert operator.post(f"{API}/system/restart/").status_code == 202
+    refused(operator.post(f"{API}/system/restart/"), 409, "already queued")
+    with pytest.raises(OperationError, match="already queued"):
+        system.queue_restart("user:other")
+    assert redis_client().llen("celery") == 1  # one task message for the workers
+    assert Event.objects.filter(kind="system.restart_queued").count() == 1
+    # once a worker begins it, the next may be queued
+    system.restart_system("test", agent_timeout=0.1, process_timeout=0.1)
+    assert operator.post(f"{API}/system/restart/").status_code == 202
+
+
+def test_a_broker_that_takes_no_task_is_a_503_and_leaves_no_claim(db, monkeypatch):
+    from celery import current_app
+    from kombu.exceptions import OperationalError
+
+    def broker_away(*args, **kwargs):  # what kombu raises when it cannot reach the broker
+        raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    monkeypatch.setattr(current_app, "send_task", broker_away)
+    refused(client_for("operator").post(f"{API}/system/restart/"), 503, "the broker did not take it")
+    assert not redis_client().exists(system.QUEUED)  # the next click may queue it
+    assert not Event.objects.filter(kind="system.restart_queued").exists()
 
 
 def test_a_viewer_may_not_restart_the_system(db):

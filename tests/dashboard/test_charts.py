@@ -24,3 +24,32 @@ def test_the_three_series():
     rps, tps, errors = traffic_charts(rows)
     assert rps.values == [0, 2] and tps.values == [0, 10] and errors.values == [0, 5]
     assert errors.now == "5"
+
+
+def test_the_overview_shows_time_to_first_token_from_the_traffic_counters(db):
+    """p50 and p95 over the last hour, from what every web process counted into Redis (gateway.accounting)."""
+    import asyncio
+    import time
+
+    import redis.asyncio as aioredis
+    from django.conf import settings
+
+    from gateway.accounting import Ledger
+    from tests.factories import session_for
+
+    ledger = Ledger()
+    now = time.time() - 120  # a whole minute that is over
+    for _ in range(19):
+        ledger.count(200, 5, now=now, first_chunk=0.08)
+    ledger.count(200, 5, now=now, first_chunk=4.0)
+
+    async def flush():
+        client = aioredis.Redis.from_url(settings.REDIS_URL)
+        await ledger.flush(client)
+        await client.aclose()
+
+    asyncio.run(flush())
+    page = session_for("viewer").get("/").content.decode()
+    assert 'data-testid="ttft"' in page and "Time to first token, last hour" in page
+    assert "streamed requests, every web process" in page
+    assert "<small>p50</small> " in page and " ms</span>" in page

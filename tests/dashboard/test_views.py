@@ -58,7 +58,7 @@ def test_every_page_renders_whole_and_as_a_partial_for_htmx(op):
         for form_title in ("Add a model", "Add a node", "Create a key", "Upload a model file", "Restart selected"):
             assert form_title not in part.content.decode(), (page, form_title)
     nodes = op.get("/nodes/").content.decode()
-    assert "GPU 0 L4" in nodes and "2.0\xa0GB used" in nodes
+    assert "GPU 0 L4" in nodes and "2.0 GiB used" in nodes
     replicas = op.get("/replicas/").content.decode()
     assert "boom: out of memory" in replicas  # a failed replica's engine log
 
@@ -141,11 +141,30 @@ def test_add_edit_restart_and_remove_a_model(op):
     assert "removing" in body and Model.objects.get(name="chat").removing
 
 
+def test_an_on_demand_model_from_the_form(op):
+    f = make_file(name="tiny.gguf")
+    body = op.post("/models/add/", {"name": "lazy", "file": f.sha256, "engine": "llama.cpp", "replicas": "",
+                                    "min_replicas": "0", "max_replicas": "2", "idle_after": "10m",
+                                    "scale_down_delay": "90s", "target_inflight": "3"}, **HTMX).content.decode()
+    assert "model lazy added: 0 to 2 replicas at 3 requests in flight each, to zero after 10m idle" in body
+    model = Model.objects.get(name="lazy")
+    assert (model.mode, model.idle_after_seconds, model.scale_down_delay_seconds) == ("on-demand", 600, 90)
+    page = op.get("/models/").content.decode()
+    assert "on-demand 0–2" in page and 'name="idle_after" size="5" value="10m"' in page
+    body = op.post("/models/lazy/set/", {"replicas": "1", "min_replicas": "", "max_replicas": ""}, **HTMX).content.decode()
+    assert "model lazy changed" in body and Model.objects.get(name="lazy").mode == "fixed"
+
+
 @pytest.mark.parametrize("form, said", [
     ({"name": "Bad Name!", "engine": "llama.cpp"}, "name"),
     ({"name": "ok", "engine": "llama.cpp", "replicas": "two"}, "is not a whole number"),
     ({"name": "ok", "engine": "llama.cpp", "memory": "lots"}, "memory: not a size"),
     ({"name": "ok", "engine": "nope"}, "engine"),
+    ({"name": "ok", "engine": "llama.cpp", "min_replicas": "2", "max_replicas": "1"}, "is above max replicas"),
+    ({"name": "ok", "engine": "llama.cpp", "replicas": "1", "min_replicas": "0", "max_replicas": "1"},
+     "either a fixed number"),
+    ({"name": "ok", "engine": "llama.cpp", "min_replicas": "0", "max_replicas": "1", "idle_after": "soon"},
+     "idle after: not a duration"),
 ])
 def test_bad_model_input_is_a_message_and_changes_nothing(op, form, said):
     f = make_file()
@@ -208,7 +227,7 @@ def test_profiles_engines_mirror(op, tmp_path, settings):
     assert "must come from the import directories" in body  # as over the API: not any file the server can read
     settings.LLMGW_IMPORT_DIRS = [str(tmp_path)]
     body = op.post("/mirror/import/", {"path": str(path)}, **HTMX).content.decode()
-    assert "m.bin imported: sha256" in body and "1000\xa0bytes" in body
+    assert "m.bin imported: sha256" in body and "1000 B" in body
     assert "path: the model file" in op.post("/mirror/import/", {"path": ""}, **HTMX).content.decode()
 
 
@@ -227,7 +246,7 @@ def test_every_ctl_subcommand_has_a_button_and_an_endpoint():
 
     from django.urls import NoReverseMatch, resolve, reverse
 
-    from dashboard.commands import COMMANDS, ctl_subcommands
+    from dashboard.commands import COMMANDS
 
     missing = set(ctl_subcommands()) - set(COMMANDS)
     assert not missing, f"ctl subcommands with no button or endpoint in dashboard/commands.py: {missing}"
@@ -248,7 +267,7 @@ def test_upload_a_model_file(op):
     from django.core.files.uploadedfile import SimpleUploadedFile
 
     body = op.post("/mirror/upload/", {"file": SimpleUploadedFile("weights.bin", b"w" * 5000), "name": ""}, **HTMX).content.decode()
-    assert "weights.bin uploaded: sha256" in body and "4.9\xa0KB" in body
+    assert "weights.bin uploaded: sha256" in body and "4.9 KiB" in body
     assert "choose a model file" in op.post("/mirror/upload/", {}, **HTMX).content.decode()
 
 
@@ -278,3 +297,23 @@ def test_odd_input_is_a_message_never_a_500(op, url, form):
     assert response.status_code == 200
     assert "msg error" in response.content.decode()
     assert row_counts() == before
+
+
+def ctl_subcommands() -> list[str]:
+    """Every leaf of `llmgw ctl`, e.g. "ctl model add", from the CLI's own parser."""
+    import argparse
+
+    from llmgw.cli.tree import build
+
+    parser = argparse.ArgumentParser()
+    build(parser)
+
+    def walk(p, prefix):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    yield from walk(sub, [*prefix, name])
+                return
+        yield " ".join(prefix)
+
+    return [c for c in walk(parser, []) if c.startswith("ctl ")]

@@ -126,8 +126,8 @@ async def test_retry_after_is_the_rest_of_the_minute(redis, offset, retry_after)
     refused = await refusal(redis, k, MINUTE + offset)
     assert refused.retry_after == retry_after
     response = refused.response()
-    assert response.status_code == 429 and response["Retry-After"] == str(retry_after)
-    assert json.loads(response.content) == {
+    assert response.status == 429 and response["Retry-After"] == str(retry_after)
+    assert json.loads(response.body) == {
         "error": {"message": refused.message, "type": "rate_limit_error", "code": "rate_limited"}
     }
 
@@ -221,3 +221,26 @@ async def test_traffic_per_minute_adds_up_across_processes_and_reads_back_an_hou
     assert rows[-2] == {"minute": MINUTE // 60, "requests": 3, "errors": 1, "tokens": 42}
     assert rows[-1] == {"minute": MINUTE // 60 + 1, "requests": 1, "errors": 0, "tokens": 8}
     assert all(r["requests"] == 0 for r in rows[:-2])
+
+
+async def test_times_to_first_chunk_add_up_across_processes_into_percentiles(redis, other_process):
+    """The overview's TTFT p50 and p95: every web process's streams, per minute in Redis, read as
+    histogram_quantile reads Prometheus buckets."""
+    from gateway.accounting import first_chunk_percentiles
+    from gateway.metrics import BUCKETS
+
+    base = MINUTE + 3600 * 24  # minutes no other test writes
+    first, second = Ledger(), Ledger()
+    for i in range(90):  # 90 streams between 0.2 and 0.3 s: bucket (0.2, 0.3]
+        (first if i % 2 else second).count(200, 5, now=base + i % 50, first_chunk=0.25)
+    for _ in range(10):  # 10 slow ones, in the next minute: bucket (2, 3]
+        second.count(200, 5, now=base + 70, first_chunk=2.5)
+    first.count(200, 5, now=base + 5)  # a request that did not stream counts in traffic only
+    await first.flush(redis)
+    await second.flush(other_process)
+    seen = first_chunk_percentiles(redis_client(), now=base + 150)
+    assert seen["count"] == 100
+    assert 0.2 < seen[0.5] <= 0.3  # the 50th of 100 lies in the first 90
+    assert 2 < seen[0.95] <= 3  # the 95th, among the slow ten
+    assert (0.2, 0.3, 2, 3) == (BUCKETS[3], BUCKETS[4], BUCKETS[9], BUCKETS[10])
+    assert first_chunk_percentiles(redis_client(), now=base + 7200)[0.5] is None  # an hour with nothing streamed

@@ -8,7 +8,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from django.db import connection
 
-from cluster import operations
+from gateway import operations
 from cluster.locks import redis_client
 from gateway import usage
 from gateway.accounting import LAST_USED_HASH, USAGE_HASH, Ledger

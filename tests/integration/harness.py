@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
+import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,18 +20,15 @@ from urllib.parse import urlparse, urlunparse
 
 import httpx
 
+from agents.agent.records import stop_recorded_engines
+from agents.ports import free_port
+from llmgw.processes import Child, Supervisor
 from llmgw.web import web_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 MANAGE = ROOT / "manage.py"
 TEST_ENGINE = ROOT / "tests" / "engine.py"
 MiB = 1024**2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.3, what: str = "condition"):
@@ -45,6 +42,16 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.3, what: str 
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last value: {last!r}")
 
 
+def holds_for(predicate, seconds: float, interval: float = 0.3, what: str = "condition") -> None:
+    """That nothing happens: `predicate` stays true, checked all along, for `seconds` (time enough for what is
+    being ruled out, a restart or a duplicate, to have shown)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert predicate(), f"no longer true: {what}"
+        time.sleep(interval)
+    assert predicate(), f"no longer true: {what}"
+
+
 def _with_db(url: str, db: str) -> str:
     parts = urlparse(url)
     return urlunparse(parts._replace(path="/" + db))
@@ -56,45 +63,13 @@ def _redis_db(url: str, db: int) -> str:
 
 
 @dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log: Path
-    env: dict = field(default_factory=dict, repr=False)
-    supervised: bool = False  # started again whenever it exits, as systemd's Restart=always would
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 15.0) -> None:
-        self.supervised = False
-        if not self.alive():
-            return
-        try:
-            os.killpg(self.popen.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait()
-
-    def tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-@dataclass
 class Agent:
     node: str
     token: str
     state_dir: Path
     memory: str
     port_range: str
-    proc: Proc | None = None
+    proc: Child | None = None
 
 
 @dataclass
@@ -102,11 +77,11 @@ class System:
     home: Path
     env: dict
     port: int
-    procs: dict[str, Proc] = field(default_factory=dict)
+    procs: dict[str, Child] = field(default_factory=dict)
     agents: dict[str, Agent] = field(default_factory=dict)
     admin_token: str = ""
     _dropdb: tuple[str, str] | None = None
-    _supervisor: threading.Thread | None = None
+    supervisor: Supervisor = field(default_factory=Supervisor)
 
     @property
     def url(self) -> str:
@@ -114,34 +89,22 @@ class System:
 
     # processes
 
-    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> Proc:
-        log = self.home / "logs" / f"{name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as f:
-            popen = subprocess.Popen(
-                argv, env=env or self.env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=ROOT, start_new_session=True,
-            )
-        proc = Proc(name, popen, log, env=env or self.env)
-        self.procs[name] = proc
-        return proc
+    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> Child:
+        """A new process under `name`; one still running under that name (a test that failed half-way) is
+        stopped first, so none outlives the run."""
+        earlier = self.procs.get(name)
+        if earlier is not None:
+            earlier.stop(signal.SIGKILL, 5)
+        child = Child(name, argv, self.home / "logs" / f"{name}.log", env or self.env, cwd=ROOT).start()
+        self.procs[name] = child
+        return child
 
     def supervise(self, *names: str) -> None:
         """Start these processes again whenever they exit (until stopped), as systemd's `Restart=always` does
         for a fleet: what `llmgw restart` relies on to bring a control-plane process back."""
         for name in names:
-            self.procs[name].supervised = True
-        if self._supervisor is None:
-            self._supervisor = threading.Thread(target=self._supervise, daemon=True)
-            self._supervisor.start()
-
-    def _supervise(self) -> None:
-        while True:
-            for name, proc in list(self.procs.items()):
-                if proc.supervised and not proc.alive():
-                    again = self.spawn(name, proc.popen.args, proc.env)
-                    again.supervised = True
-            time.sleep(0.2)
+            self.supervisor.watch(self.procs[name])
+        self.supervisor.start_thread()
 
     def cli(self, *args: str, check: bool = True, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
         result = subprocess.run(
@@ -162,14 +125,10 @@ class System:
     def replicas(self, model: str | None = None) -> list[dict]:
         """As `ctl replicas --json` shows them (running ones and those failed in the last 10 minutes), read
         over the REST API: a poll costs milliseconds instead of a CLI process."""
-        from datetime import datetime, timedelta, timezone
-
-        response = self.api_retrying("GET", "/api/v1/replicas/", params={"limit": 10000, **({"model": model} if model else {})})
+        params = {"limit": 10000, "current": "true", **({"model": model} if model else {})}
+        response = self.api_retrying("GET", "/api/v1/replicas/", params=params)
         assert response.status_code == 200, response.text
-        recent = datetime.now(timezone.utc) - timedelta(minutes=10)
-        shown = [r for r in response.json()["results"] if r["state"] not in ("stopped", "failed")
-                 or (r["state"] == "failed" and datetime.fromisoformat(r["state_changed_at"]) >= recent)]
-        return sorted(shown, key=lambda r: (r["model"], r["created_at"]))
+        return sorted(response.json()["results"], key=lambda r: (r["model"], r["created_at"]))
 
     def api_retrying(self, method: str, path: str, attempts: int = 20, **kwargs) -> httpx.Response:
         """The API, riding out a web process that is restarting (a refused connection) for a few seconds."""
@@ -192,7 +151,7 @@ class System:
             self.start_agent(node)
         return agent
 
-    def start_agent(self, node: str, token: str | None = None) -> Proc:
+    def start_agent(self, node: str, token: str | None = None) -> Child:
         agent = self.agents[node]
         env = dict(self.env, LLMGW_AGENT_TOKEN=token or agent.token)
         agent.proc = self.spawn(
@@ -225,10 +184,11 @@ class System:
         return int(replica["pid"])
 
     def diagnostics(self) -> str:
-        parts = [f"--- {p.name} ({'alive' if p.alive() else f'exit {p.popen.returncode}'})\n{p.tail(25)}" for p in self.procs.values()]
+        parts = [f"--- {p.name} ({'alive' if p.alive() else f'exit {p.returncode}'})\n{p.tail(25)}" for p in self.procs.values()]
         return "\n".join(parts)
 
     def stop(self) -> None:
+        self.supervisor.stop_thread()
         for agent in self.agents.values():
             if agent.proc:
                 agent.proc.stop()
@@ -236,7 +196,7 @@ class System:
             if name in self.procs:
                 self.procs[name].stop()
         for agent in self.agents.values():
-            kill_engines(agent.state_dir)
+            stop_recorded_engines(agent.state_dir, timeout=2)
         for proc in self.procs.values():
             proc.stop(signal.SIGKILL, 5)
         if self._dropdb:
@@ -247,16 +207,7 @@ class System:
                 conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def kill_engines(state_dir: Path) -> None:
-    for record in (state_dir / "engines").glob("*.json"):
-        try:
-            pid = int(json.loads(record.read_text())["pid"])
-            os.killpg(pid, signal.SIGKILL)
-        except (OSError, ValueError, KeyError):
-            pass
-
-
-def start_system(home: Path, extra_env: dict | None = None) -> System:
+def start_system(home: Path, extra_env: dict | None = None, redis_db: int = 3) -> System:
     """Migrate a fresh database, then start web, worker and beat. Agents are added by the tests."""
     home.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "DJANGO_SETTINGS"))}
@@ -285,7 +236,7 @@ def start_system(home: Path, extra_env: dict | None = None) -> System:
     else:
         env["DATABASE_URL"] = f"sqlite:///{home / 'db.sqlite3'}"
     # Our own Redis db, so the in-process tests' flushes never touch the running system.
-    env["REDIS_URL"] = _redis_db(os.environ["REDIS_URL"], 3)
+    env["REDIS_URL"] = _redis_db(os.environ["REDIS_URL"], redis_db)
     system = System(home=home, env=env, port=free_port(), _dropdb=dropdb)
     try:
         flush_redis(env["REDIS_URL"])
@@ -351,3 +302,61 @@ def start_web(system: System, name: str = "web2", server: str | None = None) -> 
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: _http_ok(url + "/login/"), 60, what=f"{name} to answer")
     return url
+
+
+def nginx_conf(prefix: Path, http: str, error_log_level: str = "warn", connections: int = 1024) -> Path:
+    """A whole nginx.conf for nginx run as our own child (`daemon off`, one worker, every path under `prefix`),
+    around the `http` block's contents. Also what bench/gateway.py runs nginx with."""
+    (prefix / "temp").mkdir(parents=True, exist_ok=True)
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    conf = prefix / "nginx.conf"
+    conf.write_text(
+        f"""{user}worker_processes 1;
+daemon off;
+master_process on;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log {error_log_level};
+events {{ worker_connections {connections}; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/temp/body;
+    proxy_temp_path {prefix}/temp/proxy;
+    fastcgi_temp_path {prefix}/temp/fastcgi;
+    uwsgi_temp_path {prefix}/temp/uwsgi;
+    scgi_temp_path {prefix}/temp/scgi;
+{http}
+}}
+"""
+    )
+    return conf
+
+
+def nginx_conf_from_readme(upstreams: list[str], port: int) -> str:
+    """The nginx configuration the README tells operators to use, for these web processes (host:port) and this
+    port: the test runs the advice itself, not a copy of it."""
+    readme = (ROOT / "README.md").read_text()
+    match = re.search(r"```nginx\n(.*?)```", readme, re.S)
+    assert match, "the README's nginx configuration block is gone"
+    conf = match.group(1)
+    servers = re.findall(r"^ *server \S+:\d+ max_fails=0;\n", conf, re.M)
+    assert servers, "the README's upstream lists no server"
+    ours = "".join(f"    server {u} max_fails=0;\n" for u in upstreams)
+    conf = conf.replace("".join(servers), ours)
+    assert "listen 80;" in conf
+    return conf.replace("listen 80;", f"listen 127.0.0.1:{port};")
+
+
+def start_nginx(system: System, upstreams: list[str], name: str = "nginx") -> tuple[str, Child]:
+    """Debian's nginx (bin/setup-debian installs it) in front of these web processes, configured as the README
+    says, as our own child (`daemon off`); returns its URL and the process, whose error log says each retry."""
+    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    assert os.path.exists(binary), "Debian's nginx is missing: ./llmgw-test installs it (bin/setup-debian)"
+    port = free_port()
+    conf = nginx_conf(system.home / name, nginx_conf_from_readme([u.removeprefix("http://") for u in upstreams], port),
+                      error_log_level="info")
+    prefix = conf.parent
+    child = system.spawn(name, [binary, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-e",
+                                str(prefix / "error.log")])
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _http_ok(url + "/login/"), 30, what=f"{name} to answer")
+    return url, child

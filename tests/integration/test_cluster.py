@@ -2,13 +2,11 @@
 
 import os
 import signal
-import subprocess
-import time
 
 import httpx
 import pytest
 
-from tests.integration.harness import wait_for
+from tests.integration.harness import holds_for, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +83,13 @@ def test_agent_kill9_keeps_engines_and_adopts_them(system):
         assert pid_alive(r["pid"]) and answers(r["port"], key), "engines outlive their agent"
     system.start_agent(node)
     system.wait_nodes_connected([node])
-    time.sleep(4)  # several report intervals: time enough to restart or duplicate something, were it wrong
+
+    def same_engines():
+        now = {r["name"]: r for r in system.replicas("adopt")}
+        return now.keys() == before.keys() and all(now[n]["pid"] == r["pid"] for n, r in before.items())
+
+    # several report intervals (1 s here): time enough to restart or duplicate something, were it wrong
+    holds_for(same_engines, 4, what="the same replicas with the same engines")
     after = {r["name"]: r for r in system.wait_ready("adopt", 2)}
     assert after.keys() == before.keys(), "no replica replaced or duplicated"
     assert {n: r["pid"] for n, r in after.items()} == {n: r["pid"] for n, r in before.items()}, "engines adopted, not restarted"
@@ -123,9 +127,8 @@ def test_agent_with_wrong_token_is_refused_and_changes_nothing(system):
     try:
         wait_for(lambda: "refused" in proc.tail(), 20, what="the agent to log the refusal")
         assert "refused agent stream" in system.procs["web"].tail(200)
-        time.sleep(1)
+        holds_for(lambda: events(system) == events_before, 1, what="no Event from a refused agent")
         assert [{k: n[k] for k in ("name", "status", "engines")} for n in system.cli_json("ctl", "nodes")] == nodes_before
-        assert events(system) == events_before
     finally:
         proc.stop()
         system.agents.pop("intruder-check")
@@ -251,3 +254,58 @@ def test_bad_input_is_one_line_and_changes_nothing(system, args, message):
     assert "Traceback" not in done.stderr + done.stdout
     after = (system.cli_json("ctl", "models"), system.cli_json("ctl", "nodes"), len(events(system)))
     assert [m["name"] for m in after[0]] == [m["name"] for m in before[0]] and after[2] == before[2]
+
+
+def test_a_flood_of_agent_messages_leaves_the_stream_answering_pings(system):
+    """2,000 hellos with new facts, as fast as the socket takes them: the web process keeps reading (and so
+    keeps answering pings), keeps the latest facts, and writes one `node.facts` Event, not two thousand."""
+    import asyncio
+    import json
+
+    from websockets.asyncio.client import connect
+
+    out = system.cli("node", "add", "flood", "--server", system.url).stdout
+    token = next(w for w in out.split() if w.startswith("lnt_"))
+    facts = {"hostname": "flood", "cpu_count": 2, "memory_bytes": 0, "memory_total_bytes": 2**40, "gpus": [],
+             "engines": {}, "port_range": [30000, 30009], "agent_version": "flood"}
+
+    async def flood() -> float:
+        url = system.url.replace("http://", "ws://") + "/ws/agent/"
+        async with connect(url, additional_headers={"Authorization": f"Bearer {token}"}, ping_interval=None,
+                           max_queue=None) as ws:
+            async def read():  # the agent's side reads everything the server sends
+                async for _ in ws:
+                    pass
+
+            reader = asyncio.create_task(read())
+            for i in range(2000):
+                await ws.send(json.dumps({"type": "hello", "facts": {**facts, "memory_bytes": (i + 1) * 2**20},
+                                          "replicas": []}))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            await asyncio.wait_for(await ws.ping(), 10)  # the server answers at once, not after the backlog
+            answered = loop.time() - started
+            await asyncio.to_thread(wait_for, latest_facts_kept, 60, what="the last hello's facts")
+            reader.cancel()
+            return answered
+
+    def latest_facts_kept():
+        nodes = {n["name"]: n for n in system.api("GET", "/api/v1/nodes/").json()["results"]}
+        return nodes["flood"]["memory_bytes"] == 2000 * 2**20
+
+    web_log = system.procs["web"].log_path
+    logged_before = web_log.stat().st_size
+    try:
+        answered = asyncio.run(flood())
+        print(f"\npong after a flood of 2,000 hellos: {answered * 1000:.0f} ms")
+        assert len(events(system, subject="flood", kind="node.facts")) == 1
+    finally:
+        system.cli("node", "remove", "flood", "--force")
+    # the hellos still queued when the stream closed are handled without answering into the closed socket
+    def logged_since() -> bytes:
+        with open(web_log, "rb") as log:
+            log.seek(logged_before)
+            return log.read()
+
+    wait_for(lambda: b"agent for node flood disconnected" in logged_since(), 30, what="the flood stream's end")
+    assert b"Traceback" not in logged_since()

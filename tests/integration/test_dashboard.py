@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
 import openai
 import pytest
@@ -207,7 +206,7 @@ def test_every_page_loads_with_no_console_error_or_failed_request(system, dash, 
         if page == "overview":
             assert dash.page.locator("[data-testid=chart] svg polyline").count() == 3
         dash.page.wait_for_load_state("networkidle")
-        time.sleep(0.3)
+        dash.page.wait_for_function("() => !document.querySelector('.htmx-request, .htmx-swapping, .htmx-settling')")
         dash.page.screenshot(path=str(shots / f"{page}.png"))
     print(f"\ndashboard screenshots: {shots}")
     assert not dash.problems, dash.problems

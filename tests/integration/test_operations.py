@@ -18,8 +18,8 @@ import openai
 import pytest
 import redis
 
-from llmgw import control
-from tests.integration.harness import ROOT, add_test_engine, free_port, start_web, wait_for
+from cluster import control
+from tests.integration.harness import add_test_engine, start_nginx, start_web, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -251,11 +251,19 @@ def test_a_worker_killed_mid_drain_leaves_nothing_stuck(system, ops):
     (old,) = system.wait_ready("op-slowdrain", 1)
     client = openai.OpenAI(base_url=system.url + "/v1", api_key=ops, max_retries=0, timeout=120)
     answers: list[str] = []
-    streaming = threading.Thread(target=lambda: answers.append("".join(
-        c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model="op-slowdrain", messages=HELLO, stream=True) if c.choices)))
+    first = threading.Event()
+
+    def stream():
+        text = ""
+        for c in client.chat.completions.create(model="op-slowdrain", messages=HELLO, stream=True):
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                first.set()
+        answers.append(text)
+
+    streaming = threading.Thread(target=stream)
     streaming.start()
-    time.sleep(1)
+    assert first.wait(30), "the stream began"  # a request in flight on the replica the restart drains
     system.cli("ctl", "restart", old["name"])
     wait_for(lambda: replicas_by_name(system, "op-slowdrain")[old["name"]]["state"] == "draining", 60, what="draining")
     worker = system.procs.pop("worker")
@@ -270,32 +278,30 @@ def test_a_worker_killed_mid_drain_leaves_nothing_stuck(system, ops):
 
 
 def test_system_restart_behind_a_proxy_loses_no_request_and_restarts_no_engine(system, ops):
-    """Two web processes behind a retrying reverse proxy (tests/integration/proxy.py, configured as HAProxy or
-    nginx would be), and web, worker and beat supervised as systemd's `Restart=always` would: `llmgw restart`
-    restarts every agent, then each control-plane process one at a time. No client request fails and no engine
-    restarts. Last in this module: every control-plane process is new afterwards."""
+    """Two web processes behind Debian's nginx, configured as the README tells operators to, and web, worker and
+    beat supervised as systemd's `Restart=always` would: `llmgw restart` restarts every agent, then each
+    control-plane process one at a time. No client request fails and no engine restarts. Last in this module:
+    every control-plane process is new afterwards."""
     add_model(system, "op-sys", replicas=2)
     before = system.wait_ready("op-sys", 2)
     url2 = start_web(system, "web2")
-    port = free_port()
-    proxy = system.spawn("proxy", [sys.executable, str(ROOT / "tests" / "integration" / "proxy.py"),
-                                   "--port", str(port), system.url, url2])
-    wait_for(lambda: "proxy: listening" in proxy.log.read_text(), 30, what="the proxy")
+    proxy_url, proxy = start_nginx(system, [system.url, url2])
     system.supervise("web", "web2", "worker", "beat")
     registry = redis.Redis.from_url(system.env["REDIS_URL"])
     # only the live ones: a process killed by an earlier test drops out of the registry within 10 s
     wait_for(lambda: sorted(p.role for p in control.processes(registry)) == ["beat", "web", "web", "worker"], 30,
-             what="exactly two web processes, a worker and beat registered")
-    load = Load(system, ops, "op-sys", url=f"http://127.0.0.1:{port}")
+             what=f"exactly two web processes, a worker and beat registered: {control.processes(registry)}")
+    load = Load(system, ops, "op-sys", url=proxy_url)
     with load.running():
         started = time.monotonic()
         said = system.cli("restart", "--timeout", "90", timeout=900).stdout
         took = time.monotonic() - started
         served = load.ok
         wait_for(lambda: load.ok >= served + 6, 60, what="requests after the restart")
-    retries = proxy.log.read_text().count("trying the next")
-    print(f"\nsystem restart behind a proxy: {load.ok} served, {len(load.failed)} failed, {took:.1f}s in all; "
-          f"the proxy retried {retries} connection(s) refused or closed before answering\n{said}")
+    errors = (system.home / "nginx" / "error.log").read_text(errors="replace")
+    retries = errors.count("while connecting to upstream") + errors.count("while reading response header")
+    print(f"\nsystem restart behind nginx: {load.ok} served, {len(load.failed)} failed, {took:.1f}s in all; "
+          f"nginx retried {retries} request(s) refused or closed before an answer\n{said}")
     assert not load.failed, load.failed[:5]
     for node in system.agents:
         assert f"agent {node}: back after" in said, said

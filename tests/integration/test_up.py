@@ -1,20 +1,21 @@
 """`llmgw up` on its embedded defaults (SQLite, the embedded Valkey, a local agent, the SmolLM2 demo on the
 real llama.cpp server from xllamacpp), then SIGTERM: nothing it started is left running."""
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
 import psutil
 import pytest
 
-from tests.integration.harness import MANAGE, ROOT, free_port, wait_for
+from agents.ports import free_port
+from tests.integration.harness import MANAGE, ROOT, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +28,8 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
     out_path = tmp_path / "up.out"
     with open(out_path, "w") as out:
         up = subprocess.Popen(
-            [sys.executable, str(MANAGE), "llmgw", "up", "--port", str(port), "--agent-memory", "2GiB"],
+            [sys.executable, str(MANAGE), "llmgw", "up", "--port", str(port), "--agent-memory", "2GiB",
+             "--web-workers", "2"],
             env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
@@ -43,8 +45,7 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         assert re.search(r"user admin, password \S{8,}", printed)
         assert f"dashboard  http://127.0.0.1:{port}/" in printed and f"gateway    http://127.0.0.1:{port}/v1/" in printed
         assert "embedded Valkey" in printed and "sqlite3" in printed
-
-        import json
+        assert "llmgw is up (web, web-2, worker, beat, agent)" in printed  # two web processes on the one socket
 
         def smollm2_ready():
             reps = json.loads(cli("ctl", "replicas", "--json"))
@@ -63,6 +64,30 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         # `llmgw restart` under steady load through the gateway: the agent, then web, beat and worker restart;
         # the engine keeps serving (same pid) and no request fails
         secret = cli("ctl", "keys", "create", "up-load").split()[-1]
+
+        # what the demo model cannot do is refused in the gateway's words (the engine would answer 501 and 500),
+        # and what its engine refuses is the client's 400, not a 502
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=secret, max_retries=0, timeout=60)
+        assert json.loads(cli("ctl", "models", "--json"))[0]["capabilities"] == ["chat", "completions"]
+        with pytest.raises(openai.BadRequestError, match="model smollm2 does not serve embeddings"):
+            c.embeddings.create(model="smollm2", input="hello")
+        picture = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
+        with pytest.raises(openai.BadRequestError, match="model smollm2 does not take images"):
+            c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": picture}])
+        with pytest.raises(openai.BadRequestError, match=r"\(5001 tokens\) is longer than model smollm2's context \(\d+ tokens\)") as long:
+            c.completions.create(model="smollm2", prompt="hi " * 5000, max_tokens=1)
+        assert long.value.code == "context_length_exceeded"
+        # a completion that asks for no limit stops at the model's cap (4096 unless set), not at the context's end
+        cli("ctl", "model", "set", "smollm2", "--max-tokens", "6")
+        count = [{"role": "user", "content": "Count from 1 to 100, one number per line."}]
+
+        def held_to_six():
+            done = c.chat.completions.create(model="smollm2", messages=count)
+            return done if done.usage.completion_tokens == 6 else None
+
+        capped = wait_for(held_to_six, 30, what="the cap to reach the gateway")
+        assert capped.choices[0].finish_reason == "length"
+        cli("ctl", "model", "set", "smollm2", "--max-tokens", "4096")
         outcomes: list[str] = []
         done = threading.Event()
 
@@ -93,6 +118,7 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         assert re.search(r"agent \S+: back after", said), said
         for role in ("web", "beat", "worker"):
             assert re.search(rf"{role} {role}@\S+: back as {role}@\S+", said), said
+        assert len(re.findall(r"web web@\S+: back as web@\S+", said)) == 2, said  # each web process, in turn
         failed = [o for o in outcomes if o != "ok"]
         assert not failed, f"{len(failed)} of {len(outcomes)} failed: {failed[:3]}"
         (after,) = smollm2_ready()
@@ -101,9 +127,11 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         started = psutil.Process(up.pid).children(recursive=True)
         started.append(psutil.Process(replica["pid"]))  # the engine: its own session, not up's child
         names = " ".join(" ".join(p.cmdline()) for p in started)
-        web = os.environ.get("LLMGW_WEB_SERVER") or "uvicorn"
+        # uvicorn on the socket `up` holds is llmgw.web's (llmgw/web.py says why), daphne its own --fd
+        web = "-m daphne" if os.environ.get("LLMGW_WEB_SERVER") == "daphne" else "-m llmgw.web"
         for part in (web, "celery", "worker", "beat", "llmgw agent", "valkey-server", "xllamacpp_launcher"):
             assert part in names, part
+        assert sum(1 for p in started if web in " ".join(p.cmdline())) == 2
     finally:
         if up.poll() is None:
             os.kill(up.pid, signal.SIGTERM)
@@ -115,10 +143,30 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
     printed = out_path.read_text()
     assert up.returncode == 0, printed
     assert "stopped 1 engine(s)" in printed and "llmgw stopped." in printed
-    time.sleep(0.5)
-    left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    _, alive = psutil.wait_procs(started, timeout=10)  # gone (or their parent's zombies)
+    left = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [p.cmdline() for p in left]
     assert not (home / "run" / "redis-url").exists()
+
+    # `up` again, in the same home: the engine `up` stopped on its way out is a replica stopped on purpose, not a
+    # crash; it is replaced, and the model neither backs off nor counts a failure
+    with open(out_path, "w") as out:
+        again = subprocess.Popen(
+            [sys.executable, str(MANAGE), "llmgw", "up", "--port", str(port), "--agent-memory", "2GiB"],
+            env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        wait_for(lambda: "llmgw is up" in out_path.read_text(), 120, what="up to start again")
+        (new,) = wait_for(smollm2_ready, 120, interval=1, what="a new demo replica to be ready")
+        assert new["name"] != replica["name"]
+        reps = {r["name"]: r for r in json.loads(cli("ctl", "replicas", "--all", "--json"))}
+        assert (reps[replica["name"]]["state"], reps[replica["name"]]["reason"]) == ("stopped", "stopped with `llmgw up`")
+        failed = json.loads(cli("ctl", "events", "--kind", "replica.failed", "--json"))
+        assert not failed, failed
+        assert "1 failed" not in cli("status") and "backing off" not in cli("ctl", "models")
+    finally:
+        os.kill(again.pid, signal.SIGTERM)
+        again.wait(90)
 
 
 def test_up_refuses_a_busy_port(tmp_path):
@@ -134,3 +182,16 @@ def test_up_refuses_a_busy_port(tmp_path):
                               capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr.strip() == f"error: port {port} on 127.0.0.1 is in use; pick another with --port"
+
+
+@pytest.mark.parametrize("workers, said", [
+    ("0", "error: --web-workers must be between 1 and 64, not 0"),
+    ("many", "argument --web-workers: invalid int value: 'many'"),
+])
+def test_up_refuses_a_bad_web_worker_count(tmp_path, workers, said):
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
+    env["LLMGW_HOME"] = str(tmp_path / "home")
+    done = subprocess.run([sys.executable, str(MANAGE), "llmgw", "up", "--port", str(free_port()), "--web-workers",
+                           workers], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert said in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -6,8 +6,9 @@ import sys
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
-from cluster.operations import OperationError
-from llmgw.cli.commands import OneLineParser, build
+from cluster.errors import OperationError
+from llmgw.cli.args import OneLineParser
+from llmgw.cli.tree import build
 
 log = logging.getLogger("llmgw.cli")
 

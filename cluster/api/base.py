@@ -1,0 +1,171 @@
+"""What every REST API resource stands on, in either app (cluster.api, gateway.api): strict input serializers,
+viewsets that look objects up by name, and query parameters parsed into 400s instead of 500s."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import exceptions, serializers, status, viewsets
+from rest_framework.response import Response
+
+from cluster.models import NAME_RE
+
+INT_MAX = 2**31 - 1  # PostgreSQL's integer: a bigger number must be a 400 here, not a database error
+BIGINT_MAX = 2**63 - 1
+
+
+NO_NUL = r"^[^\x00]*$"  # what a text field takes: anything but NUL, which no database column holds
+USER_NAME_RE = r"^[A-Za-z0-9_.@+-]{1,150}$"
+
+
+@extend_schema_field({"type": "string", "pattern": NAME_RE, "maxLength": 63})
+class NameField(serializers.CharField):
+    """A name of llmgw's (node, model, profile, engine, key): lower-case letters, digits, `.`, `_`, `-`, as the
+    schema's pattern says, checked whole (no trailing newline) and never trimmed into shape."""
+
+    pattern = NAME_RE
+    message = "use lower-case letters, digits, '.', '_' or '-', starting with a letter or digit (at most 63)"
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("max_length", 63)
+        super().__init__(trim_whitespace=False, **kwargs)
+
+    def to_internal_value(self, data):
+        value = super().to_internal_value(data)
+        if not re.fullmatch(self.pattern, value):
+            raise serializers.ValidationError(self.message)
+        return value
+
+
+@extend_schema_field({"type": "string", "pattern": USER_NAME_RE, "maxLength": 150})
+class UserNameField(NameField):
+    pattern = USER_NAME_RE
+    message = "use letters, digits and . @ + - _ (at most 150)"
+
+    def __init__(self, **kwargs):
+        super().__init__(max_length=150, **kwargs)
+
+
+def _wrong_type(field, value) -> str:
+    """Why a JSON value is not of the field's type ("" when it is). DRF itself would take 5 for a string,
+    "5" for an integer and 1 for true, which the schema does not."""
+    if value is None:
+        return "" if field.allow_null else "may not be null"
+    if isinstance(field, serializers.ListField):
+        if not isinstance(value, list):
+            return "must be a list"
+        return next((f"item {i}: {why}" for i, item in enumerate(value) for why in [_wrong_type(field.child, item)]
+                     if why), "")
+    if isinstance(field, serializers.BooleanField):
+        return "" if isinstance(value, bool) else "must be true or false"
+    if isinstance(field, serializers.IntegerField):
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        return "" if whole and not isinstance(value, bool) else "must be a whole number"
+    if isinstance(field, (serializers.CharField, serializers.ChoiceField, serializers.DateTimeField)):
+        return "" if isinstance(value, str) else "must be a string"
+    return ""
+
+
+class StrictSerializer(serializers.Serializer):
+    """An input serializer that refuses fields it does not know, so a typo is not silently ignored (the schema
+    says so: `additionalProperties: false`). Its text fields are taken as sent: never trimmed, so what the
+    schema allows is what is checked."""
+
+    def get_fields(self):
+        fields = super().get_fields()
+        for field in fields.values():
+            for text in (field, getattr(field, "child", None)):
+                if isinstance(text, serializers.CharField):
+                    text.trim_whitespace = False
+        return fields
+
+    def to_internal_value(self, data):
+        if isinstance(data, dict) and not hasattr(data, "getlist"):  # JSON, not a form: its types are the schema's
+            wrong = {name: [why] for name, field in self.fields.items() if name in data
+                     for why in [_wrong_type(field, data[name])] if why}
+            if wrong:
+                raise serializers.ValidationError(wrong)
+        return super().to_internal_value(data)
+
+    def validate(self, attrs):
+        unknown = sorted(set(self.initial_data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({k: ["unknown field"] for k in unknown})
+        return attrs
+
+
+class NamedViewSet(viewsets.GenericViewSet):
+    """A resource looked up by its name (or another unique field), whose 404 names what was asked for."""
+
+    lookup_field = "name"
+    # Any segment reaches the view, so an unknown or malformed name gets a JSON 404 naming it.
+    lookup_value_regex = "[^/]+"
+    missing = "no {value!r}"  # the 404's message
+
+    @property
+    def actor(self) -> str:
+        return f"user:{self.request.user.username}"
+
+    def parsed(self, serializer_class) -> dict:
+        serializer = serializer_class(data=self.request.data)
+        serializer.is_valid(raise_exception=True)
+        return dict(serializer.validated_data)
+
+    def get_object(self):
+        value = self.kwargs[self.lookup_url_kwarg or self.lookup_field]
+        obj = self.get_queryset().filter(**{self.lookup_field: value}).first()
+        if obj is None:
+            raise exceptions.NotFound(self.missing.format(value=value))
+        self.check_object_permissions(self.request, obj)
+        return obj
+
+    def shown(self, obj, status_code=status.HTTP_200_OK) -> Response:
+        """The object as a GET would show it, read again so annotations are there."""
+        fresh = self.get_queryset().get(pk=obj.pk)
+        return Response(self.get_serializer(fresh).data, status=status_code)
+
+
+def text_param(request, name: str, required_text: bool = False) -> str | None:
+    """A text query parameter as given (None when absent): a NUL in it, which no column holds, is a 400, and
+    so is an empty one where a name is wanted."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    if "\x00" in raw:
+        raise serializers.ValidationError({name: ["may not contain a NUL character"]})
+    if required_text and not raw:
+        raise serializers.ValidationError({name: [f"name a {name}"]})
+    return raw
+
+
+def flag_param(request, name: str) -> bool:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return False
+    try:
+        return serializers.BooleanField().to_internal_value(raw)
+    except serializers.ValidationError:
+        raise serializers.ValidationError({name: [f"must be true or false, not {raw!r}"]}) from None
+
+
+def datetime_param(name: str, raw: str):
+    try:
+        value = parse_datetime(raw.strip())
+    except ValueError:  # well formed but impossible, e.g. month 13
+        value = None
+    if value is None:
+        raise serializers.ValidationError(
+            {name: [f"must be an ISO 8601 date and time, e.g. 2025-01-31T12:00:00Z, not {raw!r}"]}
+        )
+    if timezone.is_naive(value):
+        value = timezone.make_aware(value)
+    try:  # in UTC: the database takes no offset beyond ±15:59, which ISO 8601 allows
+        return value.astimezone(dt.timezone.utc)
+    except OverflowError:  # the first or last moment Python knows, moved past the edge by its offset
+        edge = dt.datetime.min if value.year == 1 else dt.datetime.max
+        return edge.replace(tzinfo=dt.timezone.utc)
+

@@ -1,0 +1,44 @@
+"""The cluster's REST API routes: `ROUTES` (viewsets for the router) and `urlpatterns` (the plain views), which
+llmgw.api_urls mounts beside the gateway's (gateway.api)."""
+
+from django.urls import path
+
+from cluster.api import schema  # noqa: F401  (registers the bearer token scheme with drf-spectacular)
+from cluster.api.views import (
+    EngineKeyRotateView,
+    EngineKeyView,
+    EngineViewSet,
+    EventViewSet,
+    ModelFileViewSet,
+    NodeViewSet,
+    ProfileViewSet,
+    ReplicaViewSet,
+    RestartNoSlashView,
+    RestartView,
+    ServedModelViewSet,
+    SettingsView,
+    StatusView,
+    SystemViewSet,
+    UserViewSet,
+)
+
+ROUTES = [
+    ("nodes", NodeViewSet, "node"),
+    ("models", ServedModelViewSet, "model"),
+    ("replicas", ReplicaViewSet, "replica"),
+    ("profiles", ProfileViewSet, "profile"),
+    ("engines", EngineViewSet, "engine"),
+    ("model-files", ModelFileViewSet, "model-file"),
+    ("events", EventViewSet, "event"),
+    ("users", UserViewSet, "user"),
+    ("system", SystemViewSet, "system"),
+]
+
+urlpatterns = [
+    path("status/", StatusView.as_view(), name="status"),
+    path("restart/", RestartView.as_view(), name="restart"),
+    path("restart", RestartNoSlashView.as_view()),
+    path("settings/", SettingsView.as_view(), name="settings"),
+    path("engine-key/", EngineKeyView.as_view(), name="engine-key"),
+    path("engine-key/rotate/", EngineKeyRotateView.as_view(), name="engine-key-rotate"),
+]

@@ -1,0 +1,150 @@
+"""Every message llmgw sends on the channel layer: the groups, the messages (typed), and the functions that send them.
+
+Listeners only listen: the agent stream (agents.consumers), every web process's gateway (gateway.runtime) and
+every open dashboard (dashboard.consumers) take these messages by their `type`, which names the handler.
+
+| group               | message                | listener does                                              |
+|---------------------|------------------------|------------------------------------------------------------|
+| `agent-node-<pk>`   | `send.desired`         | sends the node's desired list again                        |
+|                     | `send.restart_agent`   | tells its agent to restart (system restart)                |
+|                     | `agent.close`          | closes the stream (node removed, token reset)              |
+|                     | `agent.superseded`     | closes, unless it is the newer stream named by `by`        |
+| `gateway`           | `routing.changed`      | reloads its routing table                                  |
+| `dashboard`         | `dashboard.changed`    | tells the browser which kinds of things changed            |
+| a consumer's own    | `stream.stopped`       | nothing: it ends the consumer's wait for messages (below)  |
+
+What follows a change of state is sent after its transaction commits: no listener sees a row that was rolled
+back. A failure to reach the channel layer never fails the change: the agent gets the whole list on its next
+report or connect, the gateways and the dashboards also refresh on a timer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal, TypedDict
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.db import connection, transaction
+
+log = logging.getLogger("llmgw.notify")
+
+GATEWAY_GROUP = "gateway"
+DASHBOARD_GROUP = "dashboard"
+
+
+def agent_group(node_pk: int) -> str:
+    """The group of a node's agent stream (one stream at a time; a newer one supersedes it)."""
+    return f"agent-node-{node_pk}"
+
+
+class SendDesired(TypedDict):
+    type: Literal["send.desired"]
+
+
+class RestartAgent(TypedDict):
+    type: Literal["send.restart_agent"]
+
+
+class CloseAgent(TypedDict):
+    type: Literal["agent.close"]
+
+
+class AgentSuperseded(TypedDict):
+    type: Literal["agent.superseded"]
+    by: str  # the channel name of the stream that takes over
+
+
+class RoutingChanged(TypedDict):
+    type: Literal["routing.changed"]
+
+
+class DashboardChanged(TypedDict):
+    type: Literal["dashboard.changed"]
+    families: list[str]  # Event kinds' first words: "replica", "node", "model", "system", ...
+
+
+class StreamStopped(TypedDict):
+    type: Literal["stream.stopped"]
+
+
+AgentStreamMessage = SendDesired | RestartAgent | CloseAgent | AgentSuperseded
+
+
+def _send(group: str, message: dict) -> None:
+    try:
+        async_to_sync(get_channel_layer().group_send)(group, message)
+    except Exception as exc:  # the listener catches up (see the module's docstring)
+        log.warning("could not send %s to %s: %s", message["type"], group, exc)
+
+
+def desired_changed(node_pks) -> None:
+    """After commit, each node's agent stream sends its desired list again."""
+    _to_agents(node_pks, SendDesired(type="send.desired"))
+
+
+def close_agent_streams(node_pks) -> None:
+    """After commit, each node's agent stream is closed (its node was removed or its token reset)."""
+    _to_agents(node_pks, CloseAgent(type="agent.close"))
+
+
+def _to_agents(node_pks, message: AgentStreamMessage) -> None:
+    pks = sorted({pk for pk in node_pks if pk})
+    if not pks:
+        return
+
+    def send():
+        for pk in pks:
+            _send(agent_group(pk), message)
+
+    transaction.on_commit(send)
+
+
+def restart_agent(node_pk: int) -> None:
+    """Now: the node's agent is told to restart itself (it adopts its engines and connects again)."""
+    _send(agent_group(node_pk), RestartAgent(type="send.restart_agent"))
+
+
+async def supersede_agent_stream(layer, node_pk: int, by: str) -> None:
+    """A new stream for the node takes over: the older one, if any, closes (the agent reconnected early)."""
+    await layer.group_send(agent_group(node_pk), AgentSuperseded(type="agent.superseded", by=by))
+
+
+def routing_changed() -> None:
+    """After commit, every web process reloads its routing table (replicas, models, keys or serving changed)."""
+    transaction.on_commit(lambda: _send(GATEWAY_GROUP, RoutingChanged(type="routing.changed")))
+
+
+def dashboard_changed(kind: str) -> None:
+    """After commit, the open dashboards hear that something of `kind` (an Event kind such as `replica.ready`)
+    changed. Several changes in one transaction make one message, naming each family once."""
+    family = kind.split(".", 1)[0]
+    pending = getattr(connection, "_llmgw_dashboard", None)
+    # still waiting for this transaction's commit (not run, not discarded by a rollback): add to it
+    if pending is not None and connection.in_atomic_block and any(f is pending for _, f, _ in connection.run_on_commit):
+        pending.families.add(family)
+        return
+
+    def send():
+        _send(DASHBOARD_GROUP, DashboardChanged(type="dashboard.changed", families=sorted(send.families)))
+
+    send.families = {family}
+    connection._llmgw_dashboard = send
+    transaction.on_commit(send)
+
+
+class StopsCleanly:
+    """For a websocket consumer: when its socket closes, a message to its own channel ends its wait on the
+    channel layer even where the cancellation Channels sends that wait was swallowed. redis-py can swallow the
+    cancellation of a blocking read (redis/redis-py#2028; channels_redis waits in BZPOPMIN): the consumer then
+    waits until a message comes, and a web process's graceful stop waits for the consumer, for ever."""
+
+    async def websocket_disconnect(self, message):
+        try:
+            await self.channel_layer.send(self.channel_name, StreamStopped(type="stream.stopped"))
+        except Exception as exc:  # the layer is away: nothing waits on it either
+            log.warning("could not wake %s: %s", self.channel_name, exc)
+        await super().websocket_disconnect(message)
+
+    async def stream_stopped(self, message):
+        pass

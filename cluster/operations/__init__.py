@@ -1,0 +1,66 @@
+"""Every change an operator can make, one function each. The CLI, the REST API and the dashboard call these.
+
+Each validates (raising OperationError with a one-line message, changing nothing), changes state in one
+transaction, writes an Event, and kicks the reconciler after commit. A module per concern; every operation is
+importable from here. Client keys and usage are the gateway's (gateway.operations).
+"""
+
+from cluster.errors import Conflict, NotFound, OperationError, Unavailable
+from cluster.operations.engines import add_engine
+from cluster.operations.files import import_model_file, import_uploaded_file, resolve_file
+from cluster.operations.models import DEFAULT_MAX_TOKENS, GGUF_ENGINES, ROUTINGS, add_model, remove_model, set_model
+from cluster.operations.nodes import add_node, remove_node, replicas_stopped_on_purpose, reset_node_token
+from cluster.operations.profiles import (
+    DEFAULT_PROFILE,
+    PROFILE_FIELDS,
+    PROFILE_MAXIMA,
+    add_profile,
+    remove_profile,
+    set_profile,
+)
+from cluster.operations.restart import RestartQueued, drain_node, restart_replicas, staleness, undrain_node
+from cluster.operations.serving import cluster_status, rotate_engine_key, set_settings, start_serving, stop_serving
+from cluster.operations.users import add_user
+from cluster.operations.validation import MAX_MEMORY, MAX_REPLICAS
+from cluster.roles import ROLES
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_PROFILE",
+    "GGUF_ENGINES",
+    "MAX_MEMORY",
+    "MAX_REPLICAS",
+    "PROFILE_FIELDS",
+    "PROFILE_MAXIMA",
+    "ROLES",
+    "ROUTINGS",
+    "Conflict",
+    "NotFound",
+    "OperationError",
+    "RestartQueued",
+    "Unavailable",
+    "add_engine",
+    "add_model",
+    "add_node",
+    "add_profile",
+    "add_user",
+    "cluster_status",
+    "drain_node",
+    "import_model_file",
+    "import_uploaded_file",
+    "remove_model",
+    "remove_node",
+    "remove_profile",
+    "replicas_stopped_on_purpose",
+    "reset_node_token",
+    "resolve_file",
+    "restart_replicas",
+    "rotate_engine_key",
+    "set_model",
+    "set_profile",
+    "set_settings",
+    "staleness",
+    "start_serving",
+    "stop_serving",
+    "undrain_node",
+]

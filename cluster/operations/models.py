@@ -1,0 +1,215 @@
+"""Models: what to serve. Added, edited (scaling down drains and stops the surplus), removed once its replicas stop."""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.utils import timezone
+
+from cluster.errors import Conflict, OperationError
+from cluster.events import kick_reconciler, record
+from agents.units import MAX_DURATION
+from cluster.models import Demand, EngineVersion, Model, ModelFile, Profile
+from cluster.operations.files import resolve_file
+from cluster.operations.profiles import DEFAULT_PROFILE
+from cluster.operations.validation import MAX_MEMORY, MAX_REPLICAS, check_count, check_name, created, get_named
+
+GGUF_ENGINES = ("llama.cpp", "xllamacpp")
+DEFAULT_MAX_TOKENS = 4096  # a completion's cap unless the operator sets another (or none)
+ROUTINGS = tuple(Model.Routing.values)  # how the gateway picks among a model's ready replicas
+
+
+def _model_values(values: dict, actor: str) -> dict:
+    clean = {}
+    if "replicas" in values and values["replicas"] is not None:
+        clean["replicas"] = check_count("replicas", values["replicas"], 0, MAX_REPLICAS)
+    if values.get("engine") is not None:
+        clean["engine"] = get_named(EngineVersion, "engine", values["engine"])
+    if values.get("profile") is not None:
+        clean["profile"] = get_named(Profile, "profile", values["profile"])
+    if "memory_bytes" in values:
+        memory = values["memory_bytes"]
+        clean["memory_bytes"] = None if memory in (None, 0) else check_count("memory", memory, 1, MAX_MEMORY)
+    if values.get("nodes") is not None:
+        nodes = values["nodes"]
+        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+            raise OperationError("nodes must be a list of node names")
+        for node_name in nodes:
+            check_name("node", node_name)
+        clean["nodes"] = sorted(set(nodes))
+    if values.get("wait_seconds") is not None:
+        clean["wait_seconds"] = check_count("wait seconds", values["wait_seconds"], 0, 3600)
+    if "max_tokens" in values:  # None: no cap of llmgw's (the engine's context is the limit)
+        cap = values["max_tokens"]
+        clean["max_tokens"] = None if cap is None else check_count("max tokens", cap, 1)
+    for field, label in (("min_replicas", "min replicas"), ("max_replicas", "max replicas")):
+        if values.get(field) is not None:
+            clean[field] = check_count(label, values[field], 0, MAX_REPLICAS)
+    if values.get("target_inflight") is not None:
+        clean["target_inflight"] = check_count("target in flight", values["target_inflight"], 1, 10_000)
+    for field, label in (("idle_after_seconds", "idle after"), ("scale_down_delay_seconds", "scale-down delay")):
+        if values.get(field) is not None:
+            clean[field] = check_count(f"{label} (seconds)", values[field], 0, MAX_DURATION)
+    if values.get("routing") is not None:
+        if values["routing"] not in ROUTINGS:
+            raise OperationError(f"routing is one of {', '.join(ROUTINGS)}, not {str(values['routing'])[:40]!r}")
+        clean["routing"] = values["routing"]
+    if values.get("file") is not None:  # last: a path is imported, and everything else must be valid first
+        clean["file"] = resolve_file(values["file"], actor)
+    return clean
+
+
+def _check_engine_file(engine: EngineVersion, model_file: ModelFile) -> None:
+    if engine.kind in GGUF_ENGINES and model_file.format != "gguf":
+        raise OperationError(f"file {model_file.name} is not GGUF; engine {engine.name} ({engine.kind}) needs GGUF")
+
+
+AUTOSCALE_ONLY = ("target_inflight", "idle_after_seconds", "scale_down_delay_seconds")
+
+
+def _scaling(current: Model | None, given: dict) -> dict:
+    """The model's replicas, fixed or autoscaled, from what was given (and what it had): the fields to set.
+    A fixed count and a range together, a range with its minimum above its maximum, a maximum of 0, half a range
+    for a fixed model, or an autoscaler's knob for a fixed one: each a one-line error."""
+    fixed = given.get("replicas")
+    low, high = given.get("min_replicas"), given.get("max_replicas")
+    knobs = [k for k in AUTOSCALE_ONLY if given.get(k) is not None]
+    if fixed is not None and (low is not None or high is not None):
+        raise OperationError("give either a fixed number of replicas (replicas) or a range (min and max replicas), "
+                             "not both")
+    if fixed is not None:
+        if knobs:
+            raise OperationError(f"{knobs[0].replace('_', ' ')} is for an autoscaled model (min and max replicas), "
+                                 "not a fixed number of replicas")
+        return {"replicas": fixed, "min_replicas": None, "max_replicas": None}
+    was_autoscaled = current is not None and current.autoscaled
+    if low is None and high is None:
+        if knobs and not was_autoscaled:
+            raise OperationError(f"{knobs[0].replace('_', ' ')} is for an autoscaled model: give min and max replicas")
+        return {}
+    if not was_autoscaled and (low is None or high is None):
+        raise OperationError("to autoscale a model give both min and max replicas")
+    low = current.min_replicas if low is None else low
+    high = current.max_replicas if high is None else high
+    if high < 1:
+        raise OperationError("max replicas must be at least 1")
+    if low > high:
+        raise OperationError(f"min replicas ({low}) is above max replicas ({high})")
+    return {"min_replicas": low, "max_replicas": high}
+
+
+def _start_demand(model: Model, replicas: int) -> None:
+    """An autoscaled model's state begins: at `replicas` (its minimum when new, what it ran when it was fixed),
+    its last request now, so an idle one is not unloaded before its idle time."""
+    Demand.objects.update_or_create(model=model, defaults={
+        "replicas": min(max(replicas, model.min_replicas), model.max_replicas), "samples": [], "below_since": None,
+        "last_request_at": timezone.now(), "last_scaled_at": None,
+    })
+
+
+def add_model(
+    name: str,
+    actor: str,
+    file: str,
+    engine: str,
+    profile: str = DEFAULT_PROFILE,
+    replicas: int | None = None,
+    memory_bytes: int | None = None,
+    nodes: list[str] | None = None,
+    wait_seconds: int | None = None,
+    max_tokens: int | None = DEFAULT_MAX_TOKENS,
+    routing: str = Model.Routing.PREFIX,
+    min_replicas: int | None = None,
+    max_replicas: int | None = None,
+    target_inflight: int | None = None,
+    idle_after_seconds: int | None = None,
+    scale_down_delay_seconds: int | None = None,
+) -> Model:
+    """A new model: `replicas` fixed (1 unless given), or autoscaled between `min_replicas` and `max_replicas`."""
+    check_name("model", name)
+    existing = Model.objects.filter(name=name).first()
+    if existing:
+        state = " (it is being removed)" if existing.removing else ""
+        raise Conflict(f"a model named {name!r} already exists{state}")
+    # One transaction: a file imported by path on the way is not recorded if the model is refused after all.
+    with transaction.atomic():
+        clean = _model_values(
+            {
+                "file": file,
+                "engine": engine,
+                "profile": profile,
+                "replicas": replicas,
+                "memory_bytes": memory_bytes,
+                "nodes": nodes or [],
+                "wait_seconds": wait_seconds,
+                "max_tokens": max_tokens,
+                "routing": routing,
+                "min_replicas": min_replicas,
+                "max_replicas": max_replicas,
+                "target_inflight": target_inflight,
+                "idle_after_seconds": idle_after_seconds,
+                "scale_down_delay_seconds": scale_down_delay_seconds,
+            },
+            actor,
+        )
+        clean.update(_scaling(None, clean))
+        if clean.get("replicas") is None:
+            clean["replicas"] = 1 if clean.get("min_replicas") is None else 0
+        _check_engine_file(clean["engine"], clean["file"])
+        if Model.objects.filter(name=name).exists():
+            raise Conflict(f"a model named {name!r} already exists")
+        model = created(f"a model named {name!r} already exists", lambda: Model.objects.create(name=name, **clean))
+        if model.autoscaled:
+            _start_demand(model, model.min_replicas)
+        record(
+            "model.added",
+            actor,
+            f"model {name} added: {model.file.name} on {model.engine.name}, profile {model.profile.name}, "
+            f"{model.scaling_text()}, {model.memory_estimate()} bytes each, "
+            f"{'no cap on' if model.max_tokens is None else f'at most {model.max_tokens}'} tokens per completion, "
+            f"routed by {model.routing}",
+            subject=name,
+        )
+        kick_reconciler()
+    return model
+
+
+def set_model(name: str, actor: str, **values) -> Model:
+    with transaction.atomic():
+        model = get_named(Model, "model", name)
+        clean = _model_values(values, actor)
+        if model.removing:
+            raise Conflict(f"model {name} is being removed")
+        engine = clean.get("engine", model.engine)
+        model_file = clean.get("file", model.file)
+        _check_engine_file(engine, model_file)
+        was_autoscaled, running = model.autoscaled, model.replicas
+        if was_autoscaled:
+            running = Demand.objects.filter(model=model).values_list("replicas", flat=True).first() or 0
+        clean.update(_scaling(model, clean))
+        changed = {k: v for k, v in clean.items() if getattr(model, k) != v}
+        if not changed:
+            return model
+        for key, value in changed.items():
+            setattr(model, key, value)
+        model.save(update_fields=list(changed))
+        if model.autoscaled and not was_autoscaled:
+            _start_demand(model, running)  # from the replicas it ran, within its range
+        if not model.autoscaled and was_autoscaled:
+            Demand.objects.filter(model=model).delete()
+        shown = ", ".join(f"{k}={getattr(v, 'name', v)}" for k, v in changed.items())
+        record("model.edited", actor, f"model {name} edited: {shown}", subject=name)
+        kick_reconciler()
+    return model
+
+
+def remove_model(name: str, actor: str) -> Model:
+    with transaction.atomic():
+        model = get_named(Model, "model", name)
+        if model.removing:
+            return model
+        model.removing = True
+        model.save(update_fields=["removing"])
+        record("model.removing", actor, f"model {name} removed: its replicas are stopping", subject=name)
+        kick_reconciler()
+    return model
+

@@ -1,0 +1,120 @@
+"""The whole system: serving stopped and started, the cluster's summary, its settings and the engine key."""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.db.models import Count, Q
+from django.utils import timezone
+
+from cluster.errors import Conflict, OperationError
+from cluster.events import kick_reconciler, record
+from cluster.models import ClusterSettings, Model, Node, Replica
+from cluster.operations.validation import check_count
+
+
+def cluster_status() -> dict:
+    settings_row = ClusterSettings.load()
+    now = timezone.now()
+    nodes = list(Node.objects.all())
+    alive = [n for n in nodes if n.is_alive(now)]
+    by_state = dict(
+        Replica.objects.exclude(state__in=Replica.TERMINAL)
+        .values_list("state")
+        .annotate(n=Count("id"))
+        .values_list("state", "n")
+    )
+    models = Model.objects.annotate(
+        ready=Count("replica_set", filter=Q(replica_set__state=Replica.State.READY)),
+    ).values("name", "replicas", "ready", "removing", "placement_note")
+    return {
+        "serving": "stopped" if settings_row.serving_stopped else "serving",
+        "nodes": {"total": len(nodes), "connected": len(alive)},
+        "models": list(models),
+        "replicas": by_state,
+    }
+
+
+def stop_serving(actor: str) -> ClusterSettings:
+    """Every model to zero replicas, /v1/ answers 503 system_stopped; no model's definition changes."""
+    with transaction.atomic():
+        cluster = ClusterSettings.objects.select_for_update().get(pk=ClusterSettings.load().pk)
+        if cluster.serving_stopped:
+            raise Conflict("llmgw is already stopped")
+        cluster.serving_stopped = True
+        cluster.save(update_fields=["serving_stopped", "updated_at"])
+        record("system.stopped", actor, "serving stopped: every model goes to zero replicas; /v1/ answers 503")
+        kick_reconciler()
+    return cluster
+
+
+def start_serving(actor: str) -> ClusterSettings:
+    with transaction.atomic():
+        cluster = ClusterSettings.objects.select_for_update().get(pk=ClusterSettings.load().pk)
+        if not cluster.serving_stopped:
+            raise Conflict("llmgw is already serving")
+        cluster.serving_stopped = False
+        cluster.save(update_fields=["serving_stopped", "updated_at"])
+        record("system.started", actor, "serving started: every model is placed again as it asks")
+        kick_reconciler()
+    return cluster
+
+
+def set_settings(actor: str, drain_grace_seconds: int | None = None, reconcile_interval_seconds: int | None = None,
+                 min_resident_seconds: int | None = None) -> ClusterSettings:
+    """Change the cluster settings given (None: leave as is): how long a drain waits for requests in flight,
+    how often the reconciler runs, and how long an autoscaled model's replica serves before it may be evicted
+    for another model."""
+    values = {}
+    if drain_grace_seconds is not None:
+        values["drain_grace_seconds"] = check_count("drain grace (seconds)", drain_grace_seconds, 0, 86400)
+    if reconcile_interval_seconds is not None:
+        values["reconcile_interval_seconds"] = check_count("reconcile interval (seconds)", reconcile_interval_seconds, 1, 3600)
+    if min_resident_seconds is not None:
+        values["min_resident_seconds"] = check_count("minimum residency (seconds)", min_resident_seconds, 0, 86400)
+    if not values:
+        raise OperationError("name a setting to change: drain grace, reconcile interval or minimum residency")
+    with transaction.atomic():
+        cluster = ClusterSettings.objects.select_for_update().get(pk=ClusterSettings.load().pk)
+        changed = {k: v for k, v in values.items() if getattr(cluster, k) != v}
+        for k, v in changed.items():
+            setattr(cluster, k, v)
+        if changed:
+            cluster.save(update_fields=[*changed, "updated_at"])
+            said = ", ".join(f"{k.replace('_seconds', '').replace('_', ' ')} {v}s" for k, v in changed.items())
+            record("settings.changed", actor, f"settings changed: {said}", **changed)
+            kick_reconciler()
+    return cluster
+
+
+def rotate_engine_key(actor: str) -> ClusterSettings:
+    """A new engine key for replicas started from now on. Running replicas keep the old one until they are
+    restarted (`restart --stale`); the gateway and the agents use each replica's own key meanwhile, so only
+    one rotation at a time: refused while a replica still runs with the key before the current one."""
+    with transaction.atomic():
+        cluster = ClusterSettings.objects.select_for_update().get(pk=ClusterSettings.load().pk)
+        running = Replica.objects.exclude(state__in=Replica.TERMINAL)
+        if cluster.previous_engine_key:
+            older = list(
+                running.filter(snapshot__engine_key=ClusterSettings.fingerprint(cluster.previous_engine_key))
+                .order_by("name")
+                .values_list("name", flat=True)
+            )
+            if older:
+                shown = ", ".join(older[:5]) + (", …" if len(older) > 5 else "")
+                raise Conflict(
+                    f"{len(older)} replica(s) still use the engine key before the current one ({shown}); "
+                    "restart them first: llmgw ctl restart --stale"
+                )
+        keeping = running.filter(snapshot__engine_key=ClusterSettings.fingerprint(cluster.engine_key)).count()
+        cluster.previous_engine_key = cluster.engine_key
+        cluster.engine_key = ClusterSettings.new_engine_key()
+        cluster.save(update_fields=["engine_key", "previous_engine_key", "updated_at"])
+        record(
+            "engine_key.rotated",
+            actor,
+            f"engine key rotated: new replicas get the new key; {keeping} running replica(s) keep the old one "
+            "until restarted (the gateway uses it for them meanwhile); restart them with: llmgw ctl restart --stale",
+            stale=keeping,
+        )
+        kick_reconciler()
+    return cluster

@@ -1,0 +1,47 @@
+"""Users: admins, operators and viewers, each with an API token (and a password for the dashboard)."""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+from django.contrib.auth.models import Group, User
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from rest_framework.authtoken.models import Token
+
+from cluster.errors import Conflict, OperationError
+from cluster.events import record
+from cluster.operations.validation import created
+from cluster.roles import ROLES
+
+
+def add_user(name: str, role: str, actor: str, password: str | None = None) -> tuple[User, str]:
+    # look-alikes are one name: NFKC (full-width letters, ligatures), as the login form reads a name, and no two
+    # names that differ only in case
+    name = unicodedata.normalize("NFKC", name) if isinstance(name, str) else name
+    if role not in ROLES:
+        raise OperationError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.@+-]{1,150}", name):
+        raise OperationError(f"invalid user name {name!r}")
+    if password is not None and len(password) < 8:
+        raise OperationError("a password needs at least 8 characters")
+    with transaction.atomic():
+        taken = User.objects.filter(username__iexact=name).values_list("username", flat=True).first()
+        if taken is not None:
+            raise Conflict(f"a user named {taken!r} already exists")
+        user = User(username=name, is_staff=role == "admin", is_superuser=role == "admin")
+        if password:
+            user.set_password(password)
+        else:
+            user.set_unusable_password()
+        try:
+            user.full_clean(exclude=["password"])
+        except ValidationError as exc:
+            raise OperationError("; ".join(m for ms in exc.message_dict.values() for m in ms)) from None
+        created(f"a user named {name!r} already exists", user.save)
+        user.groups.add(Group.objects.get_or_create(name=role)[0])
+        token = Token.objects.create(user=user)
+        record("user.added", actor, f"user {name} added as {role}", subject=name)
+    return user, token.key
+

@@ -1,0 +1,210 @@
+"""Placement: the candidate nodes with what is free on each, indexed so that the fullest place that fits is
+found fast, and the placer that spreads one model's replicas across nodes before stacking them."""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+
+from cluster.planner.snapshot import ModelView, NodeView
+
+
+class NodeState:
+    """A candidate node (alive, schedulable, not draining) and what is free on it, updated as we place."""
+
+    __slots__ = ("node", "id", "name", "free_ram", "free_gpu")
+
+    def __init__(self, node: NodeView, used_ram: int, used_gpu: list[int] | None):
+        self.node = node
+        self.id = node.id
+        self.name = node.name
+        self.free_ram = node.memory_bytes - used_ram
+        self.free_gpu = [mem - (used_gpu[i] if used_gpu else 0) for i, mem in enumerate(node.gpus)]
+
+
+class Fleet:
+    """The candidate nodes, with sorted free-memory indexes per engine kind (built on first use).
+
+    A CPU index holds (free RAM, name, node id) for every candidate with the engine; a GPU index holds
+    (free memory, name, GPU index, node id) for every GPU of those candidates. Both ascend, so the
+    first entry at or above a model's memory is the fullest place that fits (bin-packing).
+    """
+
+    def __init__(self, candidates: list[NodeState]):
+        self.by_id = {ns.id: ns for ns in candidates}
+        self.by_name = {ns.name: ns for ns in candidates}
+        self.by_engine: dict[str, list[NodeState]] = {}
+        for ns in sorted(candidates, key=lambda ns: (ns.name, ns.id)):
+            for kind in ns.node.engines:
+                self.by_engine.setdefault(kind, []).append(ns)
+        self._cpu: dict[str, list[tuple]] = {}
+        self._gpu: dict[str, list[tuple]] = {}
+
+    def cpu_index(self, kind: str) -> list[tuple]:
+        idx = self._cpu.get(kind)
+        if idx is None:
+            idx = sorted((ns.free_ram, ns.name, ns.id) for ns in self.by_engine.get(kind, ()))
+            self._cpu[kind] = idx
+        return idx
+
+    def gpu_index(self, kind: str) -> list[tuple]:
+        idx = self._gpu.get(kind)
+        if idx is None:
+            idx = sorted(
+                (free, ns.name, i, ns.id) for ns in self.by_engine.get(kind, ()) for i, free in enumerate(ns.free_gpu)
+            )
+            self._gpu[kind] = idx
+        return idx
+
+    def commit(self, ns: NodeState, gpu: int | None, memory: int) -> None:
+        """Account a placement: the node (or its GPU) has `memory` less free, in every built index."""
+        if gpu is None:
+            old = (ns.free_ram, ns.name, ns.id)
+            ns.free_ram -= memory
+            new = (ns.free_ram, ns.name, ns.id)
+            indexes = self._cpu
+        else:
+            old = (ns.free_gpu[gpu], ns.name, gpu, ns.id)
+            ns.free_gpu[gpu] -= memory
+            new = (ns.free_gpu[gpu], ns.name, gpu, ns.id)
+            indexes = self._gpu
+        for kind in ns.node.engines:
+            idx = indexes.get(kind)
+            if idx is not None:
+                _replace(idx, old, new)
+
+
+def _replace(idx: list, old: tuple, new: tuple) -> None:
+    i = bisect_left(idx, old)
+    del idx[i]
+    insort(idx, new)
+
+
+def best_gpu(ns: NodeState, memory: int) -> tuple[int, int] | None:
+    """(free, index) of the fullest GPU of the node that still fits `memory`; lowest index on a tie."""
+    best = None
+    for i, free in enumerate(ns.free_gpu):
+        if free >= memory and (best is None or free < best[0]):
+            best = (free, i)
+    return best
+
+
+class ModelPlacer:
+    """Places replicas of one model, one at a time, and says why when it cannot.
+
+    Choice among the nodes that fit: fewest running replicas of this model (spread before stacking),
+    then least memory left after placing (on the chosen GPU for GPU engines), then name.
+
+    Two ways to find it, the same answer:
+    - shared: walk the fleet's sorted index from the model's memory up; the first (allowed) node
+      holding none of this model wins. Only when there is none, look at the (few) nodes that hold
+      some. Cheap for a model placing a few replicas on most of the fleet, the common case.
+    - private: sorted lists per level (replicas of this model already on the node), built from this
+      model's candidates once. Used for a model allowed on few nodes, one placing many replicas, or
+      one already on many nodes, where walking the shared index would skip too much.
+    """
+
+    SHARED_MAX_BATCH = 16
+    SHARED_MAX_HOLDERS = 64
+
+    def __init__(self, fleet: Fleet, model: ModelView, counts: dict[int, int], batch: int):
+        self.fleet = fleet
+        self.model = model
+        self.counts = counts  # node id -> running replicas of this model; updated as we place
+        self.memory = model.memory_bytes
+        self.gpu = model.uses_gpu
+        self.allowed = model.nodes
+        kind = model.engine_kind
+        self.levels: dict[int, list[tuple]] | None = None
+        private = batch > self.SHARED_MAX_BATCH or len(counts) > self.SHARED_MAX_HOLDERS
+        if model.nodes and not private:
+            # Walking the shared index skips about (nodes / allowed) nodes per replica placed; private
+            # lists cost about (allowed) to build.
+            private = len(model.nodes) ** 2 <= max(1, batch) * len(fleet.by_engine.get(kind, ()))
+        if private:
+            if model.nodes:
+                nodes = sorted(
+                    (ns for name in model.nodes if (ns := fleet.by_name.get(name)) and kind in ns.node.engines),
+                    key=lambda ns: (ns.name, ns.id),
+                )
+            else:
+                nodes = fleet.by_engine.get(kind, ())
+            self._build_levels(nodes)
+
+    # private levels
+
+    def _entries(self, ns: NodeState) -> list[tuple]:
+        if self.gpu:
+            return [(free, ns.name, i, ns.id) for i, free in enumerate(ns.free_gpu)]
+        return [(ns.free_ram, ns.name, None, ns.id)]
+
+    def _build_levels(self, nodes) -> None:
+        levels: dict[int, list[tuple]] = {}
+        for ns in nodes:
+            levels.setdefault(self.counts.get(ns.id, 0), []).extend(self._entries(ns))
+        for entries in levels.values():
+            entries.sort()
+        self.levels = levels
+
+    def _place_private(self) -> tuple[NodeState, int | None] | None:
+        key = (self.memory,)
+        for level in sorted(self.levels):
+            entries = self.levels[level]
+            i = bisect_left(entries, key)
+            if i < len(entries):
+                _, _, gpu, node_id = entries[i]
+                ns = self.fleet.by_id[node_id]
+                for entry in self._entries(ns):  # the node moves up a level, with its new free memory
+                    del entries[bisect_left(entries, entry)]
+                if not entries:
+                    del self.levels[level]
+                return ns, gpu
+        return None
+
+    def _after_private(self, ns: NodeState) -> None:
+        entries = self.levels.setdefault(self.counts[ns.id], [])
+        for entry in self._entries(ns):
+            insort(entries, entry)
+
+    # shared index
+
+    def _place_shared(self) -> tuple[NodeState, int | None] | None:
+        fleet, counts, memory = self.fleet, self.counts, self.memory
+        kind = self.model.engine_kind
+        idx = fleet.gpu_index(kind) if self.gpu else fleet.cpu_index(kind)
+        allowed = self.allowed
+        for j in range(bisect_left(idx, (memory,)), len(idx)):
+            entry = idx[j]
+            node_id = entry[-1]
+            if node_id not in counts and (not allowed or entry[1] in allowed):
+                return fleet.by_id[node_id], (entry[2] if self.gpu else None)
+        # Every node that fits holds some already: the fewest, then the fullest that fits, then name.
+        best = None
+        for node_id, count in counts.items():
+            ns = fleet.by_id.get(node_id)
+            if ns is None or kind not in ns.node.engines or (allowed and ns.name not in allowed):
+                continue
+            if self.gpu:
+                fit = best_gpu(ns, memory)
+                if fit is None:
+                    continue
+                key = (count, fit[0] - memory, ns.name, fit[1])
+            else:
+                if ns.free_ram < memory:
+                    continue
+                key = (count, ns.free_ram - memory, ns.name, None)
+            if best is None or key < best[0]:
+                best = (key, ns)
+        if best is None:
+            return None
+        return best[1], best[0][3]
+
+    def place(self) -> tuple[NodeState, int | None] | None:
+        found = self._place_private() if self.levels is not None else self._place_shared()
+        if found is None:
+            return None
+        ns, gpu = found
+        self.fleet.commit(ns, gpu, self.memory)
+        self.counts[ns.id] = self.counts.get(ns.id, 0) + 1
+        if self.levels is not None:
+            self._after_private(ns)
+        return found

@@ -1,0 +1,53 @@
+"""Logging in, to the dashboard and to the Django admin: repeated failures from one address, or for one user,
+wait longer each time (cluster/throttle.py), answered 429 with the wait on the page."""
+
+from __future__ import annotations
+
+from django.contrib.admin.forms import AdminAuthenticationForm
+from django.contrib.auth import views as auth_views
+from django.contrib.auth.forms import AuthenticationForm
+from django.core.exceptions import ValidationError
+
+from cluster import throttle
+from cluster.clients import client_address
+from cluster.locks import redis_client
+
+
+class Throttled:
+    """An authentication form that asks the login door first and tells it of a wrong password."""
+
+    throttled = 0  # seconds to wait, when the door was shut
+
+    def clean(self):
+        username = self.data.get("username") or ""
+        found = throttle.subjects(client_address(self.request.META), username if isinstance(username, str) else "")
+        self.throttled = throttle.LOGIN.shut(found)
+        if self.throttled:
+            raise ValidationError(
+                f"Too many failed logins: try again in {self.throttled} s.", code="throttled"
+            )
+        try:
+            return super().clean()
+        except ValidationError as exc:
+            if exc.code == "invalid_login":
+                throttle.LOGIN.failed(redis_client(), found)
+            raise
+
+
+class LoginForm(Throttled, AuthenticationForm):
+    pass
+
+
+class AdminLoginForm(Throttled, AdminAuthenticationForm):
+    pass
+
+
+class LoginView(auth_views.LoginView):
+    form_class = LoginForm
+
+    def form_invalid(self, form):
+        response = super().form_invalid(form)
+        if form.throttled:
+            response.status_code = 429
+            response["Retry-After"] = str(form.throttled)
+        return response

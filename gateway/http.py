@@ -1,0 +1,84 @@
+"""The gateway's requests and answers as they are on the wire: what an ASGI server hands over, and what goes back.
+
+Django's HttpRequest and HttpResponse carry what a browser request needs (META, cookies, sessions, charsets, a
+file for a large body); for a proxy that answers in a fraction of a millisecond, building them was a large part
+of its CPU time (bench/gateway.py). The gateway builds these instead: the method, path, headers, the client's
+address and the body it has already read; an answer is its status, headers and bytes, or a stream of them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+
+
+class Request:
+    __slots__ = ("method", "path", "headers", "client", "body")
+
+    def __init__(self, method: str, path: str, headers: dict[str, str], client: str, body: bytes):
+        self.method = method
+        self.path = path
+        self.headers = headers  # lower-case names; a repeated header keeps its first value
+        self.client = client  # the peer's address, as the ASGI server saw it
+        self.body = body
+
+    @classmethod
+    def from_scope(cls, scope, body: bytes) -> Request:
+        headers: dict[str, str] = {}
+        for name, value in scope.get("headers") or ():
+            key = name.decode("latin-1").lower()
+            if key not in headers:
+                headers[key] = value.decode("latin-1")
+        client = scope.get("client")
+        return cls(scope.get("method", "GET"), scope.get("path", ""), headers, client[0] if client else "", body)
+
+    def header(self, name: str) -> str:
+        """One header's value ("" when absent); `name` in lower case."""
+        return self.headers.get(name, "")
+
+
+def _header(name: str, value: str) -> tuple[bytes, bytes]:
+    return name.lower().encode("latin-1"), value.encode("latin-1")
+
+
+class Answer:
+    """A whole answer: status, headers, body."""
+
+    streaming = False
+    __slots__ = ("status", "body", "headers")
+
+    def __init__(self, body: bytes, status: int = 200, content_type: str = "application/json"):
+        self.status = status
+        self.body = body
+        self.headers = [(b"content-type", content_type.encode("latin-1"))]
+
+    def __setitem__(self, name: str, value: str) -> None:
+        self.headers.append(_header(name, value))
+
+    def __getitem__(self, name: str) -> str:
+        wanted = name.lower().encode("latin-1")
+        return next(v.decode("latin-1") for k, v in self.headers if k == wanted)
+
+
+class Streamed:
+    """An answer sent as it comes (server-sent events), with what lets its upstream go however it ends: read to
+    the end, cut short, or never started (a client gone between the view's answer and its first byte, when the
+    generator never ran and so ran no `finally`). The handler calls `settle` once the answer is out or abandoned;
+    it is a no-op when the stream already ended its own way."""
+
+    streaming = True
+    __slots__ = ("status", "chunks", "headers", "settle")
+
+    def __init__(self, chunks: AsyncIterator[bytes], settle: Callable[[int], None]):
+        self.status = 200
+        self.chunks = chunks
+        self.settle = settle
+        self.headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                        (b"x-accel-buffering", b"no")]
+
+    def __setitem__(self, name: str, value: str) -> None:
+        self.headers.append(_header(name, value))
+
+
+def json_answer(data, status: int = 200) -> Answer:
+    return Answer(json.dumps(data).encode(), status)

@@ -1,0 +1,104 @@
+"""Client keys for /v1/ and the usage they run up: created (the secret shown once), revoked, reported.
+
+Operations like cluster.operations: each validates, changes state in one transaction, writes an Event, and
+tells every web process's gateway to reload its routing table after commit.
+"""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.utils import timezone
+
+from cluster import notify
+from cluster.errors import Conflict, NotFound, OperationError
+from cluster.events import record
+from cluster.operations.validation import check_count, check_name, created, get_named
+from gateway.models import ApiKey, Usage
+
+
+def create_key(
+    name: str,
+    actor: str,
+    models: list[str] | None = None,
+    rpm: int | None = None,
+    tpm: int | None = None,
+    expires_at=None,
+    max_tokens: int | None = None,
+) -> tuple[ApiKey, str]:
+    """A new client key for /v1/. The secret is returned once and stored only as a hash."""
+    check_name("key", name)
+    models = sorted(set(models or []))
+    for model_name in models:
+        check_name("model", model_name)
+    if rpm is not None:
+        check_count("rpm", rpm, 1)
+    if tpm is not None:
+        check_count("tpm", tpm, 1)
+    if max_tokens is not None:
+        check_count("max tokens", max_tokens, 1)
+    if expires_at is not None and expires_at <= timezone.now():
+        raise OperationError(f"the expiry {expires_at:%Y-%m-%d %H:%M} is in the past")
+    secret = ApiKey.new_secret()
+    with transaction.atomic():
+        if ApiKey.objects.filter(name=name).exists():
+            raise Conflict(f"a key named {name!r} already exists")
+        key = created(f"a key named {name!r} already exists", lambda: ApiKey.objects.create(
+            name=name,
+            prefix=secret[:14],
+            key_hash=ApiKey.hash(secret),
+            allowed_models=models,
+            rpm=rpm,
+            tpm=tpm,
+            max_tokens=max_tokens,
+            expires_at=expires_at,
+        ))
+        limits = ", ".join(
+            part
+            for part in (
+                f"models {', '.join(models)}" if models else "all models",
+                f"{rpm} requests/min" if rpm else "",
+                f"{tpm} tokens/min" if tpm else "",
+                f"at most {max_tokens} tokens per completion" if max_tokens else "",
+                f"expires {expires_at:%Y-%m-%d %H:%M}" if expires_at else "",
+            )
+            if part
+        )
+        record("key.created", actor, f"key {name} ({key.prefix}…) created: {limits}", subject=name)
+        notify.routing_changed()
+    return key, secret
+
+
+def revoke_key(name: str, actor: str) -> ApiKey:
+    with transaction.atomic():
+        key = get_named(ApiKey, "key", name)
+        if key.revoked_at is not None:
+            raise Conflict(f"key {name} is already revoked")
+        key.revoked_at = timezone.now()
+        key.save(update_fields=["revoked_at"])
+        record("key.revoked", actor, f"key {name} ({key.prefix}…) revoked", subject=name)
+        notify.routing_changed()
+    return key
+
+
+def usage_report(key: str | None = None, model: str | None = None, since=None) -> list[dict]:
+    """Tokens per key, model and hour, newest first."""
+    rows = Usage.objects.select_related("key")
+    if key:
+        if not ApiKey.objects.filter(name=key).exists():
+            raise NotFound(f"no key named {key!r}")
+        rows = rows.filter(key__name=key)
+    if model:
+        rows = rows.filter(model=model)
+    if since:
+        rows = rows.filter(hour__gte=since.replace(minute=0, second=0, microsecond=0))
+    return [
+        {
+            "key": r.key.name,
+            "model": r.model,
+            "hour": r.hour,
+            "requests": r.requests,
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+        }
+        for r in rows.order_by("-hour", "key__name", "model")[:5000]
+    ]

@@ -1,0 +1,292 @@
+"""The whole `llmgw` command tree: every subcommand, its arguments, and the function that runs it.
+
+Each subcommand is a few lines in the module of its concern (nodes, models, replicas, …) that parse, call one
+operation and print. `llmgw.management.commands.llmgw` runs the tree as `python manage.py llmgw …`.
+"""
+
+from __future__ import annotations
+
+from cluster.operations import DEFAULT_MAX_TOKENS, ROUTINGS
+from cluster.roles import ROLES
+from llmgw.cli.agent import agent as agent_cmd
+from llmgw.cli.args import duration_arg, UNSET, OneLineParser, max_tokens_arg
+from llmgw.cli.cluster_settings import engine_key_rotate, engine_key_show, settings_show_or_set
+from llmgw.cli.events import events_list
+from llmgw.cli.keys import keys_create, keys_list, keys_revoke, usage_list
+from llmgw.cli.mirror import mirror_import, mirror_list
+from llmgw.cli.models import model_add, model_remove, model_set, models_list
+from llmgw.cli.nodes import drain, node_add, node_remove, node_token, nodes_list, undrain
+from llmgw.cli.profiles import engine_add, engines_list, profile_add, profile_remove, profile_set, profiles_list
+from llmgw.cli.replicas import replicas_list, restart
+from llmgw.cli.system import service_cmd, status, system_restart, system_start, system_stop
+from llmgw.cli.up import up
+from llmgw.cli.users import user_add
+
+
+
+def scaling_args(p) -> None:
+    p.add_argument("--min-replicas", type=int, help="autoscale from this many (0: on demand, loaded when asked for)")
+    p.add_argument("--max-replicas", type=int, help="autoscale up to this many")
+    p.add_argument("--target-inflight", type=int, help="requests in flight per replica it scales toward (default 4)")
+    p.add_argument("--idle-after", type=duration_arg, metavar="DURATION",
+                   help="min 0: no request this long and it goes to zero, e.g. 15m (default)")
+    p.add_argument("--scale-down-delay", type=duration_arg, metavar="DURATION",
+                   help="below the target this long and it has one replica fewer, e.g. 5m (default)")
+
+def build(parser) -> None:
+    """The whole `llmgw` command tree."""
+
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser, metavar="COMMAND")
+
+    p = sub.add_parser("up", help="run the whole system on this machine (web, worker, beat, agent, embedded Valkey)")
+    p.add_argument("--port", type=int, default=8000, help="where web listens (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="address web binds (default 127.0.0.1)")
+    p.add_argument("--server", choices=("daphne", "uvicorn"), default=None,
+                   help="the web server (default LLMGW_WEB_SERVER, else uvicorn)")
+    p.add_argument("--no-demo", action="store_true", help="do not define the SmolLM2 demo model on first run")
+    p.add_argument("--no-agent", action="store_true", help="run no local agent (a control-plane-only machine)")
+    p.add_argument("--agent-memory", default=None, help="RAM the local agent offers, e.g. 4GiB (default: all)")
+    p.add_argument("--web-workers", type=int, default=None, metavar="N",
+                   help="web processes serving the one socket (default: the CPU count)")
+    p.set_defaults(func=up)
+
+    p = sub.add_parser("agent", help="run this machine's agent")
+    p.add_argument("--server", required=True, help="the control plane's URL, e.g. http://10.0.0.1:8000")
+    p.add_argument("--token", default="", help="the node token from `llmgw node add` (or LLMGW_AGENT_TOKEN)")
+    p.add_argument("--state-dir", default=None, help="where engines are recorded and files cached")
+    p.add_argument("--memory", default=None, help="RAM to offer, e.g. 8GiB (default: all of it)")
+    p.add_argument("--gpus", default=None, help="GPUs to offer: sizes like 24GiB,24GiB, or none (default: nvidia-smi)")
+    p.add_argument("--port-range", default="20000-20999", help="ports engines may listen on (default 20000-20999)")
+    p.add_argument("--stop-timeout", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL (default 10)")
+    p.set_defaults(func=agent_cmd)
+
+    node = sub.add_parser("node", help="add or remove nodes").add_subparsers(
+        dest="node_command", required=True, parser_class=OneLineParser, metavar="ACTION"
+    )
+    p = node.add_parser("add", help="add a node; prints its token and agent command")
+    p.add_argument("name")
+    p.add_argument("--server", default="", help="the URL agents dial, for the printed command")
+    p.set_defaults(func=node_add)
+    p = node.add_parser("remove", help="remove a node")
+    p.add_argument("name")
+    p.add_argument("--force", action="store_true", help="even if it still has replicas (they are replaced elsewhere)")
+    p.set_defaults(func=node_remove)
+    p = node.add_parser("token", help="give a node a new token (the old one stops working)")
+    p.add_argument("name")
+    p.add_argument("--server", default="")
+    p.set_defaults(func=node_token)
+    p = node.add_parser("list", help="list nodes (same as ctl nodes)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=nodes_list)
+
+    mirror = sub.add_parser("mirror", help="model files").add_subparsers(
+        dest="mirror_command", required=True, parser_class=OneLineParser, metavar="ACTION"
+    )
+    p = mirror.add_parser("import", help="add a model file to the mirror")
+    p.add_argument("path")
+    p.add_argument("--name", default=None, help="name to list it by (default: the file's name)")
+    p.set_defaults(func=mirror_import)
+    p = mirror.add_parser("list", help="list model files")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=mirror_list)
+
+    p = sub.add_parser("status", help="the cluster's summary")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=status)
+
+    p = sub.add_parser("stop", help="stop serving: every model to zero replicas, /v1/ answers 503")
+    p.set_defaults(func=system_stop)
+    p = sub.add_parser("start", help="serve again after stop")
+    p.set_defaults(func=system_start)
+    svc = sub.add_parser("service", help="this machine's llmgw systemd units").add_subparsers(
+        dest="action", required=True, parser_class=OneLineParser, metavar="ACTION"
+    )
+    for action, text in (("status", "each unit's state"), ("start", "start units in dependency order"),
+                         ("stop", "stop units in reverse order"), ("restart", "stop, then start")):
+        p = svc.add_parser(action, help=text)
+        p.add_argument("parts", nargs="*", metavar="PART",
+                       help="web, worker, beat, agent (default: every installed one)")
+        if action in ("stop", "restart"):
+            p.add_argument("--engines", action="store_true", help="also stop the engines the agent started")
+        p.set_defaults(func=service_cmd)
+    p = svc.add_parser("install", help="write and enable the systemd units")
+    p.add_argument("--role", choices=["control", "agent", "all"], default="control",
+                   help="control: web, worker, beat; agent: the agent; all: both (default control)")
+    p.add_argument("--server", default=None, help="the control plane's URL (for the agent unit)")
+    p.add_argument("--user", default=None, help="the user the units run as (default: the one running sudo)")
+    p.add_argument("--host", default="0.0.0.0", help="where web listens (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="web's port (default 8000)")
+    p.add_argument("--web-server", choices=["uvicorn", "daphne"], default=None, help="default LLMGW_WEB_SERVER")
+    p.add_argument("--web-workers", type=int, default=None,
+                   help="web processes on web's one socket, run by its unit (default: the CPU count)")
+    p.set_defaults(func=service_cmd)
+
+    p = sub.add_parser("restart", help="restart every agent, then the control plane; engines keep serving")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds each part may take to come back (default 60)")
+    p.set_defaults(func=system_restart)
+
+    user = sub.add_parser("user", help="users").add_subparsers(
+        dest="user_command", required=True, parser_class=OneLineParser, metavar="ACTION"
+    )
+    p = user.add_parser("add", help="add a user; prints an API token")
+    p.add_argument("name")
+    p.add_argument("--role", required=True, choices=ROLES)
+    p.add_argument("--password", default=None, help="for the dashboard (at least 8 characters)")
+    p.set_defaults(func=user_add)
+
+    ctl = sub.add_parser("ctl", help="look at and change the cluster").add_subparsers(
+        dest="ctl_command", required=True, parser_class=OneLineParser, metavar="ACTION"
+    )
+    p = ctl.add_parser("nodes", help="list nodes")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=nodes_list)
+    p = ctl.add_parser("models", help="list models")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=models_list)
+    p = ctl.add_parser("replicas", help="list replicas")
+    p.add_argument("--model", default=None)
+    p.add_argument("--node", default=None)
+    p.add_argument("--all", action="store_true", help="include stopped and old failed replicas")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=replicas_list)
+    p = ctl.add_parser("profiles", help="list profiles")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=profiles_list)
+    p = ctl.add_parser("engines", help="list engines")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=engines_list)
+    p = ctl.add_parser("events", help="the event log, oldest first")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--kind", default=None, help="only kinds starting with this, e.g. replica.")
+    p.add_argument("--subject", default=None)
+    p.add_argument("--since", default=None, help="ISO date and time")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=events_list)
+
+    model = ctl.add_parser("model", help="add, change or remove a model").add_subparsers(
+        dest="model_command", required=True, parser_class=OneLineParser, metavar="ACTION"
+    )
+    p = model.add_parser("add", help="define a model")
+    p.add_argument("name")
+    p.add_argument("--file", required=True, help="sha256 (or 8+ digit prefix), file name in the mirror, or a path")
+    p.add_argument("--engine", required=True, help="engine name, see ctl engines")
+    p.add_argument("--profile", default="default")
+    p.add_argument("--replicas", type=int, default=None, help="a fixed number of replicas (default 1)")
+    scaling_args(p)
+    p.add_argument("--memory", default=None, help="memory per replica, e.g. 6GiB (default: estimated)")
+    p.add_argument("--nodes", nargs="+", default=None, help="only these nodes")
+    p.add_argument("--wait", type=int, default=None, help="seconds the gateway waits for a replica")
+    p.add_argument("--max-tokens", type=max_tokens_arg, default=DEFAULT_MAX_TOKENS, metavar="N|none",
+                   help=f"most tokens a completion may generate (default {DEFAULT_MAX_TOKENS}; none: no cap)")
+    p.add_argument("--routing", choices=ROUTINGS, default=ROUTINGS[0],
+                   help="prefix: a conversation's turns to the replica holding its prompt in cache (default); "
+                        "least-inflight: the replica with the fewest requests in flight")
+    p.set_defaults(func=model_add)
+    p = model.add_parser("set", help="change a model")
+    p.add_argument("name")
+    p.add_argument("--replicas", type=int, help="a fixed number of replicas (an autoscaled model becomes fixed)")
+    scaling_args(p)
+    p.add_argument("--profile")
+    p.add_argument("--engine")
+    p.add_argument("--file")
+    p.add_argument("--memory", help="e.g. 6GiB, or auto")
+    p.add_argument("--nodes", nargs="*")
+    p.add_argument("--wait", type=int)
+    p.add_argument("--max-tokens", type=max_tokens_arg, default=UNSET, metavar="N|none",
+                   help="most tokens a completion may generate; none: no cap")
+    p.add_argument("--routing", choices=ROUTINGS, help="how the gateway picks a replica: prefix or least-inflight")
+    p.set_defaults(func=model_set)
+    p = model.add_parser("remove", help="stop all its replicas and remove it")
+    p.add_argument("name")
+    p.set_defaults(func=model_remove)
+
+    profile = ctl.add_parser("profile", help="add, change or remove a profile").add_subparsers(
+        dest="profile_command", required=True, parser_class=OneLineParser, metavar="ACTION"
+    )
+    for action, func in (("add", profile_add), ("set", profile_set)):
+        p = profile.add_parser(action, help=f"{action} a profile")
+        p.add_argument("name")
+        p.add_argument("--context-size", type=int)
+        p.add_argument("--threads", type=int)
+        p.add_argument("--gpu-layers", type=int)
+        p.add_argument("--batch-size", type=int)
+        p.add_argument("--parallel", type=int)
+        p.add_argument("--extra", help="extra engine flags, as one quoted string")
+        p.set_defaults(func=func)
+    p = profile.add_parser("remove", help="remove an unused profile")
+    p.add_argument("name")
+    p.set_defaults(func=profile_remove)
+
+    key = ctl.add_parser("engine-key", help="the key every engine requires").add_subparsers(
+        dest="key_command", required=True, parser_class=OneLineParser, metavar="ACTION"
+    )
+    p = key.add_parser("show", help="print the engine key (to talk to an engine directly)")
+    p.set_defaults(func=engine_key_show)
+    p = key.add_parser("rotate", help="a new engine key; running replicas keep the old one until restarted")
+    p.set_defaults(func=engine_key_rotate)
+
+    p = ctl.add_parser("settings", help="show or change the cluster settings (drain grace, reconcile interval, "
+                                        "minimum residency)")
+    p.add_argument("--drain-grace", type=int, default=None, metavar="SECONDS",
+                   help="how long a draining replica gets for requests in flight")
+    p.add_argument("--reconcile-interval", type=int, default=None, metavar="SECONDS",
+                   help="how often the reconciler runs")
+    p.add_argument("--min-resident", type=int, default=None, metavar="SECONDS",
+                   help="how long an autoscaled model's replica serves before it may be evicted for another model")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=settings_show_or_set)
+
+    p = ctl.add_parser(
+        "restart", help="replace replicas without taking them out of service first (one at a time per model)"
+    )
+    p.add_argument("replicas", nargs="*", metavar="REPLICA")
+    p.add_argument("--model", action="append", default=None, help="every replica of this model (repeatable)")
+    p.add_argument("--all", action="store_true", help="every replica")
+    p.add_argument("--stale", action="store_true", help="only replicas started with older settings")
+    p.set_defaults(func=restart)
+    p = ctl.add_parser("drain", help="move a node's replicas elsewhere; it takes no new ones")
+    p.add_argument("name", metavar="NODE")
+    p.add_argument("--force", action="store_true", help="a replica with nowhere else to go drains and stops")
+    p.set_defaults(func=drain)
+    p = ctl.add_parser("undrain", help="let a drained node take replicas again")
+    p.add_argument("name", metavar="NODE")
+    p.set_defaults(func=undrain)
+
+    keys = ctl.add_parser("keys", help="client keys for /v1/").add_subparsers(
+        dest="keys_command", required=True, parser_class=OneLineParser, metavar="ACTION"
+    )
+    p = keys.add_parser("create", help="create a key; prints it once")
+    p.add_argument("name")
+    p.add_argument("--models", nargs="+", default=None, help="only these models (default: all)")
+    p.add_argument("--rpm", type=int, default=None, help="requests per minute")
+    p.add_argument("--tpm", type=int, default=None, help="tokens per minute")
+    p.add_argument("--expires", default=None, help="date (and time) it stops working")
+    p.add_argument("--max-tokens", type=max_tokens_arg, default=None, metavar="N",
+                   help="most tokens a completion may generate with this key (below the model's own cap)")
+    p.set_defaults(func=keys_create)
+    p = keys.add_parser("list", help="list keys")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=keys_list)
+    p = keys.add_parser("revoke", help="revoke a key")
+    p.add_argument("name")
+    p.set_defaults(func=keys_revoke)
+
+    p = ctl.add_parser("usage", help="tokens per key, model and hour")
+    p.add_argument("--key", default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--since", default=None, help="date (and time)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=usage_list)
+
+    engine = ctl.add_parser("engine", help="add an engine").add_subparsers(
+        dest="engine_command", required=True, parser_class=OneLineParser, metavar="ACTION"
+    )
+    p = engine.add_parser("add", help="add an engine version")
+    p.add_argument("name")
+    p.add_argument("--kind", required=True, help="llama.cpp, xllamacpp, vllm or command")
+    p.add_argument("--version", default="")
+    p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
+    p.add_argument("--binary", default="", help="path to the engine binary on the nodes (default: on PATH)")
+    p.add_argument("--command", default="", help="for kind command: a template with {port}, {model_path}, …")
+    p.set_defaults(func=engine_add)

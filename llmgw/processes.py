@@ -1,0 +1,183 @@
+"""Child processes llmgw starts and watches: `llmgw up`'s web, worker, beat and agent, the integration tests'
+fleet and the benchmarks' targets, all through one Child and one Supervisor.
+
+A Child runs in its own session (Ctrl-C reaches its parent alone, which stops the children in order), its output
+appended to a log file, and is stopped with its whole process group: a signal (SIGTERM), the leader's exit
+awaited, SIGKILL to the group after the timeout, and stragglers of the group (a server's workers) waited for.
+A Supervisor starts a child that exits again, as systemd's `Restart=always` does: soon after a clean exit,
+with a back-off that doubles with each crash in a row.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+CLEAN_RESTART_DELAY = 0.5  # seconds before a child that exited cleanly (told to restart, say) starts again
+CRASH_BACKOFF = (0.5, 30.0)  # first delay and cap after a crash, doubling with each restart
+
+
+class Child:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path | None,
+        env: dict | None = None,
+        cwd: Path | str | None = None,
+        pass_fds: tuple[int, ...] = (),
+        cpus: set[int] | None = None,
+    ):
+        # None: the child writes where its parent does (a service's journal)
+        self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.pass_fds, self.cpus = pass_fds, cpus
+        self.popen: subprocess.Popen | None = None
+        self.restarts = 0
+        self.crashes = 0  # crashes in a row: the back-off doubles with each
+        self.next_start = 0.0  # when the supervisor starts it again (0: not decided yet)
+        self.supervisor: Supervisor | None = None
+
+    def start(self) -> Child:
+        cpus = self.cpus
+        log = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_path, "ab")
+        try:
+            self.popen = subprocess.Popen(
+                self.argv, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT if log else None,
+                stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=self.pass_fds,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            )
+        finally:
+            if log is not None:
+                log.close()
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll() if self.popen else None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def send(self, sig) -> None:
+        if self.popen is not None:
+            try:
+                os.killpg(self.popen.pid, sig)  # the group made for it: it and whatever it started
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 15.0) -> None:
+        """`sig` to the group, then SIGKILL to it once the leader has not exited within `timeout`; returns
+        when the leader has exited and the group is gone (or after a few seconds more of stragglers). A child
+        stopped on purpose is not started again."""
+        if self.supervisor is not None:
+            self.supervisor.forget(self)
+        if self.popen is None:
+            return
+        if self.alive():
+            self.send(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.send(signal.SIGKILL)
+                self.popen.wait()
+        deadline = time.monotonic() + min(timeout, 5.0)
+        while group_alive(self.popen.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if group_alive(self.popen.pid):
+            self.send(signal.SIGKILL)
+
+    def tail(self, lines: int = 40) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class Supervisor:
+    """Keeps its children running: each that exits is started again after a delay (CLEAN_RESTART_DELAY after
+    exit code 0, else the crash back-off). `on_exit(child, code, delay)` hears of each exit."""
+
+    def __init__(self, on_exit: Callable[[Child, int | None, float], None] | None = None):
+        self.children: list[Child] = []
+        self.on_exit = on_exit or (lambda child, code, delay: None)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def watch(self, child: Child) -> None:
+        with self._lock:
+            if child not in self.children:
+                child.next_start = 0.0
+                child.supervisor = self
+                self.children.append(child)
+
+    def forget(self, child: Child) -> None:
+        with self._lock:
+            if child in self.children:
+                self.children.remove(child)
+            child.supervisor = None
+
+    def poll(self, now: float | None = None) -> None:
+        """One pass: note each child that has exited, and start the ones whose delay is over."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            children = list(self.children)
+        for child in children:
+            if child.alive():
+                continue
+            if child.next_start == 0.0:
+                code = child.returncode
+                first, cap = CRASH_BACKOFF
+                # a clean exit, or one by the signal that asks a server to stop (uvicorn re-raises it once it
+                # has stopped gracefully): told to restart, not a crash
+                clean = code in (0, None, -signal.SIGTERM, -signal.SIGINT)
+                delay = CLEAN_RESTART_DELAY if clean else min(cap, first * 2 ** min(child.crashes, 6))
+                child.crashes = 0 if clean else child.crashes + 1
+                child.next_start = now + delay
+                self.on_exit(child, code, delay)
+            elif now >= child.next_start:
+                child.restarts += 1
+                child.next_start = 0.0
+                child.start()
+
+    def run(self, stopping: Callable[[], bool], interval: float = 0.2) -> None:
+        """In the foreground, until `stopping()` (what `llmgw up` does)."""
+        while not stopping():
+            self.poll()
+            time.sleep(interval)
+
+    def start_thread(self, interval: float = 0.2) -> None:
+        """In a daemon thread, until stop_thread() (what the integration tests do)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.run, args=(self._stopping.is_set, interval), daemon=True)
+            self._thread.start()
+
+    def stop_thread(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(5)

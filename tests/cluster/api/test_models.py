@@ -1,0 +1,212 @@
+"""The REST API for models: add, list with replica counts, edit, remove; refusals change nothing."""
+
+
+import pytest
+
+from cluster.models import Event, Model, Replica
+from tests.factories import make_replica, row_counts
+from tests.rest import API, refused
+
+# Models
+
+
+def test_add_model_with_defaults(cluster, operator):
+    model_file = cluster["model"].file
+    body = {"name": "qwen-small", "file": model_file.sha256[:10], "engine": "llama.cpp"}
+    response = operator.post(f"{API}/models/", body, format="json")
+    assert response.status_code == 201, response.content
+    shown = response.json()
+    assert shown["file"] == {"sha256": model_file.sha256, "name": "qwen.gguf"}
+    assert (shown["engine"], shown["profile"], shown["replicas"], shown["nodes"]) == ("llama.cpp", "default", 1, [])
+    assert shown["memory_estimated"] is True
+    assert shown["memory_bytes"] == Model.objects.get(name="qwen-small").memory_estimate()
+    assert (shown["wait_seconds"], shown["removing"], shown["placement_note"]) == (30, False, "")
+    assert shown["counting"] == 0 and shown["replica_states"]["ready"] == 0
+    assert Event.objects.get(kind="model.added").subject == "qwen-small"
+
+
+def test_add_model_with_everything(cluster, operator):
+    body = {
+        "name": "qwen-gpu",
+        "file": "qwen.gguf",
+        "engine": "llama.cpp-gpu",
+        "profile": "spare",
+        "replicas": 3,
+        "memory_bytes": 4 * 1024**3,
+        "nodes": ["gpu-1"],
+        "wait_seconds": 5,
+    }
+    shown = operator.post(f"{API}/models/", body, format="json").json()
+    assert (shown["engine"], shown["profile"], shown["replicas"]) == ("llama.cpp-gpu", "spare", 3)
+    assert (shown["memory_bytes"], shown["memory_estimated"]) == (4 * 1024**3, False)
+    assert (shown["nodes"], shown["wait_seconds"]) == (["gpu-1"], 5)
+
+
+def test_add_model_imports_a_server_path(cluster, operator, gguf_file):
+    body = {"name": "tiny", "file": str(gguf_file), "engine": "xllamacpp"}
+    response = operator.post(f"{API}/models/", body, format="json")
+    assert response.status_code == 201, response.content
+    assert response.json()["file"]["name"] == "tiny.gguf"
+
+
+def test_import_outside_the_import_dirs_is_refused_and_changes_nothing(cluster, operator, settings, tmp_path):
+    settings.LLMGW_IMPORT_DIRS = [str(tmp_path / "imports")]
+    before = row_counts()
+    for response in (
+        operator.post(f"{API}/model-files/", {"path": "/etc/passwd"}, format="json"),
+        operator.post(f"{API}/models/", {"name": "x", "file": "/etc/passwd", "engine": "xllamacpp"}, format="json"),
+    ):
+        assert response.status_code == 422
+        assert "import directories" in response.json()["detail"]
+    assert row_counts() == before
+
+
+@pytest.mark.parametrize(
+    "changes, status, words",
+    [
+        ({"engine": "nope"}, 422, ["no engine named 'nope'"]),
+        ({"profile": "nope"}, 422, ["no profile named 'nope'"]),
+        ({"file": "nope.gguf"}, 422, ["no model file 'nope.gguf'"]),
+        ({"file": "/no/such/file.gguf"}, 422, ["import directories"]),
+        ({"name": "qwen2.5-7b"}, 409, ["already exists"]),
+        ({"name": "Qwen 7B"}, 400, ["use lower-case letters"]),
+        ({"name": "new\n"}, 400, ["use lower-case letters"]),  # no trailing newline slips past the pattern
+        ({"name": 7}, 400, ["name", "must be a string"]),
+        ({"replicas": -1}, 400, ["replicas", "greater than or equal to 0"]),
+        ({"replicas": "three"}, 400, ["replicas", "must be a whole number"]),
+        ({"replicas": "3"}, 400, ["replicas", "must be a whole number"]),  # JSON types are kept: no "3" for 3
+        ({"replicas": 2.5}, 400, ["replicas", "must be a whole number"]),
+        ({"replicas": True}, 400, ["replicas", "must be a whole number"]),
+        ({"replicas": 2**40}, 400, ["replicas", "less than or equal"]),
+        ({"memory_bytes": -1}, 400, ["memory_bytes"]),
+        ({"nodes": "gpu-1"}, 400, ["nodes", "list"]),
+        ({"nodes": [1, ["x"]]}, 400, ["nodes"]),
+        ({"wait_seconds": -3}, 400, ["wait_seconds"]),
+        ({"file": None}, 400, ["file", "null"]),
+        ({"engine": ""}, 400, ["engine", "blank"]),
+        ({"colour": "red"}, 400, ["colour", "unknown field"]),
+        ({"routing": "fastest"}, 400, ["routing", "not a valid choice"]),
+        ({"routing": None}, 400, ["routing", "null"]),
+    ],
+)
+def test_add_model_refusals_change_nothing(cluster, operator, changes, status, words):
+    """400: the body is not what the schema says; 409: it clashes with what exists; 422: well formed, but it
+    names what is not there or asks what cannot be done."""
+    body = {"name": "new", "file": "qwen.gguf", "engine": "llama.cpp", **changes}
+    before = row_counts()
+    refused(operator.post(f"{API}/models/", body, format="json"), status, *words)
+    assert row_counts() == before
+
+
+def test_non_gguf_file_with_a_gguf_engine_is_refused(cluster, operator, text_file):
+    response = operator.post(f"{API}/model-files/", {"path": str(text_file)}, format="json")
+    assert response.status_code == 201 and response.json()["format"] == "other"
+    before = row_counts()
+    body = {"name": "notes", "file": "notes.txt", "engine": "xllamacpp"}
+    refused(operator.post(f"{API}/models/", body, format="json"), 422, "is not GGUF", "xllamacpp")
+    body = {"engine": "xllamacpp", "file": "notes.txt"}
+    refused(operator.patch(f"{API}/models/qwen2.5-7b/", body, format="json"), 422, "is not GGUF")
+    assert row_counts() == before
+    assert Model.objects.get(name="qwen2.5-7b").engine.name == "llama.cpp"
+
+
+def test_model_list_and_retrieve_with_replica_counts(cluster, viewer):
+    model, node = cluster["model"], cluster["node"]
+    make_replica(model, node, state=Replica.State.STARTING)
+    make_replica(model, node, state=Replica.State.READY, restart=Replica.Restart.REPLACING)
+    make_replica(model, node, state=Replica.State.FAILED)
+    body = viewer.get(f"{API}/models/").json()
+    assert body["count"] == 1
+    shown = body["results"][0]
+    assert shown["name"] == "qwen2.5-7b"
+    assert shown["replica_states"] == {
+        "pending": 0,
+        "downloading": 0,
+        "starting": 1,
+        "ready": 2,
+        "draining": 0,
+        "stopping": 0,
+        "stopped": 0,
+        "failed": 1,
+    }
+    assert shown["counting"] == 2  # the ready one being replaced no longer counts
+    assert viewer.get(f"{API}/models/qwen2.5-7b/").json() == shown
+    refused(viewer.get(f"{API}/models/qwen2/"), 404, "no model named 'qwen2'")
+
+
+@pytest.mark.parametrize("method", ["patch", "put"])
+def test_edit_model(cluster, operator, method):
+    response = getattr(operator, method)(
+        f"{API}/models/qwen2.5-7b/", {"replicas": 2, "memory_bytes": 1024**3, "profile": "spare"}, format="json"
+    )
+    assert response.status_code == 200, response.content
+    shown = response.json()
+    assert (shown["replicas"], shown["memory_bytes"], shown["profile"]) == (2, 1024**3, "spare")
+    assert shown["replica_states"]["ready"] == 1
+    event = Event.objects.get(kind="model.edited")
+    assert event.subject == "qwen2.5-7b" and event.actor.startswith("user:operator-")
+    shown = operator.patch(f"{API}/models/qwen2.5-7b/", {"memory_bytes": None}, format="json").json()
+    assert shown["memory_estimated"] is True
+
+
+def test_edit_model_refusals(cluster, operator):
+    before = row_counts()
+    refused(operator.patch(f"{API}/models/nope/", {"replicas": 2}, format="json"), 404, "no model named 'nope'")
+    refused(operator.patch(f"{API}/models/qwen2.5-7b/", {"replicas": -2}, format="json"), 400, "replicas")
+    refused(operator.patch(f"{API}/models/qwen2.5-7b/", {"engine": "nope"}, format="json"), 422, "no engine")
+    refused(operator.patch(f"{API}/models/qwen2.5-7b/", {"name": "renamed"}, format="json"), 400, "unknown field")
+    assert row_counts() == before
+
+
+def test_remove_model_is_accepted_and_shows_removing(cluster, operator):
+    response = operator.delete(f"{API}/models/qwen2.5-7b/")
+    assert response.status_code == 202
+    assert response.json()["removing"] is True and response.json()["replica_states"]["ready"] == 1
+    assert Model.objects.get().removing
+    before = row_counts()
+    refused(operator.patch(f"{API}/models/qwen2.5-7b/", {"replicas": 3}, format="json"), 409, "being removed")
+    body = {"name": "qwen2.5-7b", "file": "qwen.gguf", "engine": "llama.cpp"}
+    refused(operator.post(f"{API}/models/", body, format="json"), 409, "being removed")
+    assert row_counts() == before
+    refused(operator.delete(f"{API}/models/nope/"), 404, "no model named 'nope'")
+
+
+def test_routing_is_prefix_for_new_models_and_changes_over_patch(cluster, operator):
+    body = {"name": "routed", "file": "qwen.gguf", "engine": "llama.cpp"}
+    response = operator.post(f"{API}/models/", body, format="json")
+    assert response.status_code == 201 and response.json()["routing"] == "prefix"
+    response = operator.patch(f"{API}/models/routed/", {"routing": "least-inflight"}, format="json")
+    assert response.status_code == 200 and response.json()["routing"] == "least-inflight"
+    assert Model.objects.get(name="routed").routing == "least-inflight"
+    assert "routing=least-inflight" in Event.objects.filter(kind="model.edited").latest("id").message
+    refused(operator.patch(f"{API}/models/routed/", {"routing": "sticky"}, format="json"), 400, "routing")
+
+
+# Autoscaled and on demand
+
+
+def test_an_autoscaled_model_through_the_api(cluster, operator):
+    body = {"name": "lazy", "file": "qwen.gguf", "engine": "llama.cpp", "min_replicas": 0, "max_replicas": 2,
+            "target_inflight": 2, "idle_after_seconds": 600, "scale_down_delay_seconds": 120}
+    response = operator.post(f"{API}/models/", body, format="json")
+    assert response.status_code == 201, response.content
+    shown = response.json()
+    assert (shown["min_replicas"], shown["max_replicas"], shown["target_inflight"]) == (0, 2, 2)
+    assert shown["scaling"]["mode"] == "on-demand" and shown["scaling"]["wanted"] == 0
+    assert shown["scaling"]["idle_after_seconds"] == 600 and shown["scaling"]["idle_at"] is None
+    changed = operator.patch(f"{API}/models/lazy/", {"replicas": 2}, format="json").json()
+    assert changed["scaling"] == {**changed["scaling"], "mode": "fixed", "wanted": 2, "min_replicas": None}
+
+
+@pytest.mark.parametrize("changes, status, words", [
+    ({"replicas": 1, "min_replicas": 0, "max_replicas": 2}, 422, ["either a fixed number"]),
+    ({"min_replicas": 2, "max_replicas": 1}, 422, ["is above max replicas"]),
+    ({"min_replicas": -1, "max_replicas": 1}, 400, ["min_replicas"]),
+    ({"max_replicas": 2}, 422, ["give both min and max"]),
+    ({"target_inflight": 0, "min_replicas": 0, "max_replicas": 1}, 400, ["target_inflight"]),
+])
+def test_bad_scaling_is_refused_and_changes_nothing(cluster, operator, changes, status, words):
+    body = {"name": "new", "file": "qwen.gguf", "engine": "llama.cpp", **changes}
+    before = row_counts()
+    refused(operator.post(f"{API}/models/", body, format="json"), status, *words)
+    assert row_counts() == before

@@ -1,0 +1,259 @@
+"""The questions every front door asks, answered once: the CLI, the REST API, the dashboard and placement agree."""
+
+import io
+import json
+import re
+from datetime import timedelta
+
+import pytest
+from django.core.management import call_command
+from django.utils import timezone
+
+from cluster import planner, queries, reconciler
+from cluster.models import GIB, Replica
+from tests.factories import make_model, make_node, make_replica, session_for
+
+S = Replica.State
+GPUS = [{"index": 0, "name": "L4", "memory_bytes": 24 * GIB}, {"index": 1, "name": "L4", "memory_bytes": 24 * GIB}]
+
+
+def a_busy_node():
+    node = make_node("n1", memory_bytes=16 * GIB, facts={"gpus": GPUS, "engines": {"llama.cpp": "", "vllm": ""}})
+    cpu, gpu = make_model("cpu"), make_model("gpu", engine="llama.cpp-gpu")
+    make_replica(cpu, node, S.READY, memory_bytes=2 * GIB)
+    make_replica(cpu, node, S.DRAINING, memory_bytes=1 * GIB)
+    make_replica(cpu, node, S.STOPPING, memory_bytes=1 * GIB)  # still holds it until its engine has stopped
+    make_replica(cpu, node, S.STOPPED, memory_bytes=8 * GIB)  # over: holds nothing
+    make_replica(cpu, node, S.FAILED, memory_bytes=8 * GIB)
+    make_replica(gpu, node, S.STARTING, memory_bytes=6 * GIB, gpu_index=1)  # GPU memory, not RAM
+    return node
+
+
+def test_memory_in_use_counts_what_placement_counts(db, operator):
+    node = a_busy_node()
+    used = queries.memory_in_use()
+    assert (used.ram(node.pk), used.gpus(node.pk, 2)) == (4 * GIB, [0, 6 * GIB])
+
+    # placement sees the same: a model needing one byte more than what is left does not fit
+    snapshot = reconciler.take_snapshot()
+    left = 16 * GIB - 4 * GIB
+    too_big = planner.ModelView(id=999, name="big", replicas=1, memory_bytes=left + 1, engine_kind="llama.cpp",
+                                uses_gpu=False)
+    actions = planner.plan(planner.Snapshot(**{**snapshot.__dict__, "models": (too_big,)}))
+    assert "the most free is 12.0 GiB on n1" in actions[0].reason
+
+    # the REST API
+    shown = operator.get(f"/api/v1/nodes/{node.name}/").json()
+    assert (shown["memory_used_bytes"], shown["gpu_memory_used_bytes"]) == (4 * GIB, [0, 6 * GIB])
+    listed = operator.get("/api/v1/nodes/").json()["results"][0]
+    assert (listed["memory_used_bytes"], listed["gpu_memory_used_bytes"]) == (4 * GIB, [0, 6 * GIB])
+
+    # the CLI
+    out = io.StringIO()
+    call_command("llmgw", "ctl", "nodes", "--json", stdout=out)
+    row = json.loads(out.getvalue())[0]
+    assert row["memory_used_bytes"] == 4 * GIB
+    assert [g["memory_used_bytes"] for g in row["gpus"]] == [0, 6 * GIB]
+    out = io.StringIO()
+    call_command("llmgw", "ctl", "nodes", stdout=out)
+    assert "4.0 GiB / 16.0 GiB" in out.getvalue() and "6.0 GiB / 24.0 GiB" in out.getvalue()
+
+    # the dashboard
+    page = session_for("viewer").get("/nodes/").content.decode()
+    assert "4.0 GiB used" in page and "6.0 GiB used" in page
+    assert re.search(r"GPU 0 L4.*?0 B used", page, re.S)
+
+
+def test_the_current_replicas_are_the_same_list_everywhere(db, viewer):
+    node, model = make_node("n1"), make_model("m")
+    ready = make_replica(model, node, S.READY)
+    failed_now = make_replica(model, node, S.FAILED)
+    failed_long_ago = make_replica(model, node, S.FAILED)
+    stopped = make_replica(model, node, S.STOPPED)
+    Replica.objects.filter(pk=failed_long_ago.pk).update(state_changed_at=timezone.now() - timedelta(minutes=11))
+    current = {ready.name, failed_now.name}
+    everything = current | {failed_long_ago.name, stopped.name}
+
+    assert {r.name for r in queries.replicas_listed()} == current
+    assert {r.name for r in queries.replicas_listed(include_over=True)} == everything
+    api = {r["name"] for r in viewer.get("/api/v1/replicas/?current=true").json()["results"]}
+    assert api == current
+    assert {r["name"] for r in viewer.get("/api/v1/replicas/").json()["results"]} == everything
+    assert viewer.get("/api/v1/replicas/?current=maybe").status_code == 400
+    out = io.StringIO()
+    call_command("llmgw", "ctl", "replicas", "--json", stdout=out)
+    assert {r["name"] for r in json.loads(out.getvalue())} == current
+    out = io.StringIO()
+    call_command("llmgw", "ctl", "replicas", "--all", "--json", stdout=out)
+    assert {r["name"] for r in json.loads(out.getvalue())} == everything
+    page = session_for("viewer").get("/replicas/").content.decode()
+    assert all(name in page for name in current) and not any(n in page for n in everything - current)
+    page = session_for("viewer").get("/replicas/?over=1").content.decode()
+    assert all(name in page for name in everything)
+
+
+def test_settings_are_shown_the_same_by_the_cli_and_the_api(db, viewer):
+    out = io.StringIO()
+    call_command("llmgw", "ctl", "settings", "--json", stdout=out)
+    assert json.loads(out.getvalue()) == viewer.get("/api/v1/settings/").json() == queries.cluster_settings_shown()
+
+
+def test_what_a_model_serves_is_the_same_everywhere(db, viewer):
+    """The engine's driver reads the profile: llama.cpp embeds with --embeddings and takes images with a
+    projector, a vLLM pooling model only embeds, a command engine is taken at its word."""
+    from cluster.models import Profile
+
+    Profile.objects.create(name="embeds", extra_args=["--embeddings", "--pooling", "mean"])
+    Profile.objects.create(name="sees", extra_args=["--mmproj", "/models/proj.gguf"])
+    Profile.objects.create(name="pooling", extra_args=["--task=embed"])
+    expected = {
+        "plain": (make_model("plain"), ["chat", "completions"]),
+        "embeds": (make_model("embeds", engine="xllamacpp", profile="embeds"), ["chat", "completions", "embeddings"]),
+        "sees": (make_model("sees", profile="sees"), ["chat", "completions", "images", "audio"]),
+        "pooled": (make_model("pooled", engine="vllm", profile="pooling"), ["embeddings"]),
+    }
+    for name, (model, serves) in expected.items():
+        assert list(model.capabilities()) == serves, name
+        assert viewer.get(f"/api/v1/models/{name}/").json()["capabilities"] == serves
+    out = io.StringIO()
+    call_command("llmgw", "ctl", "models", "--json", stdout=out)
+    assert {m["name"]: m["capabilities"] for m in json.loads(out.getvalue())} == {n: s for n, (_, s) in expected.items()}
+    out = io.StringIO()
+    call_command("llmgw", "ctl", "models", stdout=out)
+    assert re.search(r"^pooled .* embeddings ", out.getvalue(), re.M) and "chat,completions,images,audio" in out.getvalue()
+    page = session_for("viewer").get("/models/").content.decode()
+    assert "serves chat, completions, embeddings" in page and "serves embeddings<" in page
+
+
+def cli(*args: str) -> str:
+    """A CLI command in this process, as an operator types it: what it printed."""
+    out = io.StringIO()
+    call_command("llmgw", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_a_completions_cap_on_tokens_is_set_the_same_way_everywhere(db, operator):
+    """The model's cap (4096 unless set; none: no cap) and a key's, by the CLI, the REST API and the dashboard,
+    bad values refused alike and changing nothing."""
+    from django.core.management.base import CommandError
+
+    from cluster.models import Model
+    from gateway.models import ApiKey
+    from tests.factories import make_file, row_counts
+
+    f = make_file(name="tiny.gguf")
+    page = session_for("operator")
+
+    cli("ctl", "model", "add", "by-cli", "--file", f.sha256, "--engine", "llama.cpp")
+    cli("ctl", "model", "add", "by-cli-512", "--file", f.sha256, "--engine", "llama.cpp", "--max-tokens", "512")
+    assert operator.post("/api/v1/models/", {"name": "by-api", "file": f.sha256, "engine": "llama.cpp"},
+                         format="json").json()["max_tokens"] == 4096
+    page.post("/models/add/", {"name": "by-page", "file": f.sha256, "engine": "llama.cpp", "max_tokens": "none"})
+    assert dict(Model.objects.values_list("name", "max_tokens")) == {
+        "by-cli": 4096, "by-cli-512": 512, "by-api": 4096, "by-page": None}
+
+    cli("ctl", "model", "set", "by-cli", "--max-tokens", "none")
+    assert operator.patch("/api/v1/models/by-api/", {"max_tokens": 64}, format="json").json()["max_tokens"] == 64
+    page.post("/models/by-page/set/", {"max_tokens": "128"})
+    assert dict(Model.objects.values_list("name", "max_tokens")) == {
+        "by-cli": None, "by-cli-512": 512, "by-api": 64, "by-page": 128}
+    shown = {m["name"]: m["max_tokens"] for m in json.loads(cli("ctl", "models", "--json"))}
+    assert shown == {"by-cli": None, "by-cli-512": 512, "by-api": 64, "by-page": 128}
+    assert "at most 128 tokens per completion" in page.get("/models/").content.decode()
+
+    cli("ctl", "keys", "create", "k-cli", "--max-tokens", "100")
+    assert operator.post("/api/v1/keys/", {"name": "k-api", "max_tokens": 200}, format="json").json()["max_tokens"] == 200
+    page.post("/keys/create/", {"name": "k-page", "max_tokens": "300"})
+    assert dict(ApiKey.objects.values_list("name", "max_tokens")) == {"k-cli": 100, "k-api": 200, "k-page": 300}
+    assert [k["max_tokens"] for k in json.loads(cli("ctl", "keys", "list", "--json"))] == [200, 100, 300]
+
+    before = row_counts()
+    for bad in ("0", "-5", "lots"):
+        with pytest.raises(CommandError, match="--max-tokens"):
+            cli("ctl", "model", "set", "by-api", "--max-tokens", bad)
+        with pytest.raises(CommandError, match="--max-tokens"):
+            cli("ctl", "keys", "create", "k-bad", "--max-tokens", bad)
+    for bad in (0, -5, "lots", 2**31):
+        assert operator.patch("/api/v1/models/by-api/", {"max_tokens": bad}, format="json").status_code == 400
+        assert operator.post("/api/v1/keys/", {"name": "k-bad", "max_tokens": bad}, format="json").status_code == 400
+    said = page.post("/models/by-api/set/", {"max_tokens": "lots"}, HTTP_HX_REQUEST="true").content.decode()
+    assert "max tokens: &#x27;lots&#x27; is not a whole number" in said
+    said = page.post("/models/by-api/set/", {"max_tokens": "0"}, HTTP_HX_REQUEST="true").content.decode()
+    assert "max tokens must be a whole number from 1" in said
+    assert row_counts() == before
+
+
+def test_a_models_routing_is_set_the_same_way_everywhere(db, operator):
+    """prefix for a new model, least-inflight on request, by the CLI, the REST API and the dashboard; an unknown
+    policy is refused by each and changes nothing."""
+    from django.core.management.base import CommandError
+
+    from cluster.models import Model
+    from tests.factories import make_file, row_counts
+
+    f = make_file(name="tiny.gguf")
+    page = session_for("operator")
+
+    cli("ctl", "model", "add", "r-cli", "--file", f.sha256, "--engine", "llama.cpp")
+    cli("ctl", "model", "add", "r-cli-li", "--file", f.sha256, "--engine", "llama.cpp", "--routing", "least-inflight")
+    operator.post("/api/v1/models/", {"name": "r-api", "file": f.sha256, "engine": "llama.cpp"}, format="json")
+    page.post("/models/add/", {"name": "r-page", "file": f.sha256, "engine": "llama.cpp", "routing": "least-inflight"})
+    assert dict(Model.objects.values_list("name", "routing")) == {
+        "r-cli": "prefix", "r-cli-li": "least-inflight", "r-api": "prefix", "r-page": "least-inflight"}
+
+    assert "routing least-inflight" in cli("ctl", "model", "set", "r-cli", "--routing", "least-inflight")
+    operator.patch("/api/v1/models/r-api/", {"routing": "least-inflight"}, format="json")
+    page.post("/models/r-page/set/", {"routing": "prefix"})
+    shown = {m["name"]: m["routing"] for m in json.loads(cli("ctl", "models", "--json"))}
+    assert shown == {"r-cli": "least-inflight", "r-cli-li": "least-inflight", "r-api": "least-inflight", "r-page": "prefix"}
+    assert re.search(r"^r-page .* prefix ", cli("ctl", "models"), re.M)
+    listing = page.get("/models/").content.decode()
+    assert "routed by prefix" in listing and '<option selected>prefix</option>' in listing
+
+    before = row_counts()
+    with pytest.raises(CommandError, match="--routing"):
+        cli("ctl", "model", "set", "r-api", "--routing", "sticky")
+    assert operator.patch("/api/v1/models/r-api/", {"routing": "sticky"}, format="json").status_code == 400
+    said = page.post("/models/r-api/set/", {"routing": "sticky"}, HTTP_HX_REQUEST="true").content.decode()
+    assert "routing is one of prefix, least-inflight, not &#x27;sticky&#x27;" in said
+    assert row_counts() == before and Model.objects.get(name="r-api").routing == "least-inflight"
+
+
+def test_how_a_model_scales_is_shown_the_same_everywhere(db):
+    from datetime import timedelta
+
+    from django.core.management.base import CommandError
+
+    from cluster.models import Demand
+
+    model = make_model("lazy", min_replicas=0, max_replicas=3, idle_after_seconds=600)
+    last = timezone.now() - timedelta(minutes=4)
+    Demand.objects.create(model=model, replicas=1, last_request_at=last)
+    make_replica(model, make_node("n1"), state=S.READY)
+    idle_at = last + timedelta(minutes=10)
+
+    # the CLI
+    out = io.StringIO()
+    call_command("llmgw", "ctl", "models", "--json", stdout=out)
+    row = json.loads(out.getvalue())[0]
+    assert (row["mode"], row["wanted"], row["min_replicas"], row["max_replicas"]) == ("on-demand", 1, 0, 3)
+    assert row["idle_at"] == idle_at.isoformat()
+    out = io.StringIO()
+    call_command("llmgw", "ctl", "models", stdout=out)
+    line = out.getvalue().splitlines()[1]
+    assert "on-demand" in line and "1/1 (0-3)" in line and "4m ago" in line and "in 5m" in line
+
+    # the REST API
+    shown = session_for("viewer").get("/api/v1/models/lazy/").json()["scaling"]
+    assert (shown["mode"], shown["wanted"], shown["max_replicas"]) == ("on-demand", 1, 3)
+    assert shown["idle_at"].replace("Z", "+00:00") == idle_at.isoformat()
+
+    # the dashboard
+    page = session_for("viewer").get("/models/").content.decode()
+    assert "on-demand 0–3" in page and "last request 4m ago" in page
+
+    # and the CLI's own refusals are one line
+    for args, said in ((["--idle-after", "10x"], "not a duration"),
+                       (["--replicas", "2", "--min-replicas", "0", "--max-replicas", "2"], "either a fixed number")):
+        with pytest.raises(CommandError, match=said):
+            call_command("llmgw", "ctl", "model", "set", "lazy", *args, stdout=io.StringIO())

@@ -1,0 +1,144 @@
+"""Two processes acting at once on PostgreSQL: an agent's report against a reconcile, two adds of one name,
+two system restarts at once. Each test makes the interleaving happen for certain: one transaction holds its
+rows until the other waits on them (PostgreSQL says so in pg_stat_activity), then commits."""
+
+import threading
+import time
+
+import pytest
+from django.db import connection, transaction
+
+from cluster import operations, reconciler, reports
+from cluster.errors import OperationError
+from cluster.models import Event, Model, Replica
+from gateway import operations as gateway_operations
+from tests.factories import make_agent_node, make_model, make_replica, seed_defaults
+
+S = Replica.State
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(connection.vendor != "postgresql", reason="row locks and concurrent writers: PostgreSQL only"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _defaults(transactional_db):
+    seed_defaults()  # the transactional flush removed the migrations' profile and engines
+
+
+def wait_until_someone_waits_on_a_lock(timeout: float = 15.0) -> None:
+    """From inside the transaction that holds the rows: until another connection is blocked on a lock."""
+    deadline = time.monotonic() + timeout
+    with connection.cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
+            if cursor.fetchone()[0]:
+                return
+            time.sleep(0.02)
+    raise AssertionError("nobody waited on the rows this transaction holds")
+
+
+def holding(work):
+    """Run `work` in a transaction in another thread, and commit it only once this thread waits on its rows.
+    Returns (start, join): start() runs `work` up to the commit; join() waits for the commit."""
+    done_work = threading.Event()
+    errors = []
+
+    def run():
+        try:
+            with transaction.atomic():
+                work()
+                done_work.set()
+                wait_until_someone_waits_on_a_lock()
+        except BaseException as exc:  # shown by join()
+            errors.append(exc)
+            done_work.set()
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+
+    def start():
+        thread.start()
+        assert done_work.wait(30), "the other transaction did not do its work"
+        if errors:
+            raise errors[0]
+
+    def join():
+        thread.join(30)
+        if errors:
+            raise errors[0]
+
+    return start, join
+
+
+@pytest.mark.parametrize(
+    "reported, after",
+    [
+        ("ready", S.STOPPING),  # not `ready` over `stopping`: it would serve on, then fail once the agent stops it
+        ("failed", S.STOPPED),  # not `failed` (with a back-off) over `stopping`: a replica told to stop, stopped
+    ],
+)
+def test_a_report_never_overwrites_a_state_the_reconciler_just_wrote(reported, after):
+    node = make_agent_node("n1")
+    model = make_model("m", replicas=0)  # its one replica is surplus: the reconciler stops it
+    replica = make_replica(model, node, S.STARTING)
+    start, join = holding(reconciler.reconcile_once)
+    start()  # the reconciler has set it stopping and not committed yet
+    assert Replica.objects.get(pk=replica.pk).state == S.STARTING  # (what this transaction still sees)
+    reports.report(node.pk, [{"name": replica.name, "state": reported}], full=False)  # waits for the commit
+    join()
+    replica.refresh_from_db()
+    assert replica.state == after
+    assert Model.objects.get(pk=model.pk).failures == 0
+
+
+def test_the_reconciler_never_overwrites_a_state_a_report_just_wrote():
+    node = make_agent_node("n1")
+    model = make_model("m", replicas=0)
+    replica = make_replica(model, node, S.STARTING)
+    report = lambda: reports.report(node.pk, [{"name": replica.name, "state": "failed", "reason": "crashed"}], False)  # noqa: E731
+    start, join = holding(report)
+    start()  # the agent's report (failed) is written, not committed
+    reconciler.reconcile_once()  # plans Stop from `starting`; waits on the row, then finds it failed
+    join()
+    replica.refresh_from_db()
+    assert (replica.state, replica.reason) == (S.FAILED, "crashed")
+
+
+@pytest.mark.parametrize(
+    "add",
+    [
+        lambda: operations.add_node("twin", "test"),
+        lambda: operations.add_profile("twin", "test"),
+        lambda: operations.add_engine("twin", "command", "test", command="{python} -m http.server {port}"),
+        lambda: operations.add_user("twin", "viewer", "test"),
+        lambda: gateway_operations.create_key("twin", "test"),
+    ],
+    ids=["node", "profile", "engine", "user", "key"],
+)
+def test_two_adds_of_one_name_at_once_give_one_row_and_a_one_line_refusal(add):
+    before = Event.objects.count()
+    start, join = holding(add)
+    start()  # the first add has inserted the row and not committed
+    with pytest.raises(OperationError, match="already exists"):
+        add()  # checks (sees nothing yet), inserts, waits on the first's row, then finds it taken
+    join()
+    assert Event.objects.count() == before + 1  # one add happened, with its Event
+
+
+def test_the_engine_key_is_made_once_whoever_asks_first():
+    from cluster.models import ClusterSettings
+
+    ClusterSettings.objects.filter(pk=1).update(engine_key="")  # a row without a key yet
+    made_before = Event.objects.filter(kind="engine_key.created").count()
+    keys = []
+    start, join = holding(lambda: keys.append(ClusterSettings.load().engine_key))
+    start()  # one process has made the key and not committed
+    keys.append(ClusterSettings.load().engine_key)  # another asks meanwhile: waits, then takes that key
+    join()
+    assert keys[0] == keys[1] == ClusterSettings.objects.get().engine_key
+    assert Event.objects.filter(kind="engine_key.created").count() == made_before + 1

@@ -1,0 +1,148 @@
+"""In-flight counts: shared across web processes, back to zero however a request ends (a client that hangs up
+mid-stream, before the stream starts, or once it has the [DONE])."""
+
+import asyncio
+import json
+import logging
+import time
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from gateway import metrics
+from gateway.urls import application
+from gateway.runtime import runtime
+from tests.factories import make_model
+from tests.gateway.views.harness import (
+    MESSAGES,
+    asgi_scope,
+    chat,
+    hangs_up_after,
+    read,
+    ready_replica,
+    shared_in_flight_becomes,
+)
+
+# every test here routes to tests/engine.py running as a process
+pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pytest.mark.integration]
+
+
+# In-flight counts
+
+
+async def test_in_flight_counts_concurrent_requests_and_returns_to_zero(client, cluster):
+    gw = runtime()
+    replica = cluster.replica.name
+    for _ in range(3):
+        # 12 at once: tests/engine.py (socketserver's listen backlog of 5) resets connections beyond about that
+        results = await asyncio.gather(*(chat(client, stream=bool(i % 2)) for i in range(12)))
+        assert {r.status_code for r in results} == {200}
+        assert gw.local == {replica: 6}  # the streams, not yet read by their clients, are still in flight
+        await shared_in_flight_becomes(replica, 6)
+        await asyncio.gather(*(read(r) for r in results))
+        assert not gw.local
+        await shared_in_flight_becomes(replica, 0)
+
+
+async def test_a_client_that_goes_away_mid_stream_cancels_the_upstream(cluster, slow_engine):
+    """As daphne does it: the ASGI application, and an http.disconnect while the answer streams."""
+
+    def slow_model():
+        return ready_replica(make_model("slow"), cluster.node, slow_engine.port)
+
+    replica = await sync_to_async(slow_model)()
+    body = json.dumps({"model": "slow", "messages": MESSAGES, "stream": True}).encode()
+    scope = asgi_scope(body, cluster.secret)
+    gone = asyncio.Event()
+    receive = hangs_up_after(body, gone)
+    chunks: list[bytes] = []
+    some_sent = asyncio.Event()
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            assert message["status"] == 200
+        elif message.get("body"):
+            chunks.append(message["body"])
+            if len(chunks) >= 3:
+                some_sent.set()
+
+    serving = asyncio.create_task(application()(scope, receive, send))
+    await asyncio.wait_for(some_sent.wait(), 10)
+    gw = runtime()
+    assert gw.local == {replica.name: 1}
+    assert len(chunks) >= 3  # chunk by chunk as the engine sends them, not one buffered answer
+
+    gone.set()  # the client hangs up
+    await asyncio.wait_for(serving, 10)
+    assert not gw.local
+    assert b"[DONE]" not in b"".join(chunks)
+    await shared_in_flight_becomes(replica.name, 0)
+
+    # the engine's next write found the connection closed, long before its 60 tokens (3 s) were out
+    deadline = time.monotonic() + 2
+    while not any(e in slow_engine.logged() for e in ("BrokenPipeError", "ConnectionResetError")):
+        assert time.monotonic() < deadline, slow_engine.logged()
+        await asyncio.sleep(0.05)
+
+
+async def test_a_client_that_goes_away_before_the_stream_starts_leaves_no_count(cluster, slow_engine):
+    """The engine answered, the view returned its stream, and the client hangs up while the response headers are
+    going out: the stream's generator never runs, yet the upstream is let go and the in-flight count returns."""
+
+    def slow_model():
+        return ready_replica(make_model("slow"), cluster.node, slow_engine.port)
+
+    replica = await sync_to_async(slow_model)()
+    body = json.dumps({"model": "slow", "messages": MESSAGES, "stream": True}).encode()
+    gone = asyncio.Event()
+    receive = hangs_up_after(body, gone)
+    starting = asyncio.Event()
+
+    async def send(message):
+        assert message["type"] == "http.response.start", "no byte of the body may go out"
+        starting.set()
+        await asyncio.Event().wait()  # a client that never reads: the server's send does not return
+
+    serving = asyncio.create_task(application()(asgi_scope(body, cluster.secret), receive, send))
+    await asyncio.wait_for(starting.wait(), 10)
+    gw = runtime()
+    assert gw.local == {replica.name: 1}
+    gone.set()
+    await asyncio.wait_for(serving, 10)
+    assert not gw.local
+    await shared_in_flight_becomes(replica.name, 0)
+    deadline = time.monotonic() + 2  # the engine saw its client go
+    while not any(e in slow_engine.logged() for e in ("BrokenPipeError", "ConnectionResetError")):
+        assert time.monotonic() < deadline, slow_engine.logged()
+        await asyncio.sleep(0.05)
+
+
+async def test_a_client_that_goes_away_once_it_has_the_done_got_a_whole_stream(cluster, lingering_engine, caplog):
+    """A stream whose last event went out is complete, for a client that closes the moment it reads [DONE]:
+    logged 200 with its usage counted, and its in-flight count returns."""
+
+    def lingering_model():
+        return ready_replica(make_model("linger"), cluster.node, lingering_engine.port)
+
+    replica = await sync_to_async(lingering_model)()
+    body = json.dumps({"model": "linger", "messages": MESSAGES, "stream": True}).encode()
+    gone = asyncio.Event()
+    chunks: list[bytes] = []
+
+    async def send(message):
+        if message.get("body"):
+            chunks.append(message["body"])
+            if b"data: [DONE]" in message["body"]:
+                gone.set()  # it has what it wants and hangs up, while the engine has not ended the stream yet
+
+    caplog.set_level(logging.INFO, logger="llmgw.access")
+    before = metrics.REQUESTS.labels("linger", "200", replica.name)._value.get()
+    serving = asyncio.create_task(application()(asgi_scope(body, cluster.secret), hangs_up_after(body, gone), send))
+    await asyncio.wait_for(serving, 10)
+    assert b"data: [DONE]" in b"".join(chunks)
+    [line] = [r.getMessage() for r in caplog.records if r.name == "llmgw.access" and "model=linger" in r.getMessage()]
+    assert "status=200" in line and "completion_tokens=0" not in line
+    assert metrics.REQUESTS.labels("linger", "200", replica.name)._value.get() == before + 1
+    gw = runtime()
+    assert not gw.local
+    await shared_in_flight_becomes(replica.name, 0)

@@ -1,0 +1,41 @@
+"""The routing table reloads when the channel layer says something changed."""
+
+import asyncio
+import json
+import time
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import transaction
+
+from cluster import notify
+from gateway.runtime import runtime
+from tests.gateway.views.harness import MESSAGES, Client
+
+# every test here routes to tests/engine.py running as a process
+pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pytest.mark.integration]
+
+
+async def test_the_table_reloads_on_change_after_the_first_request(cluster):
+    """Background work runs in a context of its own: the first request, which starts it, must not leave the
+    reloads tied to that request (its context, its task)."""
+    response = await Client().post(
+        "/v1/chat/completions",
+        data=json.dumps({"model": "qwen", "messages": MESSAGES}),
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {cluster.secret}"},
+    )
+    assert response.status_code == 200
+    gw = runtime()
+    loaded = gw.table
+    await asyncio.wait_for(gw.listening.wait(), 10)  # its background listener has joined the group
+
+    def change():
+        with transaction.atomic():
+            notify.routing_changed()
+
+    await sync_to_async(change)()
+    deadline = time.monotonic() + 3
+    while gw.table is loaded and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert gw.table is not loaded

@@ -1,0 +1,105 @@
+"""Routing among a model's ready replicas: `prefix` keeps a conversation on one replica and falls back when that
+one fails; `least-inflight` spreads; every answer names its replica in X-Llmgw-Replica."""
+
+import pytest
+from asgiref.sync import sync_to_async
+from prometheus_client import REGISTRY
+
+from agents.ports import free_port
+from cluster import notify
+from cluster.models import Model
+from gateway.affinity import Ring, choose, request_key
+from gateway.runtime import runtime
+from tests.factories import make_model
+from tests.gateway.views.harness import openai_error, post, ready_replica
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pytest.mark.integration]
+
+METRICS = ("llmgw_upstream_attempts_count", "llmgw_upstream_attempts_sum", "llmgw_replica_wait_seconds_count")
+SYSTEM = {"role": "system", "content": "You answer questions about the document you are given."}
+
+
+def turns(document: str, n: int) -> list[list[dict]]:
+    """The messages of each turn of one conversation: each repeats the ones before."""
+    messages = [SYSTEM, {"role": "user", "content": f"The document: {document}. What is it about?"}]
+    out = [list(messages)]
+    for i in range(n - 1):
+        messages += [{"role": "assistant", "content": f"answer {i}"}, {"role": "user", "content": f"and then {i}?"}]
+        out.append(list(messages))
+    return out
+
+
+def three_replicas(cluster, routing: str, ports=None) -> list[str]:
+    """Model `trio` with three ready replicas, on the test engine unless `ports` says otherwise."""
+    model = make_model("trio", profile="embeds", routing=routing)
+    names = [ready_replica(model, cluster.node, port).name for port in (ports or [cluster.engine.port] * 3)]
+    notify.routing_changed()
+    return names
+
+
+async def ask(client, messages, model="trio"):
+    return await post(client, "chat/completions", {"model": model, "messages": messages})
+
+
+async def test_every_turn_of_a_conversation_goes_to_one_replica_and_conversations_spread(cluster, client):
+    names = await sync_to_async(three_replicas)(cluster, Model.Routing.PREFIX)
+    went: dict[int, set[str]] = {}
+    for conversation in range(12):
+        for messages in turns(f"report {conversation}", 4):
+            response = await ask(client, messages)
+            assert response.status_code == 200, response.content
+            went.setdefault(conversation, set()).add(response["X-Llmgw-Replica"])
+    assert all(len(replicas) == 1 for replicas in went.values()), went
+    used = {next(iter(r)) for r in went.values()}
+    assert used <= set(names) and len(used) >= 2, went  # twelve openings do not all hash to one of three
+    # the replica each went to is the one the ring gives its opening, in any process that builds the ring
+    ring = Ring(names)
+    for conversation, replicas in went.items():
+        key = request_key("chat/completions", {"messages": turns(f"report {conversation}", 1)[0]})
+        assert replicas == {choose(ring, key, lambda name: 0)}
+    assert not runtime().local
+
+
+async def test_a_conversations_replica_that_refuses_connections_passes_it_to_the_next(cluster, client):
+    dead = free_port()  # nothing listens there
+    names = await sync_to_async(three_replicas)(cluster, Model.Routing.PREFIX, [dead, cluster.engine.port, cluster.engine.port])
+    ring = Ring(names)
+    # a conversation whose first choice is the dead replica
+    for i in range(200):
+        messages = turns(f"doc {i}", 1)[0]
+        order = list(ring.walk(request_key("chat/completions", {"messages": messages})))
+        if order[0] == names[0]:
+            break
+    else:
+        pytest.fail("no opening of 200 hashed to the first replica")
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name, {"model": "trio"}) or 0.0
+
+    before = {name: sample(name) for name in METRICS}
+    for messages in turns(f"doc {i}", 3):
+        response = await ask(client, messages)
+        assert response.status_code == 200, response.content
+        assert response["X-Llmgw-Replica"] == order[1]  # the next on the ring, every turn
+    grew = {name: sample(name) - before[name] for name in METRICS}
+    # each of the three was sent twice (the dead replica, then the next) and found a ready replica at once
+    assert grew == {"llmgw_upstream_attempts_count": 3, "llmgw_upstream_attempts_sum": 6,
+                    "llmgw_replica_wait_seconds_count": 3}
+
+
+async def test_least_inflight_spreads_a_conversation_and_names_the_replica_too(cluster, client):
+    names = await sync_to_async(three_replicas)(cluster, Model.Routing.LEAST_INFLIGHT)
+    seen = set()
+    for messages in turns("one document", 1) * 30:
+        response = await ask(client, messages)
+        assert response.status_code == 200
+        seen.add(response["X-Llmgw-Replica"])
+    assert seen == set(names)  # one after another, each idle: a random pick among all three
+
+
+async def test_an_answer_from_no_replica_says_so(cluster, client):
+    response = await ask(client, turns("x", 1)[0], model="nope")
+    openai_error(response, 404, "model_not_found")
+    assert response["X-Llmgw-Replica"] == "-"
+    response = await ask(client, turns("x", 1)[0], model="empty")  # nothing ready, none coming
+    openai_error(response, 503, "no_replica_ready")
+    assert response["X-Llmgw-Replica"] == "-"
