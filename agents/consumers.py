@@ -86,8 +86,15 @@ class AgentConsumer(notify.StopsCleanly, AsyncJsonWebsocketConsumer):
     async def send_json(self, content, close=False):
         # The queued messages of a stream that has closed are still handled (their reports count), but an answer
         # to them has nowhere to go: the server refuses a send after the close.
-        if not self._closing:
+        # Nor can one sent in the moment between the agent's close and our `disconnect`: the ASGI server then
+        # raises an OSError (the spec's "server-specific subclass of IOError"), which is that close, not a fault.
+        if self._closing:
+            return
+        try:
             await super().send_json(content, close=close)
+        except OSError as exc:
+            self._closing = True
+            log.debug("node %s: stream closed before an answer could go (%s)", self.node_name, exc)
 
     async def disconnect(self, code):
         self._closing = True

@@ -1,5 +1,6 @@
 """The agent stream, `/ws/agent/`, through the project's ASGI application with channels' WebsocketCommunicator."""
 
+import asyncio
 import json
 
 import pytest
@@ -413,3 +414,39 @@ async def test_a_second_stream_supersedes_the_first(node_token):
     await second.disconnect()
     assert not (await node_row(node.pk)).connected
     assert (await event_kinds("gpu-1")).count("node.disconnected") == 1
+
+
+# The agent closes while its messages are still being handled
+
+
+async def test_an_answer_the_closed_socket_refuses_is_that_close_not_a_fault(node_token, caplog):
+    """The agent sends a hello and closes; the server refuses the answer (an OSError, as the ASGI spec has a server
+    do for a send after the close) before the consumer has heard the close: the hello still counts, nothing is
+    logged as a failure, and the stream ends as a closed stream does."""
+    node, token = node_token
+    incoming: asyncio.Queue = asyncio.Queue()
+    closed = asyncio.Event()
+    refused = asyncio.Event()
+    accepted = asyncio.Event()
+
+    async def send(message):
+        if message["type"] == "websocket.accept":
+            accepted.set()
+        elif closed.is_set():
+            refused.set()
+            raise OSError("the peer closed the socket")  # what uvicorn's ClientDisconnected is
+
+    scope = {**stream(token).scope, "client": ["10.0.0.7", 40000]}
+    app = asyncio.ensure_future(application(scope, incoming.get, send))
+    await incoming.put({"type": "websocket.connect"})
+    await asyncio.wait_for(accepted.wait(), TIMEOUT)
+    closed.set()
+    facts = {**FACTS, "memory_bytes": 3 * GIB}
+    await incoming.put({"type": "websocket.receive", "text": json.dumps({"type": "hello", "facts": facts, "replicas": []})})
+    await asyncio.wait_for(refused.wait(), TIMEOUT)
+    await incoming.put({"type": "websocket.disconnect", "code": 1000})
+    await asyncio.wait_for(app, TIMEOUT)
+
+    assert (await node_row(node.pk)).memory_bytes == 3 * GIB
+    assert not (await node_row(node.pk)).connected
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")], caplog.text
