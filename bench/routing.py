@@ -115,7 +115,19 @@ class Result:
     failed: int = 0
     wall: float = 0.0
     replicas: Counter = field(default_factory=Counter)
-    rows: list = field(default_factory=list)  # per request: conversation, turn, replica, ttft, cached, evaluated
+    rows: list = field(default_factory=list)  # per request: round, conversation, turn, replica, ttft, cache
+    round: int = 0  # the round being run: a policy's rounds add into one Result
+
+
+def moves(rows: list[dict]) -> int:
+    """Turns served by another replica than their conversation's turn before: each a cold prefill."""
+    last: dict = {}
+    moved = 0
+    for row in sorted(rows, key=lambda row: (row["round"], row["conversation"], row["turn"])):
+        key = (row["round"], row["conversation"])
+        moved += key in last and last[key] != row["replica"]
+        last[key] = row["replica"]
+    return moved
 
 
 def nearest_rank(samples: list[float], q: float) -> float:
@@ -202,14 +214,15 @@ async def _turn(client, url, headers, body, result: Result, last: bool, tag: tup
     result.ttft.append((first or time.monotonic()) - started)
     if replica != url:
         result.replicas[replica] += 1
-    result.rows.append({"conversation": tag[0] if tag else None, "turn": tag[1] if tag else None,
-                        "replica": replica, "ttft": result.ttft[-1], "cached": cached, "evaluated": evaluated})
+    result.rows.append({"round": result.round, "conversation": tag[0] if tag else None,
+                        "turn": tag[1] if tag else None, "replica": replica, "ttft": result.ttft[-1],
+                        "cached": cached, "evaluated": evaluated})
     return "".join(answer)
 
 
 async def run_policy(policy: str, conversations: list[Conversation], o, gateway: str, key: str, fleet: Fleet,
-                     seed: int) -> Result:
-    result = Result()
+                     seed: int, result: Result | None = None) -> Result:
+    result = result or Result()
     rng = random.Random(seed)
     # Every conversation is open at once and at most `concurrency` requests are in flight: a conversation whose
     # answer came goes to the back of the line with its next turn, so its turns are interleaved with the other
@@ -256,7 +269,7 @@ async def run_policy(policy: str, conversations: list[Conversation], o, gateway:
 
         started = time.monotonic()
         await asyncio.gather(*(converse() for _ in range(o.concurrency)))
-        result.wall = time.monotonic() - started
+        result.wall += time.monotonic() - started
     return result
 
 
@@ -283,9 +296,10 @@ class Llmgw(Instance):
 
 def report(workload_name: str, results: dict[str, Result], o) -> None:
     base = nearest_rank(results["least-inflight"].ttft, 0.5) if "least-inflight" in results else None
-    print(f"\n{workload_name}: {o.conversations} conversations × {o.turns} turns at concurrency {o.concurrency}")
-    header = f"{'policy':<15}{'TTFT p50 ms':>12}{'p99 ms':>9}{'p50 ÷ l-i':>10}{'tok/s':>8}{'req/s':>7}{'cache hit':>10}" \
-             f"{'failed':>7}  requests per replica"
+    print(f"\n{workload_name}: {o.conversations} conversations × {o.turns} turns at concurrency {o.concurrency}, "
+          f"{o.rounds} round{'s' if o.rounds > 1 else ''} per policy")
+    header = f"{'policy':<15}{'TTFT p50 ms':>12}{'p99 ms':>9}{'p50 ÷ l-i':>10}{'later p50':>10}{'tok/s':>8}" \
+             f"{'req/s':>7}{'cache hit':>10}{'moves':>7}{'failed':>7}  requests per replica"
     print(header)
     print("-" * len(header))
     for policy, r in results.items():
@@ -293,8 +307,12 @@ def report(workload_name: str, results: dict[str, Result], o) -> None:
         hit = r.cached / (r.cached + r.evaluated) if r.cached + r.evaluated else float("nan")
         ratio = f"{p50 / base:.2f}" if base else "-"
         spread = " ".join(str(n) for _, n in sorted(r.replicas.items()))
-        print(f"{policy:<15}{p50 * 1000:>12.0f}{p99 * 1000:>9.0f}{ratio:>10}{r.completion_tokens / r.wall:>8.1f}"
-              f"{r.requests / r.wall:>7.2f}{hit:>10.1%}{r.failed:>7}  {spread}")
+        later = nearest_rank([row["ttft"] for row in r.rows if row["turn"]], 0.5)
+        print(f"{policy:<15}{p50 * 1000:>12.0f}{p99 * 1000:>9.0f}{ratio:>10}{later * 1000:>10.0f}"
+              f"{r.completion_tokens / r.wall:>8.1f}{r.requests / r.wall:>7.2f}{hit:>10.1%}{moves(r.rows):>7}"
+              f"{r.failed:>7}  {spread}")
+    print(f"later p50: TTFT p50 of the turns after the first; moves: turns served by another replica than the "
+          f"turn before ({o.conversations * (o.turns - 1) * o.rounds} possible)")
     if "prefix" in results and "prefix-direct" in results:
         through, direct = results["prefix"], results["prefix-direct"]
         print(f"gateway ÷ direct (prefix): tokens/s {through.completion_tokens / through.wall:.1f} ÷ "
@@ -314,6 +332,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="threads per replica")
     p.add_argument("--context", type=int, default=16384, help="per replica, shared by its slots")
     p.add_argument("--workloads", default="distinct,template")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every policy this many times (in a rotated order, on fresh text each time) and pool them")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--seed", type=int, default=None, help="default: random, printed")
     p.add_argument("--details", help="write every request's conversation, turn, replica, TTFT and cache to this JSON")
@@ -335,14 +355,21 @@ def main() -> None:
         # warm up: every replica loads its weights into the page cache and runs once
         asyncio.run(run_policy("random", workload("distinct", seed - 1, o)[:3], o, llmgw.url, llmgw.key, fleet, 0))
         for w, name in enumerate(x for x in o.workloads.split(",") if x):
-            results: dict[str, Result] = {}
-            for i, policy in enumerate(policies):
-                if policy in THROUGH_LLMGW:
-                    llmgw.set_routing(THROUGH_LLMGW[policy])
-                conversations = workload(name, seed + 1000 * w + i, o)  # fresh text: no cache from another run
-                results[policy] = asyncio.run(run_policy(policy, conversations, o, llmgw.url, llmgw.key, fleet, seed))
-                r = results[policy]
-                print(f"  {name} / {policy}: {r.requests} requests in {r.wall:.1f} s", file=sys.stderr)
+            results: dict[str, Result] = {policy: Result() for policy in policies}
+            for round_ in range(o.rounds):
+                # each round in another order (rotated), so no policy always runs first, or after the same one
+                order = policies[round_ % len(policies):] + policies[:round_ % len(policies)]
+                for policy in order:
+                    if policy in THROUGH_LLMGW:
+                        llmgw.set_routing(THROUGH_LLMGW[policy])
+                    i = policies.index(policy)
+                    # fresh text: no cache from another policy's run or round
+                    conversations = workload(name, seed + 1000 * w + 100 * round_ + i, o)
+                    r = results[policy]
+                    r.round = round_
+                    took = r.wall
+                    asyncio.run(run_policy(policy, conversations, o, llmgw.url, llmgw.key, fleet, seed, r))
+                    print(f"  {name} / round {round_ + 1} / {policy}: {r.wall - took:.1f} s", file=sys.stderr)
             report(name, results, o)
             details[name] = {policy: r.rows for policy, r in results.items()}
             if o.details:
