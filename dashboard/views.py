@@ -302,7 +302,7 @@ def system_restart(request):
 def node_add(request):
     node, token = operations.add_node(request.POST.get("name", "").strip(), _actor(request))
     server = (settings.LLMGW_PUBLIC_URL or request.build_absolute_uri("/")).rstrip("/")
-    command = f"python manage.py llmgw agent --server {server} --token {token}"
+    command = operations.agent_command(server, token)
     return f"node {node.name} added; start its agent with the command below (the token is shown once)", {
         "once": {"label": f"agent command for {node.name}", "value": command}}
 

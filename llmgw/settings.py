@@ -8,6 +8,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from gateway.affinity import LOAD_FACTOR  # pure: the one default of prefix routing's load bound
+from llmgw.home import home, secret_key
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -42,7 +43,7 @@ def envbool(name: str, default: bool) -> bool:
     return value in ("1", "true", "yes", "on")
 
 
-LLMGW_HOME = Path(envstr("LLMGW_HOME", str(Path.cwd() / ".llmgw"))).resolve()
+LLMGW_HOME = home()  # LLMGW_HOME, else a default found the same from any directory (llmgw/home.py)
 MIRROR_DIR = LLMGW_HOME / "mirror"
 RUN_DIR = LLMGW_HOME / "run"
 
@@ -59,21 +60,7 @@ def _redis_url() -> str:
 
 REDIS_URL = _redis_url()
 
-SECRET_KEY = envstr("LLMGW_SECRET_KEY", "")
-if not SECRET_KEY:
-    _key_file = LLMGW_HOME / "secret-key"
-    if _key_file.exists():
-        SECRET_KEY = _key_file.read_text().strip()
-    else:
-        import secrets
-
-        SECRET_KEY = secrets.token_urlsafe(50)
-        try:
-            LLMGW_HOME.mkdir(parents=True, exist_ok=True)
-            _key_file.write_text(SECRET_KEY)
-            _key_file.chmod(0o600)
-        except OSError:
-            pass
+SECRET_KEY = envstr("LLMGW_SECRET_KEY", "") or secret_key(LLMGW_HOME)
 
 DEBUG = envbool("LLMGW_DEBUG", False)
 LLMGW_PUBLIC_URL = envstr("LLMGW_PUBLIC_URL", "")  # what agents on other machines dial; default from the request
@@ -142,7 +129,7 @@ ASGI_APPLICATION = "llmgw.asgi.application"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        "DIRS": [Path(__file__).resolve().parent / "templates"],  # the project's own: base.html, the login page
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -154,12 +141,15 @@ TEMPLATES = [
     },
 ]
 
-DATABASES = {
-    "default": dj_database_url.parse(
-        envstr("DATABASE_URL", f"sqlite:///{LLMGW_HOME / 'db.sqlite3'}"),
-        conn_max_age=envint("LLMGW_DB_CONN_MAX_AGE", 0),
-    )
-}
+try:
+    DATABASES = {
+        "default": dj_database_url.parse(
+            envstr("DATABASE_URL").strip() or f"sqlite:///{LLMGW_HOME / 'db.sqlite3'}",  # set but empty: unset
+            conn_max_age=envint("LLMGW_DB_CONN_MAX_AGE", 0),
+        )
+    }
+except ValueError as exc:  # dj_database_url.UnknownSchemeError too
+    raise ImproperlyConfigured(f"DATABASE_URL is not a database URL this llmgw knows ({exc})") from None
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Several processes share one SQLite file: WAL and a busy timeout keep them from tripping over each other.
     DATABASES["default"]["OPTIONS"] = {
@@ -180,10 +170,11 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = LLMGW_HOME / "static"
-try:
-    STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # WhiteNoise warns about a missing root on every request
-except OSError:
-    pass
+if LLMGW_HOME.is_dir():  # an installation (never made here: a command run elsewhere finds nothing, and says so)
+    try:
+        STATIC_ROOT.mkdir(exist_ok=True)  # WhiteNoise warns about a missing root on every request
+    except OSError:
+        pass
 WHITENOISE_USE_FINDERS = True
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard:overview"

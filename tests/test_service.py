@@ -37,6 +37,7 @@ def systemd(tmp_path, settings):
     settings.LLMGW_SYSTEMCTL = str(fake)
     settings.LLMGW_SYSTEMD_DIR = str(tmp_path / "units")
     settings.LLMGW_SYSTEMD_RUNTIME = str(tmp_path / "runtime")
+    settings.LLMGW_HOME = tmp_path / "home"  # install makes it and hands it to the units' user
 
     class Systemd:
         units = tmp_path / "units"
@@ -56,7 +57,7 @@ def cli(*args) -> str:
 
 
 def test_install_writes_enables_and_orders_the_units(systemd):
-    said = cli("install", "--role", "all", "--server", "http://ctl:8000", "--user", "llmgw", "--port", "8100",
+    said = cli("install", "--role", "all", "--server", "http://ctl:8000", "--user", "nobody", "--port", "8100",
                "--web-workers", "1")
     assert "wrote and enabled llmgw-web.service, llmgw-worker.service, llmgw-beat.service, llmgw-agent.service" in said
     assert systemd.calls() == [
@@ -64,7 +65,7 @@ def test_install_writes_enables_and_orders_the_units(systemd):
         "enable llmgw-web.service llmgw-worker.service llmgw-beat.service llmgw-agent.service",
     ]
     web = (systemd.units / "llmgw-web.service").read_text()
-    assert "User=llmgw" in web and "Restart=always" in web
+    assert "User=nobody" in web and "Restart=always" in web
     assert f"ExecStart={sys.executable} -m uvicorn --host 0.0.0.0 --port 8100" in web
     worker = (systemd.units / "llmgw-worker.service").read_text()
     assert "After=network-online.target llmgw-web.service" in worker and "celery -A llmgw worker" in worker
@@ -75,6 +76,22 @@ def test_install_writes_enables_and_orders_the_units(systemd):
     assert "\nKillMode=process\n" in agent  # stopping the agent leaves its engines serving
     for unit in systemd.units.iterdir():  # systemd takes no comment after a value
         assert all("#" not in line for line in unit.read_text().splitlines() if "=" in line and not line.startswith("#"))
+
+
+def test_install_makes_the_home_the_units_share_owned_by_their_user(systemd, settings):
+    """Every web process of the units signs sessions with one key: install makes LLMGW_HOME and the key in it,
+    owned by the user the units run as; a user the machine does not have is a one-line error that writes nothing."""
+    import pwd
+
+    with pytest.raises(CommandError, match="no user no-such-llmgw-user on this machine"):
+        cli("install", "--role", "control", "--user", "no-such-llmgw-user")
+    assert not systemd.units.exists() or not list(systemd.units.iterdir())
+    cli("install", "--role", "control", "--user", "nobody")
+    nobody = pwd.getpwnam("nobody").pw_uid
+    key = settings.LLMGW_HOME / "secret-key"
+    assert key.stat().st_uid == settings.LLMGW_HOME.stat().st_uid == nobody
+    assert key.stat().st_mode & 0o077 == 0 and len(key.read_text()) > 40
+    assert f"WorkingDirectory={settings.LLMGW_HOME}\n" in (systemd.units / "llmgw-web.service").read_text()
 
 
 def test_web_workers_run_on_one_socket_the_unit_holds(systemd):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 
 from django.conf import settings
 from drf_spectacular.types import OpenApiTypes
@@ -69,9 +68,7 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewSet
         server = (settings.LLMGW_PUBLIC_URL or request.build_absolute_uri("/")).rstrip("/")
         node = self.get_queryset().get(pk=node.pk)
         node.token = token
-        node.agent_command = (
-            f"python manage.py llmgw agent --server {shlex.quote(server)} --token {shlex.quote(token)}"
-        )
+        node.agent_command = operations.agent_command(server, token)
         return Response(NewNodeSerializer(node).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(

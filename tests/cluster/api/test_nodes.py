@@ -23,7 +23,7 @@ def test_add_node_returns_its_token_and_agent_command(operator):
     body = response.json()
     token = body["token"]
     assert body["name"] == "gpu-1" and body["connected"] is False and body["replica_count"] == 0
-    assert body["agent_command"] == f"python manage.py llmgw agent --server http://testserver --token {token}"
+    assert body["agent_command"] == f"LLMGW_AGENT_TOKEN={token} llmgw agent --server http://testserver"
     assert Node.objects.get(name="gpu-1").token_hash == hashlib.sha256(token.encode()).hexdigest()
     event = Event.objects.get(kind="node.added")
     assert event.actor.startswith("user:operator-")
@@ -32,7 +32,7 @@ def test_add_node_returns_its_token_and_agent_command(operator):
 def test_agent_command_uses_the_public_url(operator, settings):
     settings.LLMGW_PUBLIC_URL = "https://llmgw.example.org/"
     body = operator.post(f"{API}/nodes/", {"name": "gpu-1"}, format="json").json()
-    assert "--server https://llmgw.example.org --token" in body["agent_command"]
+    assert body["agent_command"].endswith(" llmgw agent --server https://llmgw.example.org")
 
 
 def test_a_forged_host_never_reaches_an_agent_command(operator, client):
@@ -45,7 +45,7 @@ def test_a_forged_host_never_reaches_an_agent_command(operator, client):
     assert page.status_code == 400 and b"not one this server answers to" in page.content
     assert not Node.objects.exists()
     body = operator.post(f"{API}/nodes/", {"name": "gpu-1"}, format="json", HTTP_HOST="127.0.0.1:8000").json()
-    assert "--server http://127.0.0.1:8000 --token" in body["agent_command"]
+    assert body["agent_command"].endswith(" llmgw agent --server http://127.0.0.1:8000")
 
 
 def test_the_allowed_hosts_are_this_machines_names_and_what_the_operator_adds(monkeypatch):
