@@ -23,6 +23,15 @@ KEY_ENV = "LLMGW_ENGINE_KEY"
 HOST_ENV = "LLMGW_ENGINE_HOST"
 LLAMA_SERVER_ENV = "LLMGW_LLAMA_SERVER"  # where llama-server is on this node, when not on PATH
 VERSION_TIMEOUT = 20.0
+# llama.cpp picks the idle slot whose cached prompt shares the largest part of a new prompt, if that part is over
+# this fraction (its default: 0.1), and then consults its host-memory prompt cache only where the slot would lose
+# more than half of what it holds. Prompts that share a long opening (a system prompt and an instruction every
+# first message repeats) then take a slot of *another* conversation and evaluate their own again, even with their
+# state in the prompt cache: bench/routing.py's `template` workload hit 58 % of its prompt tokens. Above the share
+# of any shared opening, only a slot holding the conversation itself is taken by similarity; otherwise the least
+# recently used one, with the conversation restored from the prompt cache (80 %; docs/routing.md). A profile's
+# own flag (`--slot-prompt-similarity`, or xllamacpp's `--param slot_prompt_similarity=`) comes later and wins.
+SLOT_PROMPT_SIMILARITY = 0.7
 # What a replica can serve: the /v1/ endpoints (chat, completions, embeddings) and the inputs beyond text
 CAPABILITIES = ("chat", "completions", "embeddings", "images", "audio")
 
@@ -182,8 +191,11 @@ class LlamaCpp(EngineDriver):
                 argv += [flag, str(args[key])]
         if args.get("parallel"):
             argv += ["-np", str(args["parallel"])]
-        if "--no-webui" in _help_words(argv[0]):
+        known = _help_words(argv[0])
+        if "--no-webui" in known:
             argv.append("--no-webui")
+        if "--slot-prompt-similarity" in known:
+            argv += ["--slot-prompt-similarity", str(SLOT_PROMPT_SIMILARITY)]
         return argv + _extra(spec)
 
     @classmethod
@@ -229,6 +241,7 @@ class XLlamaCpp(EngineDriver):
         ):
             if args.get(key) is not None:
                 argv += [flag, str(args[key])]
+        argv += ["--slot-prompt-similarity", str(SLOT_PROMPT_SIMILARITY)]
         return argv + _extra(spec)
 
     @classmethod

@@ -30,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--n-gpu-layers", type=int)
     p.add_argument("--batch-size", type=int)
     p.add_argument("--parallel", type=int, default=1)
+    p.add_argument("--slot-prompt-similarity", type=float, metavar="F",
+                   help="take an idle slot by its cached prompt only above this share of the new one (as llama-server)")
     # as llama-server spells them, so one profile's extra_args serve both llama.cpp engines
     p.add_argument("--embeddings", "--embedding", action="store_true", help="serve /v1/embeddings")
     p.add_argument("--pooling", choices=POOLING, help="how embeddings pool a sequence (a chat model needs one)")
@@ -66,6 +68,8 @@ def params(args: argparse.Namespace, key: str):
         p.cpuparams.n_threads = args.threads
     if args.batch_size is not None:
         p.n_batch = args.batch_size
+    if args.slot_prompt_similarity is not None:
+        p.slot_prompt_similarity = args.slot_prompt_similarity
     if args.n_gpu_layers is not None:
         p.n_gpu_layers = args.n_gpu_layers
     if args.embeddings:

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from agents import facts
-from agents.engines import DRIVERS, Command, driver_for, engine_host
+from agents.engines import DRIVERS, SLOT_PROMPT_SIMILARITY, Command, driver_for, engine_host
 
 KEY = "lek_secret-engine-key"
 
@@ -83,6 +83,31 @@ def test_llama_cpp_starts_without_its_web_ui_where_the_binary_knows_how(tmp_path
     assert "--no-webui" not in DRIVERS["llama.cpp"].command(spec(binary=str(old), extra_args=[]), "/m", 1)
 
 
+@pytest.mark.integration  # asks the (fake) binary for its --help
+def test_llama_cpp_takes_a_slot_by_its_prompt_only_for_the_conversation_itself(tmp_path):
+    """The slot-similarity default (SLOT_PROMPT_SIMILARITY, docs/routing.md) where the binary knows the flag; a
+    profile's own comes after it, and llama-server takes the last."""
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\necho '  -sps, --slot-prompt-similarity SIMILARITY   how much the prompt ...'\n")
+    fake.chmod(0o755)
+    argv = DRIVERS["llama.cpp"].command(spec(binary=str(fake), extra_args=[]), "/m", 1)
+    assert argv[-2:] == ["--slot-prompt-similarity", str(SLOT_PROMPT_SIMILARITY)]
+    argv = DRIVERS["llama.cpp"].command(spec(binary=str(fake), extra_args=["-sps", "0.3"]), "/m", 1)
+    assert argv[-4:] == ["--slot-prompt-similarity", str(SLOT_PROMPT_SIMILARITY), "-sps", "0.3"]
+
+
+def test_the_xllamacpp_launcher_sets_the_slot_similarity_and_a_profiles_param_wins():
+    from agents import xllamacpp_launcher
+
+    argv = DRIVERS["xllamacpp"].command(spec("xllamacpp", extra_args=[]), "/m.gguf", 1)
+    args = xllamacpp_launcher.parser().parse_args(argv[3:])
+    assert xllamacpp_launcher.params(args, "k").slot_prompt_similarity == pytest.approx(SLOT_PROMPT_SIMILARITY)
+    argv = DRIVERS["xllamacpp"].command(spec("xllamacpp", extra_args=["--param", "slot_prompt_similarity=0.25"]),
+                                        "/m.gguf", 1)
+    args = xllamacpp_launcher.parser().parse_args(argv[3:])
+    assert xllamacpp_launcher.params(args, "k").slot_prompt_similarity == pytest.approx(0.25)
+
+
 def test_llama_cpp_leaves_out_unset_arguments_and_takes_a_binary():
     s = spec(binary="/opt/llama/bin/llama-server", threads=None, gpu_layers=None, batch_size=None, extra_args=[])
     argv = DRIVERS["llama.cpp"].command(s, "/m", 20002)
@@ -141,6 +166,8 @@ def test_xllamacpp_runs_the_launcher_in_this_python():
         "512",
         "--parallel",
         "2",
+        "--slot-prompt-similarity",
+        "0.7",
     ]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert DRIVERS["xllamacpp"].env(spec("xllamacpp"))["PYTHONPATH"].split(os.pathsep)[0] == root
