@@ -32,7 +32,10 @@ from gateway.engines_http import Pool
 
 log = logging.getLogger("llmgw.gateway")
 FLUSH_INTERVAL = 0.25
-SHARED_INTERVAL = 1.0
+# the other web processes' in-flight counts are read this often: `prefix` routing's load bound weighs them, and a
+# count seconds old moved conversations off their replica for requests that had ended (bench/routing.py)
+SHARED_INTERVAL = 0.25
+LEDGER_INTERVAL = 1.0  # usage counted in this process goes to Redis this often
 PREFIX = Model.Routing.PREFIX
 
 _runtimes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -255,7 +258,7 @@ class Gateway:
         return random.choice([u for u in candidates if self.load_of(u.replica) == least])
 
     async def _keep_inflight(self) -> None:
-        last_shared = last_alive = 0.0
+        last_shared = last_alive = last_ledger = 0.0
         while True:
             try:
                 now = time.monotonic()
@@ -268,10 +271,12 @@ class Gateway:
                     self._asked_dirty = False
                     asked = {model: f"{t:.3f}" for model, t in self.asked.items()}
                     await self.redis.hset(inflight.LAST_REQUEST, mapping=asked)
-                if now - last_shared > SHARED_INTERVAL:
+                if now - last_shared >= SHARED_INTERVAL:
                     self.shared = await self._others()
-                    await self.ledger.flush(self.redis)
                     last_shared = now
+                if now - last_ledger >= LEDGER_INTERVAL:
+                    await self.ledger.flush(self.redis)
+                    last_ledger = now
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
