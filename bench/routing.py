@@ -21,7 +21,9 @@ cache):
 - kubeai: straight to the replicas by KubeAI's PrefixHash as published (consistent hashing with bounded loads,
   load factor 1.25, over the first 100 characters of the first user message), on llmgw's ring;
 - prefix: through llmgw, the model set to `--routing prefix`;
-- prefix-direct: straight to the replica llmgw's `prefix` would pick, the baseline of gateway ÷ direct.
+- prefix-direct: straight to the replica llmgw's `prefix` would pick, the baseline of gateway ÷ direct; its
+  conversations are fresh text paired with prefix's (each has the same replica on the ring as prefix's
+  conversation of that number), so both runs put the same load on each replica.
 
 Columns: TTFT p50 and p99 (nearest rank), p50 against least-inflight's, completion tokens/s and requests/s over
 the run's wall time, the engines' cache hits (llama.cpp's `timings`: cached ÷ all prompt tokens), failures.
@@ -93,16 +95,27 @@ class Conversation:
     questions: list[str]
 
 
-def workload(kind: str, seed: int, o) -> list[Conversation]:
+def workload(kind: str, seed: int, o, homes: list[str] | None = None, ring: Ring | None = None) -> list[Conversation]:
+    """N conversations of fresh text. With `homes`, conversation i is drawn again until its prefix key's first
+    replica on `ring` is homes[i]: a run paired with another, whose load falls on the replicas as the other's did."""
     rng = random.Random(seed)
     system = {"role": "system", "content": "You answer questions about documents. " + words(rng, o.system_words)}
     out = []
-    for _ in range(o.conversations):
-        document = words(rng, o.doc_words)
-        first = (TEMPLATE if kind == "template" else "") + document + "\n\nQuestion: what is the document about?"
+    for index in range(o.conversations):
+        while True:
+            document = words(rng, o.doc_words)
+            first = (TEMPLATE if kind == "template" else "") + document + "\n\nQuestion: what is the document about?"
+            opening = [system, {"role": "user", "content": first}]
+            if homes is None or home(ring, opening) == homes[index]:
+                break
         questions = [f"Question: {words(rng, 10)}?" for _ in range(o.turns - 1)]
-        out.append(Conversation([system, {"role": "user", "content": first}], questions))
+        out.append(Conversation(opening, questions))
     return out
+
+
+def home(ring: Ring, opening: list[dict]) -> str:
+    """The replica a conversation's turns go to under `prefix` while it is under the load bound."""
+    return next(ring.walk(request_key("chat/completions", {"messages": opening})))
 
 
 @dataclass
@@ -367,8 +380,14 @@ def main() -> None:
                     if policy in THROUGH_LLMGW:
                         llmgw.set_routing(THROUGH_LLMGW[policy])
                     i = policies.index(policy)
-                    # fresh text: no cache from another policy's run or round
-                    conversations = workload(name, seed + 1000 * w + 100 * round_ + i, o)
+                    # fresh text: no cache from another policy's run or round. prefix-direct's is paired with
+                    # prefix's: the same number of conversations on each replica, in the same order, so gateway ÷
+                    # direct compares the gateway with going direct, not one draw of the ring's split with another
+                    paired = None
+                    if policy == "prefix-direct" and "prefix" in policies:
+                        opened = workload(name, seed + 1000 * w + 100 * round_ + policies.index("prefix"), o)
+                        paired = [home(fleet.ring, c.opening) for c in opened]
+                    conversations = workload(name, seed + 1000 * w + 100 * round_ + i, o, paired, fleet.ring)
                     r = results[policy]
                     r.round = round_
                     took = r.wall
