@@ -59,6 +59,10 @@ def _run_agent(options: dict) -> int:
     except AgentError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 1
+    except OSError as exc:  # a state directory it may not write, say: one line, not a traceback
+        where = f" ({exc.filename})" if exc.filename else ""
+        sys.stderr.write(f"error: {exc.strerror or exc}{where}\n")
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

@@ -112,9 +112,11 @@ def test_the_secret_key_is_made_once_and_kept(tmp_path):
     (("--bogus",), {}, None),
     (("stop-engines", "--state-dir", "/nonexistent/agent"), {},
      "error: no agent state in /nonexistent/agent: nothing was recorded there (--state-dir DIR)\n"),
+    (("--server", "http://127.0.0.1:9", "--state-dir", "/proc/llmgw-agent"), {"LLMGW_AGENT_TOKEN": "lnt_x"},
+     "error: No such file or directory (/proc/llmgw-agent)\n"),
 ])
 def test_the_agents_bad_input_is_one_line(args, env, said):
-    done = run("agent", *args, env=env)
+    done = run("agent", *args, env={**env, "LLMGW_LOG_LEVEL": "WARNING"})  # its start-up line aside
     assert done.returncode == 1
     assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
     if said:
