@@ -236,7 +236,7 @@ CELERY_BEAT_SCHEDULE = {
 # Cluster knobs.
 LLMGW_NODE_TOLERANCE = envint("LLMGW_NODE_TOLERANCE", 15)  # seconds without a word before a node counts as gone
 LLMGW_NODE_LOST_GRACE = envint("LLMGW_NODE_LOST_GRACE", 60)  # seconds a gone node's replicas still count
-LLMGW_AGENT_REPORT_INTERVAL = envint("LLMGW_AGENT_REPORT_INTERVAL", 5)
+# LLMGW_AGENT_REPORT_INTERVAL is the agent's alone: llmgw/cli/agent.py reads it (a node has no Django settings)
 LLMGW_BACKOFF_BASE = envint("LLMGW_BACKOFF_BASE", 5)
 LLMGW_BACKOFF_CAP = envint("LLMGW_BACKOFF_CAP", 300)
 # Where the API and the dashboard may import model files from by path (the CLI may import any path).
