@@ -11,6 +11,12 @@ from django.conf import settings
 from django.http.request import split_domain_port, validate_host
 
 
+# The `llmgw` command on the control plane's own host calls the REST API in its process (llmgw.cli.local), with
+# this key in the WSGI environ: a request from the network has only HTTP_ headers there, never this.
+IN_PROCESS = "llmgw.in_process"
+CLI_ACTOR = "cli"  # who that command's changes are recorded as
+
+
 def client_address(meta) -> str:
     """The client's address: REMOTE_ADDR, or, when that is a proxy in LLMGW_TRUSTED_PROXIES, the nearest address
     in X-Forwarded-For that is not one (what the proxy saw)."""

@@ -34,7 +34,7 @@ AGENT_TIMEOUT = 60.0
 PROCESS_TIMEOUT = 90.0
 
 
-def queue_restart(actor: str) -> None:
+def queue_restart(actor: str, timeout: float | None = None) -> None:
     """Have a worker run the restart (the API's and the dashboard's way: the request returns at once and the
     steps appear as Events). OperationError while one runs or one is queued: a second click queues nothing."""
     r = redis_client()
@@ -43,7 +43,7 @@ def queue_restart(actor: str) -> None:
     if not r.set(QUEUED, actor, nx=True, ex=QUEUED_TTL):  # the claim: of two at once, one queues
         raise Conflict("a system restart is already queued; watch it in the events")
     try:
-        current_app.send_task(RESTART_TASK, args=[actor])
+        current_app.send_task(RESTART_TASK, args=[actor], kwargs={"timeout": timeout} if timeout else {})
     except Exception as exc:
         r.delete(QUEUED)
         raise Unavailable(f"could not queue the system restart: the broker did not take it ({exc})") from None
@@ -82,7 +82,7 @@ def _restart(actor, report, agent_timeout, process_timeout, me) -> dict:
         report(line)
     failed = [k for k, v in {**result["agents"], **result["processes"]}.items() if v == "timeout"]
     summary = "system restart done" if not failed else f"system restart done; did not come back: {', '.join(failed)}"
-    record("system.restarted", actor, summary)
+    record("system.restarted", actor, summary, failed=failed)
     report(summary)
     return result
 
@@ -90,6 +90,7 @@ def _restart(actor, report, agent_timeout, process_timeout, me) -> dict:
 def _restart_agents(actor: str, timeout: float, outcome: dict) -> Iterator[str]:
     nodes = list(Node.objects.filter(connected=True).order_by("name"))
     if not nodes:
+        record("system.restart_step", actor, "agents: none connected")
         yield "agents: none connected"
     for node in nodes:
         since = timezone.now()
@@ -100,6 +101,8 @@ def _restart_agents(actor: str, timeout: float, outcome: dict) -> Iterator[str]:
         back = _wait(lambda: Event.objects.filter(kind="node.connected", subject=node.name, created_at__gt=since).exists(), timeout)
         if back:
             outcome[node.name] = "back"
+            record("agent.restarted", actor, f"agent {node.name}: back after {time.monotonic() - started:.1f}s",
+                   subject=node.name)
             yield f"agent {node.name}: back after {time.monotonic() - started:.1f}s"
         else:
             outcome[node.name] = "timeout"
@@ -112,7 +115,9 @@ def _restart_processes(actor: str, timeout: float, outcome: dict, me: str | None
     order = {"web": 0, "beat": 1, "worker": 2}
     procs.sort(key=lambda p: (p.id == me, order.get(p.role, 9), p.host, p.started))
     if not procs:
-        yield "control plane: no process registered (are web, worker and beat running with LLMGW_CONTROL on?)"
+        line = "control plane: no process registered (are web, worker and beat running with LLMGW_CONTROL on?)"
+        record("system.restart_step", actor, line)
+        yield line
     for proc in procs:
         record("process.restart", actor, f"{proc.role} process {proc.id} asked to restart", subject=proc.id)
         control.request_restart(proc)
@@ -129,7 +134,9 @@ def _restart_processes(actor: str, timeout: float, outcome: dict, me: str | None
             yield f"{proc.role} {proc.id}: not back within {timeout:.0f}s (is it supervised?); going on"
         else:
             outcome[proc.id] = new.id
-            yield f"{proc.role} {proc.id}: back as {new.id} after {time.monotonic() - started:.1f}s"
+            line = f"{proc.role} {proc.id}: back as {new.id} after {time.monotonic() - started:.1f}s"
+            record("process.restarted", actor, line, subject=proc.id)
+            yield line
 
 
 def _wait(condition: Callable[[], bool], timeout: float) -> bool:

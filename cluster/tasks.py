@@ -24,12 +24,13 @@ def reconcile_tick():
 
 
 @shared_task(name=system.RESTART_TASK, ignore_result=True)
-def restart_system(actor: str):
+def restart_system(actor: str, timeout: float | None = None):
     """`POST /api/v1/system/restart/`: the whole restart, from a worker; this worker restarts last."""
     # the worker registers from its main process; a prefork pool runs this task in a child of it
     mine = {control.process_id("worker"), f"worker@{socket.gethostname()}:{os.getppid()}"}
     me = next((p.id for p in control.processes() if p.id in mine), None)
     try:
-        system.restart_system(actor, me=me)
+        times = {"agent_timeout": timeout, "process_timeout": timeout} if timeout else {}
+        system.restart_system(actor, me=me, **times)
     except OperationError:
         pass  # another restart is running; it does the whole job

@@ -1,51 +1,52 @@
 """The `llmgw` program: the console script of the `llmgw` distribution, and `python -m llmgw`.
 
-`llmgw agent …` runs without Django (llmgw.cli.agent), so a node needs only `pip install llmgw`. Every other
-command is the control plane's command tree (llmgw.cli.tree, the same as `python manage.py llmgw …`), which needs
-`pip install "llmgw[server]"`; without it, the program says so in one line.
+`llmgw agent …` runs without Django (llmgw.cli.agent), so a node needs only `pip install llmgw`; so do the
+commands that talk to a server (llmgw.cli.program), so a laptop needs no more either. Where the control plane is
+installed (`pip install "llmgw[server]"`), the tree runs as `python manage.py llmgw …` does, and a command with no
+server configured works on this host's control plane; `up` and `service` need it and say so in one line.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import logging
 import os
 import sys
 
 from llmgw.cli.agent import AgentError, add_arguments, agent
-from llmgw.cli.completion import add_completion
+from llmgw.cli.client import CliError
+from llmgw.cli.program import SERVER_MISSING
 from llmgw.home import version
-
-SERVER_MISSING = "the control plane is not installed here (only the agent is): pip install \"llmgw[server]\""
 
 
 def server_installed() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in ("django", "celery", "rest_framework"))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 1, like every other error of the program
-        sys.stderr.write(f"error: {self.prog}: {message}\n")
-        sys.exit(1)
+def _standalone(argv: list[str]) -> int:
+    """The program where only the node's part is installed: the agent, and every command that talks to a
+    server (`llmgw login URL` first, or --server / LLMGW_SERVER)."""
+    from llmgw.cli.args import OneLineParser
+    from llmgw.cli.program import run
+    from llmgw.cli.tree import build
 
-
-def _agent_only(argv: list[str]) -> int:
-    """The program where only the agent is installed."""
-    parser = _Parser(prog="llmgw", description="llmgw on a node: the agent (the control plane is not installed; "
-                                                'pip install "llmgw[server]" adds it)')
+    parser = OneLineParser(prog="llmgw", description="llmgw: the agent, and the commands of a server it talks to "
+                                                     '(the control plane is not installed here: pip install "llmgw[server]")')
     parser.add_argument("--version", action="version", version=f"llmgw {version()}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
-    add_arguments(sub.add_parser("agent", help="run this machine's agent (or `agent stop-engines`)"))
-    add_completion(sub, parser)
-    if argv and not argv[0].startswith("-") and argv[0] not in ("agent", "completion"):
-        sys.stderr.write(f"error: `llmgw {argv[0]}`: {SERVER_MISSING}\n")
+    build(parser)
+    try:
+        options = vars(parser.parse_args(argv))
+        if options["command"] in ("up", "service"):
+            raise CliError(f"`llmgw {options['command']}`: {SERVER_MISSING}")
+        if options["command"] == "agent":
+            return _run_agent(options)
+        run(options, sys.stdout)
+    except (CliError, AgentError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
         return 1
-    options = vars(parser.parse_args(argv))
-    if options["command"] == "completion":
-        options["func"](options, sys.stdout)
-        return 0
-    return _run_agent(options)
+    except KeyboardInterrupt:
+        return 130
+    return 0
 
 
 def _run_agent(options: dict) -> int:
@@ -71,11 +72,17 @@ def _run_agent(options: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not server_installed():
-        return _agent_only(argv)
+        return _standalone(argv)
     if argv[:1] == ["agent"]:  # Django-free here too: the agent starts fast and needs no settings
-        parser = _Parser(prog="llmgw agent")
+        from llmgw.cli.args import OneLineParser
+
+        parser = OneLineParser(prog="llmgw agent")
         add_arguments(parser)
-        return _run_agent(vars(parser.parse_args(argv[1:])))
+        try:
+            return _run_agent(vars(parser.parse_args(argv[1:])))
+        except CliError as exc:
+            sys.stderr.write(f"error: {exc}\n")
+            return 1
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")
     import django
     from django.core.exceptions import ImproperlyConfigured

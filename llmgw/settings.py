@@ -197,7 +197,8 @@ CACHES = {
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "cluster.api.permissions.BearerTokenAuthentication",
+        "cluster.api.permissions.BearerTokenAuthentication",  # first: its header makes a 401, not a 403
+        "cluster.api.permissions.InProcessAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["cluster.api.permissions.RolePermission"],
@@ -216,6 +217,11 @@ SPECTACULAR_SETTINGS = {
     "COMPONENT_SPLIT_REQUEST": True,
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "cluster.api.schema.document_refusals"],
     "ENUM_NAME_OVERRIDES": {"RoutingEnum": "cluster.models.Model.Routing"},
+    # what a client over the network may use (the in-process one is the host's own `llmgw` command)
+    "AUTHENTICATION_WHITELIST": [
+        "cluster.api.permissions.BearerTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
 }
 
 # Celery: JSON only, a broker that answers fast or not at all (a CLI must never hang on it).

@@ -85,7 +85,8 @@ def test_a_command_where_nothing_is_installed_says_where_it_looked_and_makes_not
         said = run(*command, env={"LLMGW_HOME": str(nothing), "DATABASE_URL": ""})
         assert said.returncode == 1
         assert said.stderr == (f"error: no llmgw installation at {nothing} (LLMGW_HOME): start one there with "
-                               f"`llmgw up`, or point LLMGW_HOME (or DATABASE_URL) at yours\n")
+                               f"`llmgw up`, point LLMGW_HOME (or DATABASE_URL) at yours, or talk to a server: "
+                               f"`llmgw login URL`\n")
     assert not nothing.exists()
 
 

@@ -12,6 +12,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import exceptions, serializers, status, viewsets
 from rest_framework.response import Response
 
+from cluster.clients import CLI_ACTOR, IN_PROCESS
 from cluster.models import NAME_RE
 
 INT_MAX = 2**31 - 1  # PostgreSQL's integer: a bigger number must be a 400 here, not a database error
@@ -108,7 +109,7 @@ class NamedViewSet(viewsets.GenericViewSet):
 
     @property
     def actor(self) -> str:
-        return f"user:{self.request.user.username}"
+        return actor_of(self.request)
 
     def parsed(self, serializer_class) -> dict:
         serializer = serializer_class(data=self.request.data)
@@ -127,6 +128,14 @@ class NamedViewSet(viewsets.GenericViewSet):
         """The object as a GET would show it, read again so annotations are there."""
         fresh = self.get_queryset().get(pk=obj.pk)
         return Response(self.get_serializer(fresh).data, status=status_code)
+
+
+def actor_of(request) -> str:
+    """Who a request's changes are recorded as: `user:<name>`, or `cli` for the `llmgw` command on the control
+    plane's own host (cluster.api.permissions.InProcessAuthentication)."""
+    if request.auth == IN_PROCESS:
+        return CLI_ACTOR
+    return f"user:{request.user.username}"
 
 
 def text_param(request, name: str, required_text: bool = False) -> str | None:
@@ -169,3 +178,11 @@ def datetime_param(name: str, raw: str):
         edge = dt.datetime.min if value.year == 1 else dt.datetime.max
         return edge.replace(tzinfo=dt.timezone.utc)
 
+
+
+def int_param(name: str, raw: str) -> int:
+    """A whole-number query parameter (0 to 2^63 - 1), else a 400 naming it."""
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 19 and int(text) <= BIGINT_MAX):
+        raise serializers.ValidationError({name: [f"must be a whole number from 0 to {BIGINT_MAX}, not {raw[:40]!r}"]})
+    return int(text)

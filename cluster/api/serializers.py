@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
@@ -85,8 +87,33 @@ class NodeSerializer(serializers.ModelSerializer):
         return self._memory(node).gpus(node.pk, len(node.gpus))
 
 
+class AgentServerField(serializers.CharField):
+    """The URL a node's agent dials, for the agent command shown: http(s)://host[:port][/path]."""
+
+    def __init__(self, **kwargs):
+        super().__init__(required=False, max_length=2000, help_text="the URL agents dial, for agent_command (default:"
+                         " LLMGW_PUBLIC_URL, else the URL this request came to)", **kwargs)
+
+    def to_internal_value(self, data):
+        value = super().to_internal_value(data)
+        if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
+            raise serializers.ValidationError("an http:// or https:// URL, such as http://llmgw.example:8000")
+        return value.rstrip("/")
+
+
 class NodeCreateSerializer(StrictSerializer):
     name = NameField()
+    server = AgentServerField()
+
+
+class NodeTokenSerializer(StrictSerializer):
+    server = AgentServerField()
+
+
+class NewNodeTokenSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    token = serializers.CharField(help_text="the agent's new token; shown this once (the old one no longer works)")
+    agent_command = serializers.CharField(help_text="run this on the node to start its agent")
 
 
 class NewNodeSerializer(NodeSerializer):
@@ -139,6 +166,7 @@ class ServedModelSerializer(serializers.ModelSerializer):
         help_text="what its engine serves with its profile: /v1/ endpoints (chat, completions, embeddings) and inputs"
         " beyond text (images, audio); the gateway refuses the rest with a 400"
     )
+    scaling_text = serializers.CharField(read_only=True, help_text="how it scales, in an operator's words")
     scaling = serializers.SerializerMethodField(
         help_text="how it scales: mode (fixed, autoscaled, on-demand), the replicas it wants now, its range and the "
         "autoscaler's knobs (null for a fixed model), its last request, and when an on-demand model goes idle"
@@ -165,6 +193,7 @@ class ServedModelSerializer(serializers.ModelSerializer):
             "idle_after_seconds",
             "scale_down_delay_seconds",
             "scaling",
+            "scaling_text",
             "removing",
             "placement_note",
             "counting",
@@ -427,6 +456,28 @@ class StatusSerializer(serializers.Serializer):
     nodes = StatusNodesSerializer()
     models = StatusModelSerializer(many=True)
     replicas = serializers.DictField(child=serializers.IntegerField(), help_text="replicas not over, by state")
+
+
+class SystemRestartRequestSerializer(StrictSerializer):
+    timeout = serializers.FloatField(required=False, min_value=0.1, max_value=3600,
+                                     help_text="seconds each agent and process may take to come back (default 60 "
+                                               "for agents, 90 for processes)")
+
+
+class LoginSerializer(StrictSerializer):
+    name = serializers.CharField(max_length=150)
+    password = serializers.CharField(max_length=4096)
+
+
+class LoggedInSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    role = serializers.ChoiceField(choices=ROLES, allow_null=True)
+    token = serializers.CharField(help_text="the user's API token, for `Authorization: Bearer`")
+
+
+class MeSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    role = serializers.ChoiceField(choices=ROLES, allow_null=True)
 
 
 class SystemRestartSerializer(serializers.Serializer):

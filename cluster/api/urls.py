@@ -9,6 +9,8 @@ from cluster.api.views import (
     EngineKeyView,
     EngineViewSet,
     EventViewSet,
+    LoginView,
+    MeView,
     ModelFileViewSet,
     NodeViewSet,
     ProfileViewSet,
@@ -36,6 +38,8 @@ ROUTES = [
 
 urlpatterns = [
     path("status/", StatusView.as_view(), name="status"),
+    path("me/", MeView.as_view(), name="api-me"),
+    path("login/", LoginView.as_view(), name="api-login"),
     path("restart/", RestartView.as_view(), name="restart"),
     path("restart", RestartNoSlashView.as_view()),
     path("settings/", SettingsView.as_view(), name="settings"),

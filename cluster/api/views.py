@@ -6,14 +6,14 @@ from __future__ import annotations
 from django.conf import settings
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
-from rest_framework import exceptions, mixins, serializers, status, viewsets
+from rest_framework import exceptions, mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.parsers import MultiPartParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from cluster import operations, queries
-from cluster.api.base import NamedViewSet, datetime_param, flag_param, text_param
+from cluster.api.base import NamedViewSet, actor_of, datetime_param, flag_param, int_param, text_param
 from cluster.api.errors import Refused, refused
 from cluster.api.parsers import JSONParser
 from cluster.api.schema import UNKNOWN_FILTER, ErrorSerializer
@@ -34,6 +34,12 @@ from cluster.api.serializers import (
     NodeCreateSerializer,
     NodeDrainSerializer,
     NodeSerializer,
+    NodeTokenSerializer,
+    NewNodeTokenSerializer,
+    MeSerializer,
+    LoginSerializer,
+    LoggedInSerializer,
+    SystemRestartRequestSerializer,
     ProfileCreateSerializer,
     ProfileSerializer,
     ProfileUpdateSerializer,
@@ -65,11 +71,25 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewSet
         data = self.parsed(NodeCreateSerializer)
         with refused():
             node, token = operations.add_node(data["name"], self.actor)
-        server = (settings.LLMGW_PUBLIC_URL or request.build_absolute_uri("/")).rstrip("/")
         node = self.get_queryset().get(pk=node.pk)
         node.token = token
-        node.agent_command = operations.agent_command(server, token)
+        node.agent_command = operations.agent_command(self._agents_url(data), token)
         return Response(NewNodeSerializer(node).data, status=status.HTTP_201_CREATED)
+
+    def _agents_url(self, data: dict) -> str:
+        return data.get("server") or (settings.LLMGW_PUBLIC_URL or self.request.build_absolute_uri("/")).rstrip("/")
+
+    @extend_schema(request=NodeTokenSerializer, responses={200: NewNodeTokenSerializer})
+    @action(detail=True, methods=["post"])
+    def token(self, request, name=None):
+        """A new token for the node's agent; the old one stops working and its stream is closed."""
+        node = self.get_object()
+        empty = isinstance(request.data, dict) and not request.data
+        data = {} if empty else self.parsed(NodeTokenSerializer)
+        with refused():
+            node, token = operations.reset_node_token(node.name, self.actor)
+        return Response({"name": node.name, "token": token,
+                         "agent_command": operations.agent_command(self._agents_url(data), token)})
 
     @extend_schema(
         parameters=[
@@ -281,6 +301,9 @@ class ModelFileViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedVi
         OpenApiParameter("subject", str, description="what it happened to, e.g. a model or replica name"),
         OpenApiParameter("actor", str, description="who did it, e.g. user:alice, reconciler"),
         OpenApiParameter("since", OpenApiTypes.DATETIME, description="only events at or after this ISO 8601 time"),
+        OpenApiParameter("kind_prefix", str, description="only kinds starting with this, e.g. replica."),
+        OpenApiParameter("after", OpenApiTypes.INT64, description="only events after the one with this id (to follow"
+                         " the log)"),
     ]
 )
 class EventViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
@@ -291,10 +314,13 @@ class EventViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
     def get_queryset(self):
         queryset = Event.objects.order_by("-created_at", "-id")
         params = self.request.query_params
-        for key in ("kind", "subject", "actor"):
+        for key, lookup in (("kind", "kind"), ("subject", "subject"), ("actor", "actor"),
+                            ("kind_prefix", "kind__startswith")):
             value = text_param(self.request, key)
             if value is not None:
-                queryset = queryset.filter(**{key: value})
+                queryset = queryset.filter(**{lookup: value})
+        if "after" in params:
+            queryset = queryset.filter(pk__gt=int_param("after", params["after"]))
         if "since" in params:
             queryset = queryset.filter(created_at__gte=datetime_param("since", params["since"]))
         return queryset
@@ -306,6 +332,51 @@ class StatusView(APIView):
     @extend_schema(responses=StatusSerializer)
     def get(self, request):
         return Response(operations.cluster_status())
+
+
+class LoginView(APIView):
+    """A user name and password for the user's API token (what `llmgw login` asks for). Failures are throttled
+    as the dashboard's login is: per address and per user name, 429 with the wait."""
+
+    authentication_classes: list = []
+    permission_classes = [permissions.AllowAny]
+
+    def get_authenticate_header(self, request):
+        return "Bearer"  # a wrong password is a 401 (with the header a 401 needs), not a 403
+
+    @extend_schema(request=LoginSerializer, responses={200: LoggedInSerializer, 401: ErrorSerializer,
+                                                       429: ErrorSerializer})
+    def post(self, request):
+        from django.contrib.auth import authenticate
+
+        from cluster import throttle
+        from cluster.clients import client_address
+        from cluster.locks import redis_client
+        from cluster.roles import role_of
+
+        serializer = LoginSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        name, password = serializer.validated_data["name"], serializer.validated_data["password"]
+        found = throttle.subjects(client_address(request.META), name)
+        wait = throttle.LOGIN.shut(found)
+        if wait:
+            raise exceptions.Throttled(wait, "Too many failed logins.")
+        user = authenticate(request, username=name, password=password)
+        if user is None or not user.is_active:
+            throttle.LOGIN.failed(redis_client(), found)
+            raise exceptions.AuthenticationFailed("wrong user name or password")
+        token = operations.api_token(user, "llmgw login")
+        return Response({"name": user.username, "role": role_of(user), "token": token})
+
+
+class MeView(APIView):
+    """Who this token (or session) is, and its role: what `llmgw login` checks and says."""
+
+    @extend_schema(responses=MeSerializer)
+    def get(self, request):
+        from cluster.roles import role_of
+
+        return Response({"name": request.user.username, "role": role_of(request.user)})
 
 
 class UserViewSet(NamedViewSet):
@@ -344,7 +415,7 @@ class SystemViewSet(NamedViewSet):
         return Response(operations.cluster_status())
 
     @extend_schema(
-        request=None,
+        request=SystemRestartRequestSerializer,
         responses={
             202: SystemRestartSerializer,
             503: OpenApiResponse(ErrorSerializer, description="the broker (Redis) did not take the restart"),
@@ -356,8 +427,10 @@ class SystemViewSet(NamedViewSet):
         Runs on a worker; each step is an Event. 409 while one runs or is queued."""
         from cluster.system import queue_restart
 
+        empty = isinstance(request.data, dict) and not request.data
+        data = {} if empty else self.parsed(SystemRestartRequestSerializer)
         with refused():
-            queue_restart(self.actor)
+            queue_restart(self.actor, timeout=data.get("timeout"))
         return Response({"queued": True, "watch": "/api/v1/events/"}, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(responses=StatusSerializer)
@@ -381,7 +454,7 @@ class RestartView(APIView):
         data = serializer.validated_data
         with refused():
             queued = operations.restart_replicas(
-                f"user:{request.user.username}",
+                actor_of(request),
                 replicas=data["replicas"],
                 models=data["models"],
                 all=data["all"],
@@ -406,7 +479,7 @@ class EngineKeyRotateView(APIView):
         from cluster.models import ClusterSettings
 
         with refused():
-            cluster = operations.rotate_engine_key(f"user:{request.user.username}")
+            cluster = operations.rotate_engine_key(actor_of(request))
         stale = (
             Replica.objects.exclude(state__in=Replica.TERMINAL)
             .filter(snapshot__engine_key=ClusterSettings.fingerprint(cluster.previous_engine_key))
@@ -427,7 +500,7 @@ class SettingsView(APIView):
         serializer = ClusterSettingsUpdateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         with refused():
-            cluster = operations.set_settings(f"user:{request.user.username}", **serializer.validated_data)
+            cluster = operations.set_settings(actor_of(request), **serializer.validated_data)
         return Response(queries.cluster_settings_shown(cluster))
 
 

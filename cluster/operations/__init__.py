@@ -20,7 +20,7 @@ from cluster.operations.profiles import (
 )
 from cluster.operations.restart import RestartQueued, drain_node, restart_replicas, staleness, undrain_node
 from cluster.operations.serving import cluster_status, rotate_engine_key, set_settings, start_serving, stop_serving
-from cluster.operations.users import add_user
+from cluster.operations.users import add_user, api_token
 from cluster.operations.validation import MAX_MEMORY, MAX_REPLICAS
 from cluster.roles import ROLES
 
@@ -45,6 +45,7 @@ __all__ = [
     "agent_command",
     "add_profile",
     "add_user",
+    "api_token",
     "cluster_status",
     "drain_node",
     "import_model_file",

@@ -17,12 +17,13 @@ def cluster_status() -> dict:
     now = timezone.now()
     nodes = list(Node.objects.all())
     alive = [n for n in nodes if n.is_alive(now)]
-    by_state = dict(
+    counted = dict(
         Replica.objects.exclude(state__in=Replica.TERMINAL)
         .values_list("state")
         .annotate(n=Count("id"))
         .values_list("state", "n")
     )
+    by_state = {state: counted[state] for state in Replica.State.values if state in counted}  # in the states' order
     models = Model.objects.annotate(
         ready=Count("replica_set", filter=Q(replica_set__state=Replica.State.READY)),
     ).values("name", "replicas", "ready", "removing", "placement_note")

@@ -45,3 +45,13 @@ def add_user(name: str, role: str, actor: str, password: str | None = None) -> t
         record("user.added", actor, f"user {name} added as {role}", subject=name)
     return user, token.key
 
+
+
+def api_token(user: User, why: str) -> str:
+    """The user's API token (one per user, as DRF keeps them), made if it has none: what `llmgw login` stores."""
+    with transaction.atomic():
+        token, made = Token.objects.get_or_create(user=user)
+        if made:
+            record("user.token", f"user:{user.username}", f"user {user.username}: API token made ({why})",
+                   subject=user.username)
+    return token.key

@@ -1,52 +1,42 @@
-"""What every `llmgw` subcommand shares: one-line argument errors, the actor its changes are recorded under, and
-arguments parsed into one-line errors (sizes, dates)."""
+"""What every `llmgw` subcommand shares: one-line argument errors, and arguments parsed into one-line errors
+(sizes, dates, durations). Django-free."""
 
 from __future__ import annotations
 
 import argparse
-import socket
-from datetime import date, datetime, time as dtime
+from datetime import datetime
 
-from django.conf import settings
-from django.core.management.base import CommandError, CommandParser
-from django.utils import timezone
-from django.utils.dateparse import parse_datetime
+from agents.units import parse_duration, parse_size
+from llmgw.cli.client import CliError
 
-from agents.facts import parse_size
-from agents.units import parse_duration
-
-CLI_ACTOR = "cli"
+# as cluster.operations and cluster.roles have them (tests/test_cli_remote.py checks they agree)
+ROUTINGS = ("prefix", "least-inflight")
+ROLES = ("admin", "operator", "viewer")
+DEFAULT_MAX_TOKENS = 4096
 
 
-class OneLineParser(CommandParser):
+class OneLineParser(argparse.ArgumentParser):
     """Argument errors are one line and exit code 1, like every other error."""
 
     def error(self, message):
-        raise CommandError(f"{self.prog}: {message}")
+        raise CliError(f"{self.prog}: {message}")
 
 
 def parse_size_arg(text: str) -> int:
     try:
         return parse_size(text)
     except ValueError as exc:
-        raise CommandError(str(exc)) from None
+        raise CliError(str(exc)) from None
 
 
-def server_url() -> str:
-    return settings.LLMGW_PUBLIC_URL or f"http://{socket.gethostname()}:8000"
-
-
-def parse_when(text: str | None, flag: str):
-    """A date (midnight) or a date and time, timezone-aware; None for nothing given."""
+def parse_when(text: str | None, flag: str) -> str | None:
+    """A date (midnight) or a date and time, as ISO 8601 for the API; None for nothing given."""
     if not text:
         return None
-    when = parse_datetime(text)
-    if when is None:
-        try:
-            when = datetime.combine(date.fromisoformat(text), dtime.min)
-        except ValueError:
-            raise CommandError(f"{flag} wants a date like 2026-12-31 or 2026-12-31T18:00:00Z, not {text!r}") from None
-    return timezone.make_aware(when) if timezone.is_naive(when) else when
+    try:
+        return datetime.fromisoformat(text.strip().replace("z", "Z")).isoformat()
+    except ValueError:
+        raise CliError(f"{flag} wants a date like 2026-12-31 or 2026-12-31T18:00:00Z, not {text!r}") from None
 
 
 UNSET = object()  # an option not given, where None means something ("no cap")

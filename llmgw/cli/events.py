@@ -4,47 +4,53 @@ from __future__ import annotations
 
 import time
 
-from django.core.management.base import CommandError
-from django.utils import timezone
-from django.utils.dateparse import parse_datetime
+from llmgw.cli.args import parse_when
+from llmgw.cli.client import CliError
+from llmgw.cli.output import as_json, moment
 
-from cluster.models import Event
-from llmgw.cli.output import as_json
+FOLLOW_EVERY = 1.0  # seconds between looks at the log
+
 
 def events_list(o, out):
-    qs = Event.objects.all()
-    if o.get("kind"):
-        qs = qs.filter(kind__startswith=o["kind"])
-    if o.get("subject"):
-        qs = qs.filter(subject=o["subject"])
-    if o.get("since"):
-        since = parse_datetime(o["since"])
-        if since is None:
-            raise CommandError(f"--since wants an ISO date and time such as 2026-11-29T12:00:00Z, not {o['since']!r}")
-        if timezone.is_naive(since):
-            since = timezone.make_aware(since)
-        qs = qs.filter(created_at__gte=since)
-    events = list(qs.order_by("-id")[: o["limit"]])[::-1]
+    api = o["api"]
+    if o.get("json") and o.get("follow"):
+        raise CliError("--json and --follow do not go together")
+    if not 1 <= o["limit"] <= 10_000:
+        raise CliError(f"--limit: from 1 to 10000, not {o['limit']}")
+    filters = {"kind_prefix": o.get("kind"), "subject": o.get("subject"),
+               "since": parse_when(o.get("since"), "--since")}
+    events = api.get("events/", **filters, limit=o["limit"])["results"][::-1]
     if o.get("json"):
-        if o.get("follow"):
-            raise CommandError("--json and --follow do not go together")
-        return as_json([{"id": e.pk, "at": e.created_at, "kind": e.kind, "actor": e.actor, "subject": e.subject,
-                         "message": e.message, "data": e.data} for e in events], out)
+        return as_json(events, out)
     for e in events:
-        _print_event(e, out)
+        print_event(e, out)
     if not o.get("follow"):
         return
-    last = events[-1].pk if events else (Event.objects.order_by("-id").values_list("id", flat=True).first() or 0)
+    last = events[-1]["id"] if events else _newest(api)
     try:
         while True:
-            time.sleep(1)
-            for e in qs.filter(pk__gt=last).order_by("id"):
-                _print_event(e, out)
-                last = e.pk
-            out.flush()
+            time.sleep(FOLLOW_EVERY)
+            last = follow(api, last, out, **filters)
     except KeyboardInterrupt:
         return
 
 
-def _print_event(e: Event, out) -> None:
-    out.write(f"{e.created_at:%Y-%m-%d %H:%M:%S}  {e.kind:<20} {e.actor:<16} {e.message}\n")
+def follow(api, after: int, out, on_event=None, **filters) -> int:
+    """Print the events after the one with id `after`, oldest first; the last id printed."""
+    page = api.get("events/", **filters, after=after, limit=10_000)["results"]
+    for e in sorted(page, key=lambda e: e["id"]):
+        print_event(e, out)
+        if on_event:
+            on_event(e)
+        after = e["id"]
+    out.flush()
+    return after
+
+
+def _newest(api) -> int:
+    newest = api.get("events/", limit=1)["results"]
+    return newest[0]["id"] if newest else 0
+
+
+def print_event(e: dict, out) -> None:
+    out.write(f"{moment(e['created_at']):%Y-%m-%d %H:%M:%S}  {e['kind']:<20} {e['actor']:<16} {e['message']}\n")

@@ -1,35 +1,43 @@
-"""`llmgw mirror …`: the model files."""
+"""`llmgw mirror …`: the model files. On the control plane's host a file is imported by its path; from
+anywhere else it is uploaded, with a progress bar."""
 
 from __future__ import annotations
 
-from django.db.models import Count
+import os
+from collections import Counter
 
-from cluster import operations
-from cluster.models import ModelFile
-from llmgw.cli.args import CLI_ACTOR
+from llmgw.cli.client import CliError, bar
 from llmgw.cli.output import as_json, size, table
 
+
 def mirror_import(o, out):
-    model_file, created = operations.import_model_file(o["path"], CLI_ACTOR, name=o["name"])
-    what = "imported" if created else "already in the mirror"
-    facts = model_file.gguf
+    api, path = o["api"], o["path"]
+    if api.local:
+        body = {"path": os.path.abspath(os.path.expanduser(path)), **({"name": o["name"]} if o["name"] else {})}
+        model_file = api.post("model-files/", body, doing="import model files")
+    else:
+        if o["name"]:
+            raise CliError("--name: an uploaded file keeps its own name; rename the file to list it by another")
+        if not os.path.isfile(path):
+            raise CliError(f"no such file: {path}" if not os.path.exists(path) else f"not a regular file: {path}")
+        model_file = api.upload("model-files/", path, bar(), doing="import model files")
+    what = "imported" if api.status == 201 else "already in the mirror"  # 200: the mirror had it
+    facts = model_file["gguf"]
     extra = (
         f"; GGUF {facts.get('architecture', '?')}, {facts.get('block_count', '?')} layers, "
         f"context {facts.get('context_length', '?')}"
-        if model_file.format == "gguf"
+        if model_file["format"] == "gguf"
         else "; not GGUF"
     )
-    out.write(f"{model_file.name} {what}: sha256 {model_file.sha256}, {size(model_file.size)}{extra}\n")
+    out.write(f"{model_file['name']} {what}: sha256 {model_file['sha256']}, {size(model_file['size'])}{extra}\n")
 
 
 def mirror_list(o, out):
-    files = ModelFile.objects.annotate(used_by=Count("models"))
+    api = o["api"]
+    files = api.rows("model-files/")
     if o.get("json"):
-        return as_json(
-            [{"sha256": f.sha256, "name": f.name, "size": f.size, "format": f.format, "gguf": f.gguf} for f in files],
-            out,
-        )
-    rows = [
-        [f.sha256[:12], f.name, size(f.size), f.format, f.gguf.get("architecture", "-"), f.used_by] for f in files
-    ]
+        return as_json(files, out)
+    used = Counter(m["file"]["sha256"] for m in api.rows("models/"))
+    rows = [[f["sha256"][:12], f["name"], size(f["size"]), f["format"], f["gguf"].get("architecture", "-"),
+             used[f["sha256"]]] for f in files]
     table(["SHA256", "NAME", "SIZE", "FORMAT", "ARCH", "MODELS"], rows, out)

@@ -2,80 +2,33 @@
 
 from __future__ import annotations
 
-from django.core.management.base import CommandError
-from django.utils import timezone
-
 from agents.units import format_age
-from cluster import operations, queries
-from cluster.models import Replica
-from llmgw.cli.args import CLI_ACTOR, UNSET, parse_size_arg
-from llmgw.cli.output import age, as_json, size, table
-
+from llmgw.cli.args import UNSET, parse_size_arg
+from llmgw.cli.client import CliError
+from llmgw.cli.output import age, as_json, moment, now, size, table
 
 def models_list(o, out):
-    rows, data = [], []
-    now = timezone.now()
-    for m in queries.models_with_counts():
-        note = "removing" if m.removing else m.placement_note
-        serves = m.capabilities()
-        scaling = queries.scaling_shown(m)
-        ready = m.n_ready
-        running = sum(getattr(m, f"n_{s}") for s in Replica.RUNNING)
-        if m.autoscaled:
-            replicas = f"{ready}/{scaling['wanted']} ({m.min_replicas}-{m.max_replicas})"
-        else:
-            replicas = f"{ready}/{m.replicas}"
-        last = scaling["last_request_at"]
-        idle = scaling["idle_at"]
-        rows.append(
-            [m.name, m.engine.name, m.profile.name, ",".join(serves), m.routing, m.mode, replicas,
-             age(last, now) + " ago" if last else "-",
-             ("in " + format_age((idle - now).total_seconds())) if idle and idle > now else ("now" if idle else "-"),
-             size(m.memory_estimate()), note]
-        )
-        data.append(
-            {
-                "name": m.name,
-                "file": m.file.sha256,
-                "engine": m.engine.name,
-                "profile": m.profile.name,
-                "capabilities": list(serves),
-                "replicas": m.replicas,
-                "ready": ready,
-                "running": running,
-                "memory_bytes": m.memory_estimate(),
-                "max_tokens": m.max_tokens,
-                "routing": m.routing,
-                **{k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in scaling.items()},
-                "removing": m.removing,
-                "note": m.placement_note,
-            }
-        )
+    models = o["api"].rows("models/")
     if o.get("json"):
-        return as_json(data, out)
+        return as_json(models, out)
+    at = now()
+    rows = []
+    for m in models:
+        scaling = m["scaling"]
+        ready = m["replica_states"].get("ready", 0)
+        if scaling["mode"] == "fixed":
+            replicas = f"{ready}/{m['replicas']}"
+        else:
+            replicas = f"{ready}/{scaling['wanted']} ({m['min_replicas']}-{m['max_replicas']})"
+        idle = moment(scaling["idle_at"])
+        rows.append(
+            [m["name"], m["engine"], m["profile"], ",".join(m["capabilities"]), m["routing"], scaling["mode"],
+             replicas, age(scaling["last_request_at"], at) + " ago" if scaling["last_request_at"] else "-",
+             ("in " + format_age((idle - at).total_seconds())) if idle and idle > at else ("now" if idle else "-"),
+             size(m["memory_bytes"]), "removing" if m["removing"] else m["placement_note"]]
+        )
     table(["NAME", "ENGINE", "PROFILE", "SERVES", "ROUTING", "MODE", "READY/WANT", "LAST REQUEST", "IDLE", "MEMORY",
            "NOTE"], rows, out)
-
-
-def model_add(o, out):
-    model = operations.add_model(
-        o["name"],
-        CLI_ACTOR,
-        file=o["file"],
-        engine=o["engine"],
-        profile=o["profile"],
-        replicas=o["replicas"],
-        memory_bytes=parse_size_arg(o["memory"]) if o["memory"] else None,
-        nodes=o["nodes"] or [],
-        wait_seconds=o["wait"],
-        max_tokens=o["max_tokens"],
-        routing=o["routing"],
-        **_scaling_values(o),
-    )
-    out.write(
-        f"model {model.name} added: {model.scaling_text()} of {model.file.name} on {model.engine.name}, "
-        f"{size(model.memory_estimate())} each; watch with: llmgw ctl replicas --model {model.name}\n"
-    )
 
 
 SCALING_OPTIONS = {"min_replicas": "min_replicas", "max_replicas": "max_replicas", "target_inflight": "target_inflight",
@@ -84,6 +37,21 @@ SCALING_OPTIONS = {"min_replicas": "min_replicas", "max_replicas": "max_replicas
 
 def _scaling_values(o) -> dict:
     return {field: o[option] for option, field in SCALING_OPTIONS.items() if o.get(option) is not None}
+
+
+def model_add(o, out):
+    body = {
+        "name": o["name"], "file": o["file"], "engine": o["engine"], "profile": o["profile"],
+        "replicas": o["replicas"], "nodes": o["nodes"] or [], "wait_seconds": o["wait"],
+        "max_tokens": o["max_tokens"], "routing": o["routing"], **_scaling_values(o),
+    }
+    if o["memory"]:
+        body["memory_bytes"] = parse_size_arg(o["memory"])
+    model = o["api"].post("models/", body, doing="add models")
+    out.write(
+        f"model {model['name']} added: {model['scaling_text']} of {model['file']['name']} on {model['engine']}, "
+        f"{size(model['memory_bytes'])} each; watch with: llmgw ctl replicas --model {model['name']}\n"
+    )
 
 
 def model_set(o, out):
@@ -98,15 +66,15 @@ def model_set(o, out):
         values["max_tokens"] = o["max_tokens"]
     values.update(_scaling_values(o))
     if not values:
-        raise CommandError(
+        raise CliError(
             "nothing to change: give --replicas, --min-replicas, --max-replicas, --target-inflight, --idle-after, "
             "--scale-down-delay, --profile, --engine, --file, --memory, --nodes, --wait, --max-tokens or --routing"
         )
-    model = operations.set_model(o["name"], CLI_ACTOR, **values)
-    out.write(f"model {model.name}: {model.scaling_text()}, profile {model.profile.name}, engine {model.engine.name}, "
-              f"routing {model.routing}\n")
+    model = o["api"].patch(f"models/{o['name']}/", values, doing="change models")
+    out.write(f"model {model['name']}: {model['scaling_text']}, profile {model['profile']}, engine {model['engine']}, "
+              f"routing {model['routing']}\n")
 
 
 def model_remove(o, out):
-    operations.remove_model(o["name"], CLI_ACTOR)
+    o["api"].delete(f"models/{o['name']}/", doing="remove models")
     out.write(f"model {o['name']} removed: its replicas are stopping; watch with: llmgw ctl replicas\n")

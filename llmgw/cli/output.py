@@ -1,23 +1,36 @@
-"""Aligned tables, sizes and ages for the terminal (sizes and ages as agents.units writes them everywhere)."""
+"""Aligned tables, sizes, ages and JSON for the terminal, from what the API answers (sizes and ages as
+agents.units writes them everywhere). Django-free."""
 
 from __future__ import annotations
 
-import json
 import sys
-from datetime import datetime
-
-from django.utils import timezone
+from datetime import datetime, timezone
 
 from agents.units import format_age, format_size as size
+from llmgw.cli.client import dumps
 
-__all__ = ["age", "as_json", "size", "table"]
+__all__ = ["age", "as_json", "moment", "size", "table"]
 
 
-def age(when: datetime | None, now: datetime | None = None) -> str:
+def moment(text: str | None) -> datetime | None:
+    """An ISO 8601 time from the API (None stays None)."""
+    if not text:
+        return None
+    when = datetime.fromisoformat(text)
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def age(when: str | datetime | None, at: datetime | None = None) -> str:
     """How long ago, as agents.units.format_age writes it; "never" for None."""
+    if isinstance(when, str):
+        when = moment(when)
     if when is None:
         return "never"
-    return format_age(((now or timezone.now()) - when).total_seconds())
+    return format_age(((at or now()) - when).total_seconds())
 
 
 def table(headers: list[str], rows: list[list], out=None) -> None:
@@ -29,4 +42,5 @@ def table(headers: list[str], rows: list[list], out=None) -> None:
 
 
 def as_json(data, out=None) -> None:
-    (out or sys.stdout).write(json.dumps(data, indent=2, default=str) + "\n")
+    """What the API answered, as JSON: `--json` is the API's own representation (its schema at /api/schema/)."""
+    (out or sys.stdout).write(dumps(data) + "\n")

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import shlex
+from collections import Counter
 
-from django.core.management.base import CommandError
-from django.db.models import Count
-
-from cluster import operations
-from cluster.models import EngineVersion, Profile
-from llmgw.cli.args import CLI_ACTOR
+from llmgw.cli.client import CliError
 from llmgw.cli.output import as_json, table
+
 
 def _profile_values(o) -> dict:
     values = {}
@@ -18,50 +15,63 @@ def _profile_values(o) -> dict:
         if o.get(key) is not None:
             values[key] = o[key]
     if o.get("extra") is not None:
-        values["extra_args"] = shlex.split(o["extra"])
+        try:
+            values["extra_args"] = shlex.split(o["extra"])
+        except ValueError as exc:
+            raise CliError(f"--extra: {exc}") from None
     return values
 
 
+def _used_by(api, field: str) -> Counter:
+    """How many models use each profile or engine."""
+    return Counter(m[field] for m in api.rows("models/"))
+
+
 def profiles_list(o, out):
-    profiles = Profile.objects.annotate(used_by=Count("models"))
+    api = o["api"]
+    profiles = api.rows("profiles/")
     if o.get("json"):
-        return as_json([{"name": p.name, **p.args(), "models": p.used_by} for p in profiles], out)
+        return as_json(profiles, out)
+    used = _used_by(api, "profile")
     rows = [
-        [p.name, p.context_size, p.threads or "auto", p.gpu_layers if p.gpu_layers is not None else "-",
-         p.batch_size or "-", p.parallel, " ".join(p.extra_args) or "-", p.used_by]
+        [p["name"], p["context_size"], p["threads"] or "auto", p["gpu_layers"] if p["gpu_layers"] is not None else "-",
+         p["batch_size"] or "-", p["parallel"], " ".join(p["extra_args"]) or "-", used[p["name"]]]
         for p in profiles
     ]
     table(["NAME", "CONTEXT", "THREADS", "GPU LAYERS", "BATCH", "PARALLEL", "EXTRA", "MODELS"], rows, out)
 
 
 def profile_add(o, out):
-    profile = operations.add_profile(o["name"], CLI_ACTOR, **_profile_values(o))
-    out.write(f"profile {profile.name} added\n")
+    profile = o["api"].post("profiles/", {"name": o["name"], **_profile_values(o)}, doing="add profiles")
+    out.write(f"profile {profile['name']} added\n")
 
 
 def profile_set(o, out):
     values = _profile_values(o)
     if not values:
-        raise CommandError("nothing to change: give --context-size, --threads, --gpu-layers, --batch-size, --parallel or --extra")
-    profile = operations.set_profile(o["name"], CLI_ACTOR, **values)
-    out.write(f"profile {profile.name} edited; running replicas keep their arguments until restarted\n")
+        raise CliError("nothing to change: give --context-size, --threads, --gpu-layers, --batch-size, --parallel or --extra")
+    profile = o["api"].patch(f"profiles/{o['name']}/", values, doing="change profiles")
+    out.write(f"profile {profile['name']} edited; running replicas keep their arguments until restarted\n")
 
 
 def profile_remove(o, out):
-    operations.remove_profile(o["name"], CLI_ACTOR)
+    o["api"].delete(f"profiles/{o['name']}/", doing="remove profiles")
     out.write(f"profile {o['name']} removed\n")
 
 
 def engines_list(o, out):
-    engines = EngineVersion.objects.annotate(used_by=Count("models"))
+    api = o["api"]
+    engines = api.rows("engines/")
     if o.get("json"):
-        return as_json([{**e.spec(), "models": e.used_by} for e in engines], out)
-    rows = [[e.name, e.kind, e.version or "-", e.device, e.binary or e.command or "(on PATH)", e.used_by] for e in engines]
+        return as_json(engines, out)
+    used = _used_by(api, "engine")
+    rows = [[e["name"], e["kind"], e["version"] or "-", e["device"], e["binary"] or e["command"] or "(on PATH)",
+             used[e["name"]]] for e in engines]
     table(["NAME", "KIND", "VERSION", "DEVICE", "BINARY / COMMAND", "MODELS"], rows, out)
 
 
 def engine_add(o, out):
-    engine = operations.add_engine(
-        o["name"], o["kind"], CLI_ACTOR, version=o["version"], device=o["device"], binary=o["binary"], command=o["command"]
-    )
-    out.write(f"engine {engine.name} ({engine.kind}, {engine.device}) added\n")
+    body = {"name": o["name"], "kind": o["kind"], "version": o["version"], "device": o["device"],
+            "binary": o["binary"], "command": o["command"]}
+    engine = o["api"].post("engines/", body, doing="add engines")
+    out.write(f"engine {engine['name']} ({engine['kind']}, {engine['device']}) added\n")

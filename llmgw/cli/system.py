@@ -1,17 +1,19 @@
-"""`llmgw status`, `stop`, `start`, `restart` and `service`: the whole system."""
+"""`llmgw status`, `stop`, `start` and `restart`: the whole system."""
 
 from __future__ import annotations
 
-from django.core.management.base import CommandError
+import time
 
-from cluster import operations, system
-from cluster.models import Replica
-from llmgw.cli.args import CLI_ACTOR
+from llmgw.cli.client import CliError
 from llmgw.cli.output import as_json
-from llmgw.cli.service import service
+
+# the steps of a system restart, as cluster.system records them
+RESTART_KINDS = ("system.", "agent.restart", "process.restart")
+TAKEN_WITHIN = 30.0  # seconds a worker has to begin a queued restart before the command gives up
+
 
 def status(o, out):
-    s = operations.cluster_status()
+    s = o["api"].get("status/")
     if o.get("json"):
         return as_json(s, out)
     stopped = s["serving"] == "stopped"
@@ -21,9 +23,7 @@ def status(o, out):
         else "llmgw: serving\n"
     )
     out.write(f"nodes: {s['nodes']['connected']} connected of {s['nodes']['total']}\n")
-    states = s["replicas"]
-    order = [st for st in Replica.State.values if st in states]
-    shown = ", ".join(f"{states[st]} {st}" for st in order) or "none"
+    shown = ", ".join(f"{n} {state}" for state, n in s["replicas"].items()) or "none"  # in the states' order
     out.write(f"replicas: {shown}\n")
     out.write(f"models: {len(s['models'])}\n")
     for m in s["models"]:
@@ -32,27 +32,44 @@ def status(o, out):
 
 
 def system_stop(o, out):
-    operations.stop_serving(CLI_ACTOR)
+    o["api"].post("system/stop/", doing="stop serving")
     out.write("llmgw stopped: every model goes to zero replicas and /v1/ answers 503 until `llmgw start`\n")
 
 
 def system_start(o, out):
-    operations.start_serving(CLI_ACTOR)
+    o["api"].post("system/start/", doing="start serving")
     out.write("llmgw started: models are placed again; watch with: llmgw ctl replicas\n")
 
 
-def service_cmd(o, out):
-    service(o, out)
-
-
 def system_restart(o, out):
+    """Queue the restart on a worker and print its steps (Events) as they happen, until it is done."""
+    api = o["api"]
+    newest = api.get("events/", limit=1)["results"]
+    after = newest[0]["id"] if newest else 0
+    api.post("system/restart/", {"timeout": o["timeout"]}, doing="restart the system")
     out.write("restarting llmgw: every agent, then web, beat and worker processes; engines keep serving\n")
     out.flush()
-
-    def report(line: str) -> None:
-        out.write(f"  {line}\n")
+    began, failed = time.monotonic(), None
+    started = False
+    while failed is None:
+        time.sleep(0.5)
+        try:
+            page = api.get("events/", after=after, limit=10_000)["results"]
+        except CliError as exc:  # the web process that answered is itself restarting: look again
+            if "cannot reach" not in str(exc) and "did not answer" not in str(exc):
+                raise
+            continue
+        for e in sorted(page, key=lambda e: e["id"]):
+            after = e["id"]
+            if not e["kind"].startswith(RESTART_KINDS) or e["kind"] == "system.restart_queued":
+                continue
+            out.write(f"  {e['message']}\n")
+            started = started or e["kind"] == "system.restart"
+            if e["kind"] == "system.restarted":
+                failed = (e.get("data") or {}).get("failed") or []
         out.flush()
-
-    result = system.restart_system(CLI_ACTOR, report, agent_timeout=o["timeout"], process_timeout=o["timeout"])
-    if "timeout" in {*result["agents"].values(), *result["processes"].values()}:
-        raise CommandError("some parts did not come back; see above and `llmgw ctl events`")
+        if not started and time.monotonic() - began > TAKEN_WITHIN:
+            raise CliError(f"no worker began the queued restart within {TAKEN_WITHIN:.0f}s: is the worker running? "
+                           "(llmgw service status); it begins when one does")
+    if failed:
+        raise CliError(f"some parts did not come back ({', '.join(failed)}); see above and `llmgw ctl events`")

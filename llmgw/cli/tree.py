@@ -1,16 +1,19 @@
 """The whole `llmgw` command tree: every subcommand, its arguments, and the function that runs it.
 
-Each subcommand is a few lines in the module of its concern (nodes, models, replicas, …) that parse, call one
-operation and print. `llmgw.management.commands.llmgw` runs the tree as `python manage.py llmgw …`.
+Each subcommand is a few lines in the module of its concern (nodes, models, replicas, …) that call the REST API
+(llmgw.cli.client) and print. Django-free: the commands that run on the machine itself and need the control
+plane installed (`up`, `service`) are named here and imported only when run. llmgw.cli.program runs the tree as
+`llmgw …`; `llmgw.management.commands.llmgw` as `python manage.py llmgw …`.
 """
 
 from __future__ import annotations
 
-from cluster.operations import DEFAULT_MAX_TOKENS, ROUTINGS
-from cluster.roles import ROLES
+import argparse
+
 from llmgw.cli.agent import add_arguments as agent_arguments, agent as agent_cmd
-from llmgw.cli.args import duration_arg, UNSET, OneLineParser, max_tokens_arg
+from llmgw.cli.args import DEFAULT_MAX_TOKENS, ROLES, ROUTINGS, UNSET, OneLineParser, duration_arg, max_tokens_arg
 from llmgw.cli.completion import add_completion
+from llmgw.cli.login import login, logout
 from llmgw.cli.cluster_settings import engine_key_rotate, engine_key_show, settings_show_or_set
 from llmgw.cli.events import events_list
 from llmgw.cli.keys import keys_create, keys_list, keys_revoke, usage_list
@@ -19,9 +22,34 @@ from llmgw.cli.models import model_add, model_remove, model_set, models_list
 from llmgw.cli.nodes import drain, node_add, node_remove, node_token, nodes_list, undrain
 from llmgw.cli.profiles import engine_add, engines_list, profile_add, profile_remove, profile_set, profiles_list
 from llmgw.cli.replicas import replicas_list, restart
-from llmgw.cli.system import service_cmd, status, system_restart, system_start, system_stop
-from llmgw.cli.up import up
+from llmgw.cli.system import status, system_restart, system_start, system_stop
 from llmgw.cli.users import user_add
+
+# run on this machine, with the control plane installed: imported when run (they stand on Django)
+up = "llmgw.cli.up:up"
+service_cmd = "llmgw.cli.service:service"
+# commands that do not talk to a server: they run on this machine, or keep the login
+LOCAL = ("up", "agent", "service", "completion", "login", "logout")
+ON_THIS_MACHINE = ("up", "agent", "service")
+OWN_SERVER = ("node add", "node token")  # `--server` is the URL their printed agent command dials
+
+
+def connection_args(p, top: bool = False) -> None:
+    """`--server URL` and `--token TOKEN`: the llmgw server to talk to, for this command (before or after it)."""
+    default = None if top else argparse.SUPPRESS
+    p.add_argument("--server", dest="api_server", metavar="URL", default=default,
+                   help="the llmgw server to talk to (default: LLMGW_SERVER, else `llmgw login`'s, else this host's)")
+    p.add_argument("--token", dest="api_token", metavar="TOKEN", default=default,
+                   help="an API token for it (default: LLMGW_TOKEN, else `llmgw login`'s)")
+
+
+def _leaves(parser, path=()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _leaves(child, (*path, name))
+            return
+    yield " ".join(path), parser
 
 
 
@@ -37,7 +65,18 @@ def scaling_args(p) -> None:
 def build(parser) -> None:
     """The whole `llmgw` command tree."""
 
+    connection_args(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser, metavar="COMMAND")
+
+    p = sub.add_parser("login", help="log in to an llmgw server: later commands talk to it")
+    p.add_argument("url", metavar="URL", help="the server, e.g. https://llmgw.example:8000")
+    p.add_argument("--user", default=None, help="the user name (asked for when not given)")
+    p.add_argument("--token", dest="login_token", default=None,
+                   help="an API token instead of a user and password (or LLMGW_TOKEN)")
+    p.add_argument("--ca-cert", default=None, metavar="FILE", help="trust this CA for the server's TLS certificate")
+    p.set_defaults(func=login)
+    p = sub.add_parser("logout", help="forget the stored server and token")
+    p.set_defaults(func=logout)
 
     p = sub.add_parser("up", help="run the whole system on this machine (web, worker, beat, agent, embedded Valkey)")
     p.add_argument("--port", type=int, default=8000, help="where web listens (default 8000)")
@@ -62,7 +101,8 @@ def build(parser) -> None:
     )
     p = node.add_parser("add", help="add a node; prints its token and agent command")
     p.add_argument("name")
-    p.add_argument("--server", default="", help="the URL agents dial, for the printed command")
+    p.add_argument("--server", dest="agents_server", default="",
+                   help="the URL agents dial, for the printed command (default: the server's public URL)")
     p.set_defaults(func=node_add)
     p = node.add_parser("remove", help="remove a node")
     p.add_argument("name")
@@ -70,7 +110,7 @@ def build(parser) -> None:
     p.set_defaults(func=node_remove)
     p = node.add_parser("token", help="give a node a new token (the old one stops working)")
     p.add_argument("name")
-    p.add_argument("--server", default="")
+    p.add_argument("--server", dest="agents_server", default="", help="the URL agents dial, for the printed command")
     p.set_defaults(func=node_token)
     p = node.add_parser("list", help="list nodes (same as ctl nodes)")
     p.add_argument("--json", action="store_true")
@@ -287,3 +327,7 @@ def build(parser) -> None:
     p.add_argument("--binary", default="", help="path to the engine binary on the nodes (default: on PATH)")
     p.add_argument("--command", default="", help="for kind command: a template with {port}, {model_path}, …")
     p.set_defaults(func=engine_add)
+
+    for path, leaf in _leaves(parser):
+        if path not in OWN_SERVER and path.split(" ")[0] not in LOCAL:
+            connection_args(leaf)

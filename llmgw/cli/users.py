@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from cluster import operations
-from llmgw.cli.args import CLI_ACTOR
 
 def user_add(o, out):
-    user, token = operations.add_user(o["name"], o["role"], CLI_ACTOR, password=o["password"])
-    out.write(f"user {user.username} added as {o['role']}; API token (shown once): {token}\n")
+    body = {"name": o["name"], "role": o["role"], **({"password": o["password"]} if o["password"] else {})}
+    user = o["api"].post("users/", body, doing="add users")
+    out.write(f"user {user['name']} added as {user['role']}; API token (shown once): {user['token']}\n")
     if not o["password"]:
         out.write("no password set: give --password to let this user log in to the dashboard\n")

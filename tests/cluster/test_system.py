@@ -2,6 +2,7 @@
 
 import io
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -69,26 +70,42 @@ def test_entries_of_dead_processes_are_dropped():
 
 @pytest.mark.integration
 def test_restart_asks_each_process_and_waits_for_it(db, registered):
-    """Nothing supervises the test's process, so it does not come back: the step times out, the restart goes on,
-    says so and exits 1; the Events tell the same."""
-    with pytest.raises(CommandError, match="did not come back"):
-        cli("restart", "--timeout", "2")
+    """Nothing supervises the test's process, so it does not come back: the step times out, the restart goes on
+    and says so; the Events tell the same (what `llmgw restart` prints; tests/integration run it whole)."""
+    result = system.restart_system("test", agent_timeout=2, process_timeout=2)
     assert registered.wait(10) == -15
+    assert list(result["processes"].values()) == ["timeout"]
     kinds = list(Event.objects.order_by("pk").values_list("kind", flat=True))
-    assert kinds == ["system.restart", "process.restart", "process.restart_timeout", "system.restarted"]
+    assert kinds == ["system.restart", "system.restart_step", "process.restart", "process.restart_timeout",
+                     "system.restarted"]
+    assert Event.objects.get(kind="system.restarted").data == {"failed": [f"worker@{socket.gethostname()}:"
+                                                                          f"{registered.pid}"]}
 
 
 def test_restart_with_nothing_running_says_so(db):
-    said = cli("restart", "--timeout", "1")
+    said = []
+    system.restart_system("test", said.append, agent_timeout=1, process_timeout=1)
     assert "agents: none connected" in said
-    assert "control plane: no process registered" in said
-    assert said.rstrip().endswith("system restart done")
+    assert any(line.startswith("control plane: no process registered") for line in said)
+    assert said[-1] == "system restart done"
+    steps = Event.objects.filter(kind="system.restart_step").values_list("message", flat=True)
+    assert set(said[:2]) == set(steps)
+
+
+def test_the_cli_says_when_no_worker_takes_the_restart(db, monkeypatch):
+    """`llmgw restart` queues it for a worker and prints its steps as they happen; with no worker, it gives up
+    waiting in one line (the restart stays queued until one takes it or the claim lapses)."""
+    from llmgw.cli import system as cli_system
+
+    monkeypatch.setattr(cli_system, "TAKEN_WITHIN", 1.0)
+    with pytest.raises(CommandError, match="no worker began the queued restart"):
+        cli("restart", "--timeout", "5")
+    assert Event.objects.filter(kind="system.restart_queued", actor="cli").count() == 1
 
 
 def test_an_agent_that_does_not_come_back_is_reported(db):
     node = make_node("gpu-1", connected=True)
-    with pytest.raises(CommandError):
-        cli("restart", "--timeout", "0.5")
+    assert system.restart_system("test", agent_timeout=0.5, process_timeout=0.5)["agents"] == {"gpu-1": "timeout"}
     assert Event.objects.filter(kind="agent.restart", subject=node.name).exists()
     assert Event.objects.filter(kind="agent.restart_timeout", subject=node.name).exists()
 

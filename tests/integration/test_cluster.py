@@ -116,7 +116,7 @@ def test_engine_killed_from_outside_is_reported_failed_and_replaced(system):
 
 
 def test_agent_with_wrong_token_is_refused_and_changes_nothing(system):
-    nodes_before = [{k: n[k] for k in ("name", "status", "engines")} for n in system.cli_json("ctl", "nodes")]
+    nodes_before = [(n["name"], n["connected"], n["facts"].get("engines")) for n in system.cli_json("ctl", "nodes")]
     events_before = events(system)
     system.add_agent("intruder-check", start=False)  # a real node whose agent brings the wrong token
     system.cli("node", "remove", "intruder-check")
@@ -128,7 +128,8 @@ def test_agent_with_wrong_token_is_refused_and_changes_nothing(system):
         wait_for(lambda: "refused" in proc.tail(), 20, what="the agent to log the refusal")
         assert "refused agent stream" in system.procs["web"].tail(200)
         holds_for(lambda: events(system) == events_before, 1, what="no Event from a refused agent")
-        assert [{k: n[k] for k in ("name", "status", "engines")} for n in system.cli_json("ctl", "nodes")] == nodes_before
+        assert [(n["name"], n["connected"], n["facts"].get("engines"))
+                for n in system.cli_json("ctl", "nodes")] == nodes_before
     finally:
         proc.stop()
         system.agents.pop("intruder-check")
@@ -186,7 +187,7 @@ def test_unplaceable_replica_says_why(system):
     why = wait_for(reason, 20, what="a reason")
     assert "needs 64.0 GiB" in why
     models = {m["name"]: m for m in system.cli_json("ctl", "models")}
-    assert "needs 64.0 GiB" in models["huge"]["note"]
+    assert "needs 64.0 GiB" in models["huge"]["placement_note"]
     table = system.cli("ctl", "replicas", "--model", "huge").stdout
     assert "needs 64.0 GiB" in table
     system.cli("ctl", "model", "remove", "huge")
@@ -227,9 +228,9 @@ def test_real_llama_cpp_server_with_the_real_gguf(system):
         (["ctl", "model", "add", "m1", "--file", "nope", "--engine", "testengine"], "no model file 'nope' in the mirror"),
         (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "nope"], "no engine named 'nope'"),
         (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "testengine", "--profile", "nope"], "no profile named 'nope'"),
-        (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "testengine", "--replicas", "-2"], "replicas must be a whole number from 0"),
+        (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "testengine", "--replicas", "-2"], "replicas: Ensure this value is greater than or equal to 0"),
         (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "xllamacpp"], "is not GGUF; engine xllamacpp"),
-        (["ctl", "model", "add", "Bad Name", "--file", "SHA", "--engine", "testengine"], "invalid model name"),
+        (["ctl", "model", "add", "Bad Name", "--file", "SHA", "--engine", "testengine"], "name: use lower-case letters, digits"),
         (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "testengine", "--replicas", "two"], "invalid int value: 'two'"),
         (["ctl", "model", "set", "nope", "--replicas", "1"], "no model named 'nope'"),
         (["ctl", "model", "remove", "nope"], "no model named 'nope'"),
@@ -237,11 +238,11 @@ def test_real_llama_cpp_server_with_the_real_gguf(system):
         (["node", "add", "n1"], "a node named 'n1' already exists"),
         (["node", "remove", "nope"], "no node named 'nope'"),
         (["mirror", "import", "/no/such/file.gguf"], "no such file: /no/such/file.gguf"),
-        (["ctl", "engine", "add", "e1", "--kind", "nope"], "unknown engine kind 'nope'"),
+        (["ctl", "engine", "add", "e1", "--kind", "nope"], "kind: \"nope\" is not a valid choice"),
         (["ctl", "engine", "add", "e1", "--kind", "command", "--command", "{python} {nope}"], "unknown placeholder {nope}"),
         (["ctl", "profile", "add", "default"], "a profile named 'default' already exists"),
         (["user", "add", "x", "--role", "god"], "invalid choice: 'god'"),
-        (["ctl", "events", "--since", "yesterday"], "--since wants an ISO date"),
+        (["ctl", "events", "--since", "yesterday"], "--since wants a date like 2026-12-31"),
         (["ctl", "frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )

@@ -121,7 +121,7 @@ def test_an_idle_model_goes_to_zero_and_a_request_brings_it_back(od):
     said = [e["message"] for e in events(od, "model.scaled") if e["subject"] == "lazy"]
     assert any("1 -> 0 replica(s): idle: no request for" in m for m in said), said
     shown = [m for m in od.cli_json("ctl", "models") if m["name"] == "lazy"][0]
-    assert (shown["mode"], shown["wanted"]) == ("on-demand", 0)
+    assert (shown["scaling"]["mode"], shown["scaling"]["wanted"]) == ("on-demand", 0)
 
     assert ask(od, "lazy", stream=True)  # and back again, streamed
     remove(od, "lazy")
@@ -170,7 +170,7 @@ def test_a_load_step_scales_up_then_down_and_a_restart_keeps_the_state(od):
     od.wait_ready("step", 1)
 
     def wanted():
-        return [m for m in od.cli_json("ctl", "models") if m["name"] == "step"][0]["wanted"]
+        return [m for m in od.cli_json("ctl", "models") if m["name"] == "step"][0]["scaling"]["wanted"]
 
     with Load(od, ["step"] * 4, stream=True) as load:
         stepped = time.monotonic()

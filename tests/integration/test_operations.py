@@ -133,7 +133,7 @@ def handover_seconds(system, seen: dict) -> list[float]:
 
     def at(subject: str, kind: str) -> datetime:
         (event,) = [e for e in system.cli_json("ctl", "events", "--subject", subject, "--kind", kind, "--limit", "5")]
-        return datetime.fromisoformat(event["at"])
+        return datetime.fromisoformat(event["created_at"])
 
     stopped = sorted(at(name, "replica.stopped") for name in seen["stopped"])
     ready = sorted(at(name, "replica.ready") for name in seen["ready"])

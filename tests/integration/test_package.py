@@ -5,13 +5,20 @@
   says, away from the checkout — serves a replica of the test control plane; `llmgw agent stop-engines` stops it.
 - The control plane's install (`llmgw[server]`) runs `llmgw up` from an empty directory, and a command run from
   another directory finds that installation.
+- From a laptop (the same install as a node's), the README's "From your laptop" steps, run as written against the
+  test control plane behind Debian's nginx with TLS (the README's configuration, a throwaway CA): the same output
+  as on the control plane's host, the roles, and one-line errors for a TLS failure, a wrong token, a dead server.
 """
 
 import os
+import re
 import shlex
 import signal
+import ssl
 import subprocess
 import sys
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -21,7 +28,7 @@ import pytest
 
 from agents.ports import free_port
 from llmgw.processes import Child
-from tests.integration.harness import ROOT, wait_for
+from tests.integration.harness import ROOT, nginx_conf, nginx_conf_from_readme, wait_for
 from tests.test_package import completes
 
 pytestmark = pytest.mark.integration
@@ -57,8 +64,13 @@ def venv(path: Path, *requirements: str) -> Path:
     return path
 
 
-def test_a_node_runs_the_agent_from_the_wheel_beside_openai_agents(system, wheel, tmp_path):
-    node_env = venv(tmp_path / "node", str(wheel), "openai-agents")
+@pytest.fixture(scope="module")
+def node_env(wheel, tmp_path_factory) -> Path:
+    """`pip install llmgw` (the wheel, no `[server]`), beside openai-agents: a node's, or a laptop's."""
+    return venv(tmp_path_factory.mktemp("node") / "venv", str(wheel), "openai-agents")
+
+
+def test_a_node_runs_the_agent_from_the_wheel_beside_openai_agents(system, node_env, tmp_path):
     python, llmgw = node_env / "bin" / "python", node_env / "bin" / "llmgw"
     elsewhere = tmp_path / "work"
     elsewhere.mkdir()
@@ -141,7 +153,7 @@ def test_the_control_plane_from_the_wheel_runs_up_in_an_empty_directory(wheel, t
         def local_node_connected():
             nodes = subprocess.run([llmgw, "ctl", "nodes", "--json"], capture_output=True, text=True, cwd=other,
                                    env=env, timeout=60)
-            return nodes.returncode == 0 and '"connected"' in nodes.stdout
+            return nodes.returncode == 0 and '"connected": true' in nodes.stdout
         wait_for(local_node_connected, 120, interval=1, what="the wheel's `llmgw up` and its local agent")
         assert httpx.get(f"http://127.0.0.1:{port}/login/", timeout=10).status_code == 200
         assert list(empty.iterdir()) == []  # everything in LLMGW_HOME, nothing where it was started
@@ -154,3 +166,125 @@ def test_the_control_plane_from_the_wheel_runs_up_in_an_empty_directory(wheel, t
     finally:
         up.stop(signal.SIGTERM, 60)
     assert up.returncode == 0 and "llmgw stopped." in up.tail(5)
+
+
+@pytest.fixture
+def tls_proxy(system, tmp_path):
+    """Debian's nginx in front of the test control plane, configured as the README says, listening with TLS
+    (a certificate for localhost from a throwaway CA): its https:// URL and the CA's file."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    pem, key, ca_file = tmp_path / "server.pem", tmp_path / "server.key", tmp_path / "ca.pem"
+    cert.private_key_pem.write_to_path(str(key))
+    cert.cert_chain_pems[0].write_to_path(str(pem))
+    for extra in cert.cert_chain_pems[1:]:
+        extra.write_to_path(str(pem), append=True)
+    ca.cert_pem.write_to_path(str(ca_file))
+    port = free_port()
+    http = nginx_conf_from_readme([system.url.removeprefix("http://")], port).replace(
+        f"listen 127.0.0.1:{port};", f"listen 127.0.0.1:{port} ssl;\n    ssl_certificate {pem};\n"
+                                     f"    ssl_certificate_key {key};")
+    conf = nginx_conf(tmp_path / "nginx", http)
+    nginx = system.spawn("tls-nginx", ["/usr/sbin/nginx", "-p", str(conf.parent), "-c", str(conf), "-e",
+                                       str(conf.parent / "error.log")])
+    url = f"https://localhost:{port}"
+    def answers() -> bool:
+        try:
+            return httpx.get(url + "/login/", verify=ssl.create_default_context(cafile=str(ca_file)),
+                             timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(answers, 30, what="nginx with TLS")
+    try:
+        yield url, ca_file
+    finally:
+        nginx.stop()
+
+
+def readme_block(heading: str) -> list[str]:
+    """The commands of the README's first ```sh block under this heading, comments dropped."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split(f"\n{heading}\n", 1)[1]
+    block = re.search(r"```sh\n(.*?)```", section, re.S).group(1)
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_from_a_laptop_the_readme_steps_through_nginx_with_tls(system, node_env, tls_proxy, tmp_path):
+    url, ca_file = tls_proxy
+    llmgw = node_env / "bin" / "llmgw"
+    home = tmp_path / "laptop"
+    home.mkdir()
+    env = clean_env(HOME=str(home))
+    system.cli("user", "add", "alice", "--role", "operator", "--password", "alice's long password")
+    _, viewer = system.cli("user", "add", "vic", "--role", "viewer").stdout.split("\n")[0].rsplit(" ", 1)
+
+    def laptop(*args: str, stdin: str = "", extra: dict | None = None, code: int = 0) -> subprocess.CompletedProcess:
+        done = subprocess.run([str(llmgw), *args], input=stdin, capture_output=True, text=True, cwd=home,
+                              env={**env, **(extra or {})}, timeout=120)
+        assert done.returncode == code, f"llmgw {' '.join(args)}: exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+        assert "Traceback" not in done.stderr
+        return done
+
+    # nothing configured, and no control plane here: one line saying what to do
+    said = laptop("status", code=1).stderr
+    assert said.startswith("error: no server to talk to: `llmgw login URL`") and said.count("\n") == 1
+    # a certificate the laptop does not trust: one line
+    said = laptop("login", url, "--user", "alice", stdin="alice's long password\n", code=1).stderr
+    assert said.startswith(f"error: TLS error talking to {url}: ") and "certificate verify failed" in said
+    assert said.count("\n") == 1
+
+    # the README's steps, as written: the server and the user put in, the CA from LLMGW_CA_CERT
+    (home / "my-model.gguf").write_bytes(os.urandom(3 * 1024 * 1024))
+    steps = readme_block("### From your laptop")
+    assert steps[0].startswith("pip install llmgw") and steps[-1] == "llmgw logout"
+    outputs, ca = {}, {"LLMGW_CA_CERT": str(ca_file)}
+    for step in steps[1:]:
+        args = shlex.split(step.replace("https://llmgw.example.com", url))[1:]
+        name = " ".join(args[:2]) if args[0] in ("ctl", "mirror") else args[0]
+        outputs[name] = laptop(*args, stdin="alice's long password\n", extra=ca)
+        if name in ("status", "ctl models"):  # what the control plane's host prints (again, if the cluster moved)
+            for _ in range(5):
+                if outputs[name].stdout == system.cli(*args).stdout:
+                    break
+                outputs[name] = laptop(*args, extra=ca)
+            else:
+                raise AssertionError(f"{step}: not what the host prints:\n{outputs[name].stdout}")
+        if name == "login":  # what every later step reads: the server, alice's token, in a file only she reads
+            config = home / ".config" / "llmgw" / "config.json"
+            assert outputs["login"].stdout == f"logged in to {url} as alice (operator); saved in {config}\n"
+            assert oct(config.stat().st_mode & 0o777) == "0o600"
+    assert outputs["ctl events"].stdout.count("\n") == 5
+    uploaded = outputs["mirror import"]
+    assert re.fullmatch(r"my-model\.gguf imported: sha256 [0-9a-f]{64}, 3\.0 MiB; not GGUF\n", uploaded.stdout)
+    assert "uploaded 100% (3 / 3 MiB)" in uploaded.stderr  # the progress bar, one line a tenth off a terminal
+    assert "my-model.gguf" in system.cli("mirror", "list").stdout
+    assert outputs["logout"].stdout.startswith(f"logged out of {url}: ")
+
+    # for one command: the server and a token from the environment; the roles are the API's
+    as_vic = {"LLMGW_SERVER": url, "LLMGW_TOKEN": viewer, "LLMGW_CA_CERT": str(ca_file)}
+    assert laptop("ctl", "profiles", extra=as_vic).stdout == system.cli("ctl", "profiles").stdout
+    assert laptop("stop", extra=as_vic, code=1).stderr == "error: your role (viewer) may not stop serving\n"
+    assert "llmgw: serving" in system.cli("status").stdout
+    said = laptop("status", extra={**as_vic, "LLMGW_TOKEN": "wrong"}, code=1).stderr
+    assert said == (f"error: the server at {url} did not take the token (Invalid token.): `llmgw login {url}` "
+                    f"again, or check LLMGW_TOKEN\n")
+    dead = f"http://127.0.0.1:{free_port()}"
+    said = laptop("--server", dead, "status", extra=as_vic, code=1).stderr
+    assert said.startswith(f"error: cannot reach the llmgw server at {dead}: ") and said.count("\n") == 1
+
+    # `ctl events --follow` from the laptop prints what happens after it started
+    since = datetime.now(timezone.utc).isoformat()
+    follow = subprocess.Popen([str(llmgw), "ctl", "events", "--follow", "--kind", "profile.", "--since", since], cwd=home,
+                              env={**env, **as_vic}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        system.cli("ctl", "profile", "add", "laptop-watch")
+        line = follow.stdout.readline()
+        assert "profile.added" in line and "laptop-watch" in line and "cli" in line, line
+    finally:
+        follow.kill()
+        follow.wait()
+        system.cli("ctl", "profile", "remove", "laptop-watch", check=False)

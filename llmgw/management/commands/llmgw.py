@@ -2,22 +2,30 @@
 
 import logging
 import sys
-from pathlib import Path
 
-from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
 from cluster.errors import OperationError
 from llmgw.cli.agent import AgentError
 from llmgw.cli.args import OneLineParser
+from llmgw.cli.client import CliError
+from llmgw.cli.local import local_api
+from llmgw.cli.program import run
 from llmgw.cli.tree import build
-from llmgw.home import version, where_looked
-
-# what needs no installation to be there already: `up` makes one, the agent and the units are the machine's
-LOCAL = ("up", "agent", "service", "completion")
+from llmgw.home import version
 
 log = logging.getLogger("llmgw.cli")
+
+
+class _Parser(OneLineParser):
+    """The top level: an argument error anywhere in the tree is a CommandError here, as Django's commands raise."""
+
+    def parse_args(self, args=None, namespace=None):
+        try:
+            return super().parse_args(args, namespace)
+        except CliError as exc:
+            raise CommandError(str(exc)) from None
 
 
 class Command(BaseCommand):
@@ -27,7 +35,7 @@ class Command(BaseCommand):
 
     def create_parser(self, prog_name, subcommand, **kwargs):
         parser = super().create_parser(prog_name, subcommand, **kwargs)
-        parser.__class__ = OneLineParser  # one-line errors for the top level too
+        parser.__class__ = _Parser  # one-line errors for the top level too
         return parser
 
     program = False  # run as the `llmgw` program, not as `manage.py llmgw`
@@ -55,10 +63,8 @@ class Command(BaseCommand):
         if options["command"] not in ("up", "agent") and options["verbosity"] < 2:
             logging.getLogger("llmgw").setLevel(logging.WARNING)  # the command prints what happened itself
         try:
-            if options["command"] not in LOCAL:
-                _installed()
-            options["func"](options, self.stdout)
-        except (OperationError, CommandError, AgentError) as exc:
+            run(options, self.stdout, local=local_api)
+        except (CliError, OperationError, CommandError, AgentError) as exc:
             message = str(exc)
         except DatabaseError as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -75,15 +81,6 @@ class Command(BaseCommand):
         if self.from_command_line:
             self.fail(message)
         raise CommandError(message)
-
-
-def _installed() -> None:
-    """An SQLite database that is not there is an installation that is not there: say where it looked, rather
-    than make an empty database and blame its migrations."""
-    db = settings.DATABASES["default"]
-    if db["ENGINE"].endswith("sqlite3") and not Path(str(db["NAME"])).is_file():
-        raise CommandError(f"no llmgw installation at {where_looked()}: start one there with `llmgw up`, or point "
-                           f"LLMGW_HOME (or DATABASE_URL) at yours")
 
 
 def run_program(argv: list[str]) -> None:

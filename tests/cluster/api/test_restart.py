@@ -167,5 +167,5 @@ def test_cli_settings(db):
     assert json.loads(out)["drain_grace_seconds"] == 90 and json.loads(out)["reconcile_interval_seconds"] == 2
     from django.core.management.base import CommandError
 
-    with pytest.raises(CommandError, match="reconcile interval"):
+    with pytest.raises(CommandError, match="reconcile_interval_seconds"):
         cli("ctl", "settings", "--reconcile-interval", "0")

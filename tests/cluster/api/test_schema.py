@@ -73,6 +73,9 @@ def test_schema_covers_every_endpoint(schema):
         ("/api/v1/engine-key/", "get"),
         ("/api/v1/settings/", "get"),
         ("/api/v1/settings/", "patch"),
+        ("/api/v1/me/", "get"),
+        ("/api/v1/login/", "post"),
+        ("/api/v1/nodes/{name}/token/", "post"),
     }
     assert operations == expected
 

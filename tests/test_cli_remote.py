@@ -1,0 +1,293 @@
+"""`llmgw` from anywhere: every command that talks to the cluster is a client of the REST API, so the same command
+prints the same thing on the control plane's host (the API in process) and from elsewhere (over HTTP, to a real
+server on a socket: pytest-django's live server), and obeys the roles there.
+
+The whole path with real processes (a wheel without the server part, `llmgw up`, nginx with TLS) is in
+tests/integration/test_package.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import socket
+import stat
+from datetime import timedelta
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.utils import timezone
+
+from cluster.models import EngineVersion, Event, Model, Node, Profile
+from tests.factories import make_file, make_model, make_node, make_replica, make_user
+
+
+@pytest.fixture(autouse=True)
+def no_login(tmp_path, monkeypatch):
+    """No stored login, server or token but what a test gives."""
+    monkeypatch.setenv("LLMGW_CONFIG", str(tmp_path / "config" / "llmgw.json"))
+    for name in ("LLMGW_SERVER", "LLMGW_TOKEN", "LLMGW_CA_CERT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def run(*args: str) -> str:
+    out = io.StringIO()
+    call_command("llmgw", *args, stdout=out)
+    return out.getvalue()
+
+
+@pytest.fixture
+def server(live_server, transactional_db):
+    """A real HTTP server of the API (the test database), and an admin's token for it."""
+    _, token = make_user("admin", "root")
+    return live_server.url, token
+
+
+def remote(server, *args: str, token: str | None = None) -> str:
+    url, admin = server
+    return run("--server", url, "--token", token or admin, *args)
+
+
+@pytest.fixture
+def cluster(server):
+    """A cluster to look at: nodes, a model with replicas, a key, events; every time far enough back that an
+    age printed a moment later is the same."""
+    old = timezone.now() - timedelta(hours=3)
+    gpu = make_node("gpu-1", last_seen=old - timedelta(hours=1), connected=False,
+                    facts={"gpus": [{"index": 0, "memory_bytes": 24 * 1024**3}], "engines": {"llama.cpp": "b1"}})
+    cpu = make_node("cpu-1", memory_bytes=64 * 1024**3)
+    Node.objects.filter(pk=cpu.pk).update(last_seen=timezone.now() + timedelta(seconds=5))
+    file = make_file("smol.gguf")
+    # what the migrations made (a transactional test's database is emptied after it)
+    EngineVersion.objects.get_or_create(name="llama.cpp", defaults={"kind": "llama.cpp"})
+    Profile.objects.get_or_create(name="default")
+    model = make_model("smol", file=file, replicas=2)
+    for node in (gpu, cpu):
+        replica = make_replica(model, node)
+        type(replica).objects.filter(pk=replica.pk).update(created_at=old)
+    run("ctl", "keys", "create", "team", "--models", "smol", "--rpm", "60")
+    return server
+
+
+READS = [
+    ["status"],
+    ["status", "--json"],
+    ["ctl", "nodes"],
+    ["ctl", "nodes", "--json"],
+    ["node", "list"],
+    ["ctl", "models"],
+    ["ctl", "models", "--json"],
+    ["ctl", "replicas"],
+    ["ctl", "replicas", "--all", "--json"],
+    ["ctl", "replicas", "--model", "smol"],
+    ["ctl", "profiles"],
+    ["ctl", "engines", "--json"],
+    ["ctl", "events", "--limit", "5"],
+    ["ctl", "events", "--kind", "key.", "--json"],
+    ["ctl", "keys", "list"],
+    ["ctl", "usage"],
+    ["ctl", "settings"],
+    ["ctl", "engine-key", "show"],
+    ["mirror", "list"],
+]
+
+
+@pytest.mark.parametrize("args", READS, ids=" ".join)
+def test_what_a_command_shows_is_the_same_from_anywhere(cluster, args):
+    assert remote(cluster, *args) == run(*args)
+
+
+SECRET = re.compile(r"\b(lnt|llmgw|sk)[-_][A-Za-z0-9_-]{8,}|\b[0-9a-f]{40}\b|\b[0-9a-f]{64}\b|fingerprint [0-9a-f]+")
+
+
+def same(local: str, far: str, mine: str, theirs: str) -> None:
+    """Two runs of one change, on different objects: the same words but for the names and the secrets."""
+    assert SECRET.sub("SECRET", far.replace(theirs, mine)) == SECRET.sub("SECRET", local), (local, far)
+
+
+def test_what_a_change_prints_is_the_same_from_anywhere(cluster, tmp_path):
+    def both(*args: str) -> None:
+        """The command on the `-lcl` object here and on the `-rmt` object over HTTP."""
+        local = run(*[a.replace("{}", "lcl") for a in args])
+        far = remote(cluster, *[a.replace("{}", "rmt") for a in args])
+        same(local, far, "lcl", "rmt")
+
+    sha = Model.objects.get(name="smol").file.sha256
+    agents = "http://llmgw.example:8000"
+    both("node", "add", "n-{}", "--server", agents)
+    both("node", "token", "n-{}", "--server", agents)
+    both("ctl", "drain", "n-{}")
+    both("ctl", "undrain", "n-{}")
+    both("ctl", "engine", "add", "e-{}", "--kind", "llama.cpp", "--version", "b2")
+    both("ctl", "profile", "add", "p-{}", "--threads", "2", "--extra", "--flash-attn on")
+    both("ctl", "profile", "set", "p-{}", "--context-size", "8192")
+    both("ctl", "model", "add", "m-{}", "--file", sha, "--engine", "e-{}", "--profile", "p-{}", "--replicas", "0")
+    both("ctl", "model", "set", "m-{}", "--min-replicas", "0", "--max-replicas", "2", "--idle-after", "10m")
+    both("ctl", "restart", "--model", "m-{}")
+    both("ctl", "model", "remove", "m-{}")
+    both("ctl", "keys", "create", "k-{}", "--rpm", "10", "--expires", "2099-01-01")
+    both("ctl", "keys", "revoke", "k-{}")
+    both("user", "add", "u-{}", "--role", "viewer")
+    both("node", "remove", "n-{}")
+    assert [run("stop"), run("start")] == [remote(cluster, "stop"), remote(cluster, "start")]
+    assert run("ctl", "settings", "--drain-grace", "100") == remote(cluster, "ctl", "settings", "--drain-grace", "100")
+    same(run("ctl", "engine-key", "rotate"), remote(cluster, "ctl", "engine-key", "rotate"), "", "")
+    for name in ("lcl", "rmt"):
+        (tmp_path / f"f-{name}.bin").write_bytes(name.encode() * 1000)
+    same(run("mirror", "import", str(tmp_path / "f-lcl.bin")),
+         remote(cluster, "mirror", "import", str(tmp_path / "f-rmt.bin")), "lcl", "rmt")
+    # who did what: the host's own command is `cli`, a user over the API is `user:<name>`
+    assert {e.actor for e in Event.objects.filter(subject__in=["n-lcl", "n-rmt"], kind="node.added")} == {"cli", "user:root"}
+
+
+# the roles, as the API has them: a viewer looks, an operator changes the cluster, an admin also adds users
+
+CHANGES = [
+    (["stop"], "stop serving"),
+    (["start"], "start serving"),
+    (["restart"], "restart the system"),
+    (["node", "add", "n9"], "add nodes"),
+    (["node", "remove", "cpu-1"], "remove nodes"),
+    (["node", "token", "cpu-1"], "give nodes new tokens"),
+    (["ctl", "drain", "cpu-1"], "drain nodes"),
+    (["ctl", "model", "set", "smol", "--replicas", "1"], "change models"),
+    (["ctl", "model", "remove", "smol"], "remove models"),
+    (["ctl", "restart", "--all"], "restart replicas"),
+    (["ctl", "keys", "create", "k9"], "create keys"),
+    (["ctl", "keys", "revoke", "team"], "revoke keys"),
+    (["ctl", "profile", "add", "p9"], "add profiles"),
+    (["ctl", "settings", "--drain-grace", "5"], "change the cluster settings"),
+    (["ctl", "engine-key", "rotate"], "rotate the engine key"),
+    (["user", "add", "u9", "--role", "viewer"], "add users"),
+]
+
+
+@pytest.mark.parametrize("args, doing", CHANGES, ids=[" ".join(a) for a, _ in CHANGES])
+def test_a_viewer_may_look_and_not_change(cluster, args, doing):
+    _, viewer = make_user("viewer", "vera")
+    events = Event.objects.count()
+    assert remote(cluster, "ctl", "models", token=viewer) == run("ctl", "models")
+    with pytest.raises(CommandError) as refused:
+        remote(cluster, *args, token=viewer)
+    assert str(refused.value) == f"your role (viewer) may not {doing}"
+    assert Event.objects.count() == events
+
+
+def test_an_operator_changes_the_cluster_and_only_an_admin_adds_users_or_sees_the_engine_key(cluster):
+    _, operator = make_user("operator", "otto")
+    assert remote(cluster, "stop", token=operator).startswith("llmgw stopped")
+    assert Event.objects.filter(kind="system.stopped", actor="user:otto").exists()
+    with pytest.raises(CommandError, match=r"^your role \(operator\) may not add users$"):
+        remote(cluster, "user", "add", "u9", "--role", "viewer", token=operator)
+    with pytest.raises(CommandError, match=r"^your role \(operator\) may not do that: the engine key is shown to"):
+        remote(cluster, "ctl", "engine-key", "show", token=operator)
+    assert "user u9 added as viewer" in remote(cluster, "user", "add", "u9", "--role", "viewer")
+
+
+def test_a_wrong_token_a_dead_server_and_a_tls_error_are_one_line_each(cluster):
+    url, _ = cluster
+    with pytest.raises(CommandError) as wrong:
+        remote(cluster, "status", token="not-a-token")
+    assert str(wrong.value) == (f"the server at {url} did not take the token (Invalid token.): "
+                                f"`llmgw login {url}` again, or check LLMGW_TOKEN")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(CommandError, match=rf"^cannot reach the llmgw server at {dead}: .*refused"):
+        run("--server", dead, "--token", "t", "status")
+    tls = url.replace("http://", "https://")  # the server speaks plain HTTP: the TLS handshake fails
+    with pytest.raises(CommandError, match=rf"^TLS error talking to {tls}: "):
+        run("--server", tls, "--token", "t", "status")
+    with pytest.raises(CommandError, match=r"^no API token for http://"):
+        run("--server", url, "status")
+    with pytest.raises(CommandError, match=r"^a server is an http:// or https:// URL"):
+        run("--server", "llmgw.example", "--token", "t", "status")
+
+
+def test_the_server_and_token_come_from_the_flags_the_environment_or_the_login(cluster, monkeypatch, tmp_path):
+    url, admin = cluster
+    local = run("ctl", "nodes")
+    monkeypatch.setenv("LLMGW_SERVER", url)
+    with pytest.raises(CommandError, match="no API token"):
+        run("ctl", "nodes")
+    monkeypatch.setenv("LLMGW_TOKEN", admin)
+    assert run("ctl", "nodes") == local
+    with pytest.raises(CommandError, match="did not take the token"):
+        run("ctl", "nodes", "--token", "wrong")  # after the command, for this one command
+    monkeypatch.delenv("LLMGW_SERVER")
+    monkeypatch.delenv("LLMGW_TOKEN")
+
+    # login with a user and a password (read from stdin where it is not a terminal)
+    make_user("operator", "olga")
+    from django.contrib.auth.models import User
+
+    user = User.objects.get(username="olga")
+    user.set_password("a long password")
+    user.save()
+    monkeypatch.setattr("sys.stdin", io.StringIO("a long password\n"))
+    said = run("login", url + "/", "--user", "olga")
+    path = tmp_path / "config" / "llmgw.json"
+    assert said == f"logged in to {url} as olga (operator); saved in {path}\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert json.loads(path.read_text())["server"] == url
+    assert run("ctl", "nodes") == local  # through the server, as olga
+    with pytest.raises(CommandError, match=r"^your role \(operator\) may not add users$"):
+        run("user", "add", "u9", "--role", "viewer")
+
+    # a wrong password is one line, and is throttled as the dashboard's login is
+    monkeypatch.setattr("sys.stdin", io.StringIO("wrong password\n"))
+    with pytest.raises(CommandError, match=r"^wrong user name or password$"):
+        run("login", url, "--user", "olga")
+
+    # a token instead of a password; the stored token goes only to its own server
+    assert run("login", url, "--token", admin).startswith(f"logged in to {url} as root (admin)")
+    os.chmod(path, 0o644)
+    with pytest.raises(CommandError, match=r"may be read by others \(mode 644\): chmod 600"):
+        run("ctl", "nodes")
+    os.chmod(path, 0o600)
+    with pytest.raises(CommandError, match=r"^no API token for http://127.0.0.1:9"):
+        run("--server", "http://127.0.0.1:9", "ctl", "nodes")
+
+    assert run("logout") == f"logged out of {url}: {path} removed (the token itself still works until an admin " \
+                            f"replaces it)\n"
+    assert not path.exists()
+    assert run("logout") == "not logged in: nothing stored\n"
+    assert run("ctl", "nodes") == local  # this host's control plane again, in process
+
+
+def test_events_follow_prints_what_happens_after_it_started(cluster):
+    """`ctl events --follow` over the API: the events after the newest, as they come (the loop's one step)."""
+    from llmgw.cli import client, events
+
+    url, admin = cluster
+    api = client.Api(url, admin)
+    newest = events._newest(api)
+    run("ctl", "profile", "add", "watched")
+    out = io.StringIO()
+    last = events.follow(api, newest, out, kind_prefix="profile.")
+    assert last > newest and out.getvalue().count("\n") == 1 and "profile watched added" in out.getvalue()
+    assert events.follow(api, last, io.StringIO()) == last
+
+
+def test_the_choices_the_command_offers_are_the_servers():
+    """The command tree is Django-free (a laptop's install), so it names the choices itself: they are the API's."""
+    from cluster.operations import DEFAULT_MAX_TOKENS, ROUTINGS
+    from cluster.roles import ROLES
+    from llmgw.cli import args
+
+    assert (args.ROUTINGS, args.ROLES, args.DEFAULT_MAX_TOKENS) == (ROUTINGS, ROLES, DEFAULT_MAX_TOKENS)
+
+
+def test_what_works_on_this_machine_says_so_when_a_server_is_configured(monkeypatch):
+    from llmgw.cli.program import run as run_parsed
+
+    seen = []
+    monkeypatch.setenv("LLMGW_SERVER", "https://llmgw.example.com")
+    err = io.StringIO()
+    run_parsed({"command": "service", "func": lambda o, out: seen.append(o)}, io.StringIO(), err=err)
+    assert err.getvalue() == ("note: `llmgw service` works on this machine, not on the server at "
+                              "https://llmgw.example.com (LLMGW_SERVER)\n")
+    assert seen and "api" not in seen[0]
