@@ -39,6 +39,11 @@ def _finite(text: str) -> float:
     return value
 
 
+# what uvicorn raises for a send to a websocket it has finished ("Unexpected ASGI message 'websocket.send', after
+# sending 'websocket.close' or response already completed.")
+CLOSED_SOCKET = "after sending 'websocket.close'"
+
+
 class AgentConsumer(notify.StopsCleanly, AsyncJsonWebsocketConsumer):
     """One node's stream. Messages are read as fast as they come and handled in order by one task, a newer
     hello, report or progress of a replica taking the place of one not handled yet (each says the whole state
@@ -87,12 +92,15 @@ class AgentConsumer(notify.StopsCleanly, AsyncJsonWebsocketConsumer):
         # The queued messages of a stream that has closed are still handled (their reports count), but an answer
         # to them has nowhere to go: the server refuses a send after the close.
         # Nor can one sent in the moment between the agent's close and our `disconnect`: the ASGI server then
-        # raises an OSError (the spec's "server-specific subclass of IOError"), which is that close, not a fault.
+        # raises an OSError (the spec's "server-specific subclass of IOError"), or, once it has finished the
+        # socket, uvicorn a RuntimeError saying so; either is that close, not a fault.
         if self._closing:
             return
         try:
             await super().send_json(content, close=close)
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError) and CLOSED_SOCKET not in str(exc):
+                raise
             self._closing = True
             log.debug("node %s: stream closed before an answer could go (%s)", self.node_name, exc)
 

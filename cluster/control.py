@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -25,6 +26,7 @@ from django.conf import settings
 log = logging.getLogger("llmgw.control")
 PROCS = "llmgw:control:procs"
 RESTART = "llmgw:control:restart:"
+SUCCESSOR = "llmgw:control:successor:"  # + ROLE@HOST: a process asked to restart whose successor is to say so
 HEARTBEAT = 2.0  # seconds between a process's heartbeats
 STALE = 10.0  # an entry not refreshed for this long is a process that died
 ROLES = ("web", "worker", "beat")
@@ -50,12 +52,14 @@ def process_id(role: str) -> str:
     return f"{role}@{socket.gethostname()}:{os.getpid()}"
 
 
-def start(role: str) -> None:
-    """Register this process under `role` and obey restart requests (once per process)."""
+def start(role: str, on_successor: Callable[[str, dict], None] | None = None) -> None:
+    """Register this process under `role` and obey restart requests (once per process). `on_successor(id, note)`
+    runs once it is registered, if it took the place of a process that `expect_successor` named."""
     if role in _started or not settings.LLMGW_CONTROL:
         return
     pid = process_id(role)
-    thread = threading.Thread(target=_watch, args=(role, pid, time.time()), name=f"llmgw-control-{role}", daemon=True)
+    thread = threading.Thread(target=_watch, args=(role, pid, time.time(), on_successor), name=f"llmgw-control-{role}",
+                              daemon=True)
     _started[role] = thread
     thread.start()
 
@@ -77,7 +81,7 @@ def _listening(timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
-def _watch(role: str, pid: str, started: float) -> None:
+def _watch(role: str, pid: str, started: float, on_successor=None) -> None:
     if role == "web":
         _listening()
     r = _client()
@@ -88,6 +92,8 @@ def _watch(role: str, pid: str, started: float) -> None:
             now = time.time()
             if now - last_beat >= HEARTBEAT:
                 r.hset(PROCS, pid, json.dumps({**entry, "seen": now}))
+                if not last_beat and on_successor is not None:
+                    _succeed(r, role, pid, on_successor)
                 last_beat = now
             if r.delete(RESTART + pid):
                 log.info("%s: restart requested over Redis; stopping gracefully for the supervisor to start it again", pid)
@@ -120,6 +126,22 @@ def processes(client: redis.Redis | None = None) -> list[Process]:
         r.hdel(PROCS, *dead)
     order = {role: i for i, role in enumerate(ROLES)}
     return sorted(found, key=lambda p: (order.get(p.role, 9), p.host, p.started))
+
+
+def _succeed(r: redis.Redis, role: str, pid: str, on_successor) -> None:
+    raw = r.getdel(SUCCESSOR + f"{role}@{socket.gethostname()}")
+    if raw:
+        try:
+            on_successor(pid, json.loads(raw))
+        except Exception:  # saying so must not end the process
+            log.exception("%s: reporting it took its predecessor's place failed", pid)
+
+
+def expect_successor(process: Process, note: dict, client: redis.Redis | None = None) -> None:
+    """The next process of `process`'s role on its host to register is its successor: it calls its
+    `on_successor` with this note (a process that restarts itself cannot wait for its own return)."""
+    value = json.dumps({**note, "id": process.id, "asked": time.time()})
+    (client or _client()).set(SUCCESSOR + f"{process.role}@{process.host}", value, ex=3600)
 
 
 def request_restart(process: Process, client: redis.Redis | None = None) -> None:

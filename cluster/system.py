@@ -119,7 +119,10 @@ def _restart_processes(actor: str, timeout: float, outcome: dict, me: str | None
         record("system.restart_step", actor, line)
         yield line
     for proc in procs:
-        record("process.restart", actor, f"{proc.role} process {proc.id} asked to restart", subject=proc.id)
+        if proc.id == me:  # last: its successor says it is back (cluster.system.successor_started)
+            control.expect_successor(proc, {"actor": actor})
+        record("process.restart", actor, f"{proc.role} process {proc.id} asked to restart", subject=proc.id,
+               successor=proc.id == me)
         control.request_restart(proc)
         if proc.id == me:
             outcome[proc.id] = "asked"
@@ -137,6 +140,15 @@ def _restart_processes(actor: str, timeout: float, outcome: dict, me: str | None
             line = f"{proc.role} {proc.id}: back as {new.id} after {time.monotonic() - started:.1f}s"
             record("process.restarted", actor, line, subject=proc.id)
             yield line
+
+
+def successor_started(new_id: str, note: dict) -> None:
+    """In a control-plane process that took the place of the one a system restart asked last (the worker that
+    ran it): that it is back, as the restart says of every other process."""
+    role = new_id.split("@", 1)[0]
+    took = time.time() - float(note.get("asked", time.time()))
+    record("process.restarted", str(note.get("actor", "system")), f"{role} {note['id']}: back as {new_id} after "
+           f"{took:.1f}s", subject=str(note["id"]))
 
 
 def _wait(condition: Callable[[], bool], timeout: float) -> bool:

@@ -12,13 +12,13 @@ app.autodiscover_tasks()
 
 @worker_ready.connect
 def _worker_ready(**kwargs):
-    from cluster import control
+    from cluster import control, system
 
-    control.start("worker")  # register with the control plane; obey `llmgw restart`
+    control.start("worker", system.successor_started)  # register with the control plane; obey `llmgw restart`
 
 
 @beat_init.connect
 def _beat_init(**kwargs):
-    from cluster import control
+    from cluster import control, system
 
-    control.start("beat")
+    control.start("beat", system.successor_started)

@@ -87,6 +87,10 @@ class NodeSerializer(serializers.ModelSerializer):
         return self._memory(node).gpus(node.pk, len(node.gpus))
 
 
+AGENT_URL = r"^https?://[^\x00-\x20\x7f/?#]+(/[^\x00-\x20\x7f?#]*)?$"  # the same to Python and to the schema
+
+
+@extend_schema_field({"type": "string", "pattern": AGENT_URL, "maxLength": 2000})
 class AgentServerField(serializers.CharField):
     """The URL a node's agent dials, for the agent command shown: http(s)://host[:port][/path]."""
 
@@ -96,7 +100,7 @@ class AgentServerField(serializers.CharField):
 
     def to_internal_value(self, data):
         value = super().to_internal_value(data)
-        if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
+        if not re.fullmatch(AGENT_URL, value):
             raise serializers.ValidationError("an http:// or https:// URL, such as http://llmgw.example:8000")
         return value.rstrip("/")
 

@@ -13,7 +13,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from cluster import operations, queries
-from cluster.api.base import NamedViewSet, actor_of, datetime_param, flag_param, int_param, text_param
+from cluster.api.base import BIGINT_MAX, NamedViewSet, actor_of, datetime_param, flag_param, int_param, text_param
 from cluster.api.errors import Refused, refused
 from cluster.api.parsers import JSONParser
 from cluster.api.schema import UNKNOWN_FILTER, ErrorSerializer
@@ -302,8 +302,8 @@ class ModelFileViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedVi
         OpenApiParameter("actor", str, description="who did it, e.g. user:alice, reconciler"),
         OpenApiParameter("since", OpenApiTypes.DATETIME, description="only events at or after this ISO 8601 time"),
         OpenApiParameter("kind_prefix", str, description="only kinds starting with this, e.g. replica."),
-        OpenApiParameter("after", OpenApiTypes.INT64, description="only events after the one with this id (to follow"
-                         " the log)"),
+        OpenApiParameter("after", {"type": "integer", "format": "int64", "minimum": 0, "maximum": BIGINT_MAX},
+                         description="only events after the one with this id (to follow the log)"),
     ]
 )
 class EventViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):

@@ -49,9 +49,10 @@ def system_restart(o, out):
     api.post("system/restart/", {"timeout": o["timeout"]}, doing="restart the system")
     out.write("restarting llmgw: every agent, then web, beat and worker processes; engines keep serving\n")
     out.flush()
-    began, failed = time.monotonic(), None
+    began, failed, done_at = time.monotonic(), None, None
     started = False
-    while failed is None:
+    awaited: set[str] = set()  # processes asked last (the worker running it): their successors say they are back
+    while failed is None or awaited:
         time.sleep(0.5)
         try:
             page = api.get("events/", after=after, limit=10_000)["results"]
@@ -65,9 +66,16 @@ def system_restart(o, out):
                 continue
             out.write(f"  {e['message']}\n")
             started = started or e["kind"] == "system.restart"
-            if e["kind"] == "system.restarted":
-                failed = (e.get("data") or {}).get("failed") or []
+            if e["kind"] == "process.restart" and (e.get("data") or {}).get("successor"):
+                awaited.add(e["subject"])
+            elif e["kind"] == "process.restarted":
+                awaited.discard(e["subject"])
+            elif e["kind"] == "system.restarted":
+                failed, done_at = (e.get("data") or {}).get("failed") or [], time.monotonic()
         out.flush()
+        if done_at is not None and awaited and time.monotonic() - done_at > o["timeout"]:
+            out.write(f"  {', '.join(sorted(awaited))}: not back within {o['timeout']:.0f}s (is it supervised?)\n")
+            failed, awaited = [*failed, *sorted(awaited)], set()
         if not started and time.monotonic() - began > TAKEN_WITHIN:
             raise CliError(f"no worker began the queued restart within {TAKEN_WITHIN:.0f}s: is the worker running? "
                            "(llmgw service status); it begins when one does")

@@ -419,10 +419,15 @@ async def test_a_second_stream_supersedes_the_first(node_token):
 # The agent closes while its messages are still being handled
 
 
-async def test_an_answer_the_closed_socket_refuses_is_that_close_not_a_fault(node_token, caplog):
+@pytest.mark.parametrize("refusal", [
+    OSError("the peer closed the socket"),  # what uvicorn's ClientDisconnected is
+    RuntimeError("Unexpected ASGI message 'websocket.send', after sending 'websocket.close' or response already "
+                 "completed."),  # uvicorn, once it has finished the socket
+])
+async def test_an_answer_the_closed_socket_refuses_is_that_close_not_a_fault(node_token, caplog, refusal):
     """The agent sends a hello and closes; the server refuses the answer (an OSError, as the ASGI spec has a server
-    do for a send after the close) before the consumer has heard the close: the hello still counts, nothing is
-    logged as a failure, and the stream ends as a closed stream does."""
+    do for a send after the close, or uvicorn's RuntimeError) before the consumer has heard the close: the hello
+    still counts, nothing is logged as a failure, and the stream ends as a closed stream does."""
     node, token = node_token
     incoming: asyncio.Queue = asyncio.Queue()
     closed = asyncio.Event()
@@ -434,7 +439,7 @@ async def test_an_answer_the_closed_socket_refuses_is_that_close_not_a_fault(nod
             accepted.set()
         elif closed.is_set():
             refused.set()
-            raise OSError("the peer closed the socket")  # what uvicorn's ClientDisconnected is
+            raise refusal
 
     scope = {**stream(token).scope, "client": ["10.0.0.7", 40000]}
     app = asyncio.ensure_future(application(scope, incoming.get, send))

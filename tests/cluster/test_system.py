@@ -160,3 +160,20 @@ def test_a_broker_that_takes_no_task_is_a_503_and_leaves_no_claim(db, monkeypatc
 def test_a_viewer_may_not_restart_the_system(db):
     refused(client_for("viewer").post(f"{API}/system/restart/"), 403)
     refused(client_for(None).post(f"{API}/system/restart/"), 401)
+
+
+def test_the_process_that_ran_the_restart_is_said_to_be_back_by_its_successor(db):
+    """The worker running a restart is asked last and cannot wait for itself: the next worker to register on its
+    host records that it is back, as the restart does for every other process (what `llmgw restart` waits for)."""
+    host = socket.gethostname()
+    me = control.Process(f"worker@{host}:41", "worker", host, 41, time.time(), time.time())
+    control.expect_successor(me, {"actor": "user:ann"})
+    r = redis_client()
+    control._succeed(r, "web", f"web@{host}:43", system.successor_started)  # another role: not its successor
+    assert not Event.objects.filter(kind="process.restarted").exists()
+    control._succeed(r, "worker", f"worker@{host}:42", system.successor_started)
+    (back,) = Event.objects.filter(kind="process.restarted")
+    assert (back.actor, back.subject) == ("user:ann", me.id)
+    assert back.message.startswith(f"worker {me.id}: back as worker@{host}:42 after ")
+    control._succeed(r, "worker", f"worker@{host}:44", system.successor_started)  # once
+    assert Event.objects.filter(kind="process.restarted").count() == 1

@@ -218,7 +218,8 @@ def test_from_a_laptop_the_readme_steps_through_nginx_with_tls(system, node_env,
     home = tmp_path / "laptop"
     home.mkdir()
     env = clean_env(HOME=str(home))
-    system.cli("user", "add", "alice", "--role", "operator", "--password", "alice's long password")
+    said = system.cli("user", "add", "alice", "--role", "operator", "--password", "alice's long password").stdout
+    alice = said.split("\n")[0].rsplit(" ", 1)[1]
     _, viewer = system.cli("user", "add", "vic", "--role", "viewer").stdout.split("\n")[0].rsplit(" ", 1)
 
     def laptop(*args: str, stdin: str = "", extra: dict | None = None, code: int = 0) -> subprocess.CompletedProcess:
@@ -263,10 +264,24 @@ def test_from_a_laptop_the_readme_steps_through_nginx_with_tls(system, node_env,
     assert "my-model.gguf" in system.cli("mirror", "list").stdout
     assert outputs["logout"].stdout.startswith(f"logged out of {url}: ")
 
-    # for one command: the server and a token from the environment; the roles are the API's
+    # for one command: the server and a token from the environment; what each command prints is what the host's
+    # prints (looked at again where the cluster moved between the two, or an age ticked)
     as_vic = {"LLMGW_SERVER": url, "LLMGW_TOKEN": viewer, "LLMGW_CA_CERT": str(ca_file)}
-    assert laptop("ctl", "profiles", extra=as_vic).stdout == system.cli("ctl", "profiles").stdout
+    for command in ("status", "ctl nodes", "ctl models", "ctl replicas --all", "ctl profiles", "ctl engines",
+                    "mirror list", "ctl settings", "ctl keys list", "ctl usage", "ctl events --limit 20", "node list",
+                    "ctl models --json", "ctl profiles --json", "ctl keys list --json", "ctl settings --json"):
+        for _ in range(5):
+            if laptop(*command.split(), extra=as_vic).stdout == system.cli(*command.split()).stdout:
+                break
+        else:
+            raise AssertionError(f"llmgw {command}: the laptop's output is not the host's")
+
+    # the roles are the API's
     assert laptop("stop", extra=as_vic, code=1).stderr == "error: your role (viewer) may not stop serving\n"
+    said = laptop("ctl", "profile", "add", "p-vic", extra=as_vic, code=1).stderr
+    assert said == "error: your role (viewer) may not add profiles\n"
+    said = laptop("user", "add", "u-alice", "--role", "admin", extra={**as_vic, "LLMGW_TOKEN": alice}, code=1).stderr
+    assert said == "error: your role (operator) may not add users\n"
     assert "llmgw: serving" in system.cli("status").stdout
     said = laptop("status", extra={**as_vic, "LLMGW_TOKEN": "wrong"}, code=1).stderr
     assert said == (f"error: the server at {url} did not take the token (Invalid token.): `llmgw login {url}` "
