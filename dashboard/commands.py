@@ -12,6 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "restart": ("system-restart", "POST /api/v1/system/restart/"),
     "node add": ("node-add", "POST /api/v1/nodes/"),
     "node remove": ("node-remove", "DELETE /api/v1/nodes/{name}/"),
+    "node token": ("node-token", "POST /api/v1/nodes/{name}/token/"),
     "mirror import": ("mirror-import", "POST /api/v1/model-files/"),  # and Mirror: Upload (multipart "file")
     "mirror list": ("mirror", "GET /api/v1/model-files/"),
     "ctl nodes": ("nodes", "GET /api/v1/nodes/"),

@@ -14,6 +14,7 @@ urlpatterns = [
     path("nodes/<str:name>/drain/", views.node_drain, name="node-drain"),
     path("nodes/<str:name>/undrain/", views.node_undrain, name="node-undrain"),
     path("nodes/<str:name>/remove/", views.node_remove, name="node-remove"),
+    path("nodes/<str:name>/token/", views.node_token, name="node-token"),
     path("models/add/", views.model_add, name="model-add"),
     path("models/<str:name>/set/", views.model_set, name="model-set"),
     path("models/<str:name>/restart/", views.model_restart, name="model-restart"),

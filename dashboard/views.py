@@ -308,6 +308,14 @@ def node_add(request):
 
 
 @action("nodes")
+def node_token(request, name: str):
+    node, token = operations.reset_node_token(name, _actor(request))
+    server = (settings.LLMGW_PUBLIC_URL or request.build_absolute_uri("/")).rstrip("/")
+    return f"node {node.name}: a new token; the old one no longer works (start its agent again with the command below)", {
+        "once": {"label": f"agent command for {node.name}", "value": operations.agent_command(server, token)}}
+
+
+@action("nodes")
 def node_remove(request, name: str):
     operations.remove_node(name, _actor(request), force=request.POST.get("force") == "1")
     return f"node {name} removed"

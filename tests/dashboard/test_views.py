@@ -122,6 +122,21 @@ def test_add_a_node_shows_the_agent_command_once(op):
     assert "lnt_" not in op.get("/nodes/").content.decode()
 
 
+def test_a_node_gets_a_new_token_shown_once_and_the_old_one_stops_working(op, look):
+    node, old = operations.add_node("gpu-8", "test")
+    body = op.post("/nodes/gpu-8/token/", **HTMX).content.decode()
+    assert "node gpu-8: a new token; the old one no longer works" in body
+    (new,) = re.findall(r"LLMGW_AGENT_TOKEN=(lnt_\S+) llmgw agent --server http://testserver<", body)
+    node.refresh_from_db()
+    assert node.token_hash == Node.hash_token(new) != Node.hash_token(old)
+    assert Event.objects.filter(kind="node.token_reset", subject="gpu-8", actor__startswith="user:").exists()
+    assert "lnt_" not in op.get("/nodes/").content.decode()
+    assert "no node named" in op.post("/nodes/nope/token/", **HTMX).content.decode()
+    assert look.post("/nodes/gpu-8/token/", **HTMX).status_code == 403
+    node.refresh_from_db()
+    assert node.token_hash == Node.hash_token(new)
+
+
 def test_add_edit_restart_and_remove_a_model(op):
     f = make_file(name="tiny.gguf")
     before = Model.objects.count()

@@ -6,6 +6,7 @@ Screenshots of every page at 1280x800 go to the test run's temporary directory (
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import openai
@@ -136,6 +137,20 @@ def test_drain_and_undrain_a_node(system, dash):
     row.locator("[data-testid=drain]", has_text="schedulable").wait_for()
     assert not {n["name"]: n for n in system.cli_json("ctl", "nodes")}["n3"]["draining"]
     assert dash.still_same_page()
+
+
+def test_a_node_gets_a_new_token_by_a_click(system, dash):
+    system.cli("node", "add", "dash-tok")
+    try:
+        dash.go("nodes")
+        dash.page.locator("tr[data-node=dash-tok]").locator("button", has_text="New token").click()
+        command = dash.page.locator("#once-value").inner_text().strip()
+        assert re.fullmatch(r"LLMGW_AGENT_TOKEN=lnt_\S+ llmgw agent --server \S+", command), command
+        said = system.cli_json("ctl", "events", "--kind", "node.token_reset", "--subject", "dash-tok")
+        assert [e["actor"] for e in said] == ["user:admin"], said
+        assert dash.still_same_page()
+    finally:
+        system.cli("node", "remove", "dash-tok", check=False)
 
 
 def test_create_a_key_see_it_once_and_use_it(system, dash):
