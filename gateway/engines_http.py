@@ -12,7 +12,10 @@ What a caller can tell apart:
 - `ConnectFailed` (`ConnectTimeout`): no connection, nothing sent; another replica may take the request;
 - `Broken`: the connection ended or the answer could not be parsed; `before_answer` says whether any of the
   answer had come (before it, another replica may take the request);
-- `ReadTimeout`: the engine sent nothing for `read_timeout` seconds.
+- `ReadTimeout`: the engine sent nothing for `read_timeout` seconds;
+- `Unreachable` (a `Broken`): the engine's host stopped acknowledging what was sent, or answering keepalive
+  probes (TCP_USER_TIMEOUT and keepalive on every connection): its node is cut off. An engine busy with a long
+  prefill still acknowledges at once (its kernel does), so this is not a slow engine.
 
 A pooled connection the engine closed while it sat idle is found out on its next use; such a request is sent
 once more on a new connection (nothing of an answer had come, so the engine never began it, or began it and
@@ -23,11 +26,25 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
+import socket
 import time
 
 import httptools
 
+# a connection whose sent bytes go unacknowledged this long, or whose peer stops answering keepalive probes (idle
+# this long, then every KEEPALIVE_INTERVAL, KEEPALIVE_PROBES times), is given up (`Unreachable`)
+UNACKNOWLEDGED_SECONDS = 5
+KEEPALIVE_IDLE = 5
+KEEPALIVE_INTERVAL = 2
+KEEPALIVE_PROBES = 3
+SOCKET_OPTIONS = [
+    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    *[(socket.IPPROTO_TCP, getattr(socket, name), value) for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL), ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+        ("TCP_USER_TIMEOUT", UNACKNOWLEDGED_SECONDS * 1000)) if hasattr(socket, name)],
+]
 HIGH_WATER = 1 << 20  # bytes of an answer held before reading from the engine pauses until the client takes them
 
 
@@ -47,6 +64,10 @@ class Broken(UpstreamError):
     def __init__(self, message: str, before_answer: bool):
         super().__init__(message)
         self.before_answer = before_answer
+
+
+class Unreachable(Broken):
+    pass
 
 
 class ReadTimeout(UpstreamError):
@@ -175,6 +196,11 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                for level, option, value in SOCKET_OPTIONS:
+                    sock.setsockopt(level, option, value)
 
     def data_received(self, data: bytes) -> None:
         if self.answer is None:
@@ -196,8 +222,11 @@ class Connection(asyncio.Protocol):
             if self.head is None and not exc and not _framed(answer.headers):
                 answer._end()  # a body that lasts until the connection closes: it has
             else:
-                what = f"the engine closed the connection ({type(exc).__name__ if exc else 'EOF'})"
-                self._failed(Broken(what, self.head is not None))
+                if isinstance(exc, TimeoutError):  # ETIMEDOUT: unacknowledged, or no answer to keepalive probes
+                    self._failed(Unreachable("the engine's host stopped answering", self.head is not None))
+                else:
+                    what = f"the engine closed the connection ({type(exc).__name__ if exc else 'EOF'})"
+                    self._failed(Broken(what, self.head is not None))
         self.pool.forget(self)
 
     def pause(self) -> None:
@@ -316,7 +345,7 @@ class Pool:
             try:
                 return await self._ask(conn, data)
             except Broken as exc:
-                if not exc.before_answer:
+                if not exc.before_answer or isinstance(exc, Unreachable):
                     raise
                 # the engine closed it while it sat in the pool: once more, on a new connection
         return await self._ask(await self._connect(where), data)

@@ -35,6 +35,17 @@ FLUSH_INTERVAL = 0.25
 # the other web processes' in-flight counts are read this often: `prefix` routing's load bound weighs them, and a
 # count seconds old moved conversations off their replica for requests that had ended (bench/routing.py)
 SHARED_INTERVAL = 0.25
+# a request's end is shared at once (not at the next FLUSH_INTERVAL): the next turn of a conversation comes right
+# after its answer, perhaps to another web process, which must not find the replica still busy with it. Shares
+# woken so are at least this far apart, so a busy process does not write Redis on every request
+SHARE_GAP = 0.02
+# how old the other processes' counts may be when `prefix` routing would move a request off its key's replica:
+# older, they are read again first (a move costs the engine a cold prefill; a read, a Redis round trip)
+RECHECK_AGE = 0.02
+# a replica this process could not connect to (its node cut off, its engine gone) is passed over this long, while
+# the model has another: a request does not wait out the connect timeout on it again and again. Then one request
+# tries it; a replica that answers is taken back at once
+UNREACHABLE_FOR = 10.0
 LEDGER_INTERVAL = 1.0  # usage counted in this process goes to Redis this often
 PREFIX = Model.Routing.PREFIX
 
@@ -72,7 +83,10 @@ class Gateway:
         self.asked: dict[str, float] = {}
         self._asked_dirty = False
         self.shared: dict[str, int] = {}
+        self._shared_at = 0.0
         self._dirty = True
+        self._wake = asyncio.Event()
+        self.unreachable: dict[str, float] = {}  # replica -> until when it is passed over (monotonic)
         me = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.proc_key = inflight.PREFIX + me
         self.waiting_key = inflight.WAITING_PREFIX + me
@@ -204,6 +218,7 @@ class Gateway:
         if self.local[replica] <= 0:
             del self.local[replica]
         self._dirty = True
+        self._wake.set()
 
     def requested(self, model: str) -> None:
         self.asked[model] = time.time()
@@ -245,7 +260,24 @@ class Gateway:
     def load_of(self, replica: str) -> int:
         return self.local.get(replica, 0) + self.shared.get(replica, 0)
 
+    def cannot_connect(self, replica: str) -> None:
+        self.unreachable[replica] = time.monotonic() + UNREACHABLE_FOR
+
     def pick(self, route: routing.ModelRoute, exclude=(), key: int | None = None) -> routing.Upstream | None:
+        """A ready replica not in `exclude`, passing over those this process could not connect to lately while
+        another is there."""
+        if self.unreachable:
+            now = time.monotonic()
+            for name, until in list(self.unreachable.items()):
+                if until <= now:
+                    del self.unreachable[name]
+            if self.unreachable:
+                upstream = self._pick(route, {*exclude, *self.unreachable}, key)
+                if upstream is not None:
+                    return upstream
+        return self._pick(route, exclude, key)
+
+    def _pick(self, route: routing.ModelRoute, exclude=(), key: int | None = None) -> routing.Upstream | None:
         """A ready replica not in `exclude`: by the request's key on the model's ring when it routes by prefix
         (gateway/affinity.py), else one with the fewest requests in flight."""
         if key is not None and route.routing == PREFIX:
@@ -257,9 +289,33 @@ class Gateway:
         least = min(self.load_of(u.replica) for u in candidates)
         return random.choice([u for u in candidates if self.load_of(u.replica) == least])
 
+    async def choose(self, route: routing.ModelRoute, exclude=(), key: int | None = None) -> routing.Upstream | None:
+        """`pick`, and when prefix routing would move the request off its key's replica because that one looks busy,
+        first the other processes' counts read afresh: what made it look busy may have ended a moment ago."""
+        upstream = self.pick(route, exclude, key)
+        if upstream is None or key is None or route.routing != PREFIX:
+            return upstream
+        if time.monotonic() - self._shared_at < RECHECK_AGE:
+            return upstream
+        home = next((name for name in route.ring.walk(key) if name not in exclude and name not in self.unreachable), None)
+        if upstream.replica == home:
+            return upstream
+        try:
+            await self._read_others()
+        except Exception as exc:  # Redis: what was read last still holds
+            log.warning("could not read in-flight counts (%s)", exc)
+            return upstream
+        return self.pick(route, exclude, key) or upstream
+
+    async def _read_others(self) -> None:
+        read_at = time.monotonic()
+        self.shared = await self._others()
+        self._shared_at = read_at
+
     async def _keep_inflight(self) -> None:
-        last_shared = last_alive = last_ledger = 0.0
+        last_alive = last_ledger = 0.0
         while True:
+            self._wake.clear()
             try:
                 now = time.monotonic()
                 if self._dirty or now - last_alive > inflight.TTL / 3:
@@ -271,9 +327,8 @@ class Gateway:
                     self._asked_dirty = False
                     asked = {model: f"{t:.3f}" for model, t in self.asked.items()}
                     await self.redis.hset(inflight.LAST_REQUEST, mapping=asked)
-                if now - last_shared >= SHARED_INTERVAL:
-                    self.shared = await self._others()
-                    last_shared = now
+                if now - self._shared_at >= SHARED_INTERVAL:
+                    await self._read_others()
                 if now - last_ledger >= LEDGER_INTERVAL:
                     await self.ledger.flush(self.redis)
                     last_ledger = now
@@ -283,7 +338,11 @@ class Gateway:
                 log.warning("could not share in-flight counts (%s)", exc)
                 self._dirty = True
                 await asyncio.sleep(1)
-            await asyncio.sleep(FLUSH_INTERVAL)
+            await asyncio.sleep(SHARE_GAP)
+            try:
+                await asyncio.wait_for(self._wake.wait(), FLUSH_INTERVAL - SHARE_GAP)
+            except TimeoutError:
+                pass
 
     async def _others(self) -> dict[str, int]:
         totals: Counter[str] = Counter()

@@ -15,7 +15,7 @@ from cluster import throttle
 from cluster.clients import address_of
 from gateway import affinity, metrics
 from gateway.accounting import check_limits, count_tokens
-from gateway.engines_http import ConnectTimeout, ReadTimeout, UpstreamError
+from gateway.engines_http import ConnectFailed, ConnectTimeout, ReadTimeout, Unreachable, UpstreamError
 from gateway.errors import GatewayError, error_response, invalid
 from gateway.http import Answer, Streamed, json_answer
 from gateway.models import ApiKey
@@ -247,7 +247,7 @@ async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = N
             route = table.models.get(call.model)
             if route is None:
                 raise GatewayError(404, "model_not_found", f"no model named {call.model!r}")
-            upstream = gw.pick(route, tried, call.affinity)
+            upstream = await gw.choose(route, tried, call.affinity)
             if upstream is not None:
                 return upstream
             now = time.monotonic()
@@ -299,6 +299,7 @@ async def _send(gw, call, endpoint, payload):
             response = await gw.engines.post(upstream.host, upstream.port, f"/v1/{endpoint}", payload, upstream.authorization)
         except ConnectTimeout:
             _done(gw, call, upstream)
+            gw.cannot_connect(upstream.replica)
             last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} did not accept the connection")
             continue
         except ReadTimeout:
@@ -306,6 +307,8 @@ async def _send(gw, call, endpoint, payload):
             raise GatewayError(504, "upstream_timeout", f"replica {upstream.replica} did not answer in time") from None
         except UpstreamError as exc:  # refused, reset, closed before an answer: nothing reached the client
             _done(gw, call, upstream)
+            if isinstance(exc, (ConnectFailed, Unreachable)):
+                gw.cannot_connect(upstream.replica)
             last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} failed: {_describe(exc)}")
             continue
         except BaseException:  # cancelled: the client went away before the engine answered; the count must not leak
@@ -320,6 +323,8 @@ async def _send(gw, call, endpoint, payload):
             else:
                 last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} answered {response.status}")
             continue
+        if gw.unreachable:
+            gw.unreachable.pop(upstream.replica, None)
         return upstream, response
     raise last_error or GatewayError(502, "upstream_error", "no replica could take the request")
 
@@ -388,7 +393,15 @@ async def _stream(gw, call, endpoint, payload, wants_usage: bool):
         call.finish(response.status)
         return Answer(content, response.status, response.content_type)
 
-    state = {"finished": False, "settled": False, "done_sent": False}
+    state = {"finished": False, "settled": False, "done_sent": False, "released": False}
+
+    def release() -> None:
+        """The replica is done with the request: once, when the engine's [DONE] arrives (before the client has it:
+        a conversation's next turn may follow at once, through another web process, and must not find the
+        replica still counted busy with this one), or however else the stream ended."""
+        if not state["released"]:
+            state["released"] = True
+            _done(gw, call, upstream)
 
     def settle(status: int) -> None:
         """Let the upstream go and count the request, once, however the stream ended."""
@@ -399,7 +412,7 @@ async def _stream(gw, call, endpoint, payload, wants_usage: bool):
             response.release()  # read to the end: the connection goes back to the pool
         else:
             response.close()  # cut short: the engine sees its client go and stops generating
-        _done(gw, call, upstream)
+        release()
         gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
         if call.key.tpm and (call.prompt or call.completion):
             gw.spawn(count_tokens(gw.redis, call.key, call.prompt + call.completion))
@@ -421,6 +434,8 @@ async def _stream(gw, call, endpoint, payload, wants_usage: bool):
                         out.append(event + b"\n\n")
                 if out:
                     last = any(e.startswith(b"data: [DONE]") for e in out)
+                    if last:
+                        release()
                     yield b"".join(out)
                     # asked for more: the [DONE] went out. A client that hangs up now got the whole stream
                     state["done_sent"] = state["done_sent"] or last

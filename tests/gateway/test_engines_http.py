@@ -8,7 +8,16 @@ import pytest
 import pytest_asyncio
 
 from agents.ports import free_port
-from gateway.engines_http import Broken, ConnectFailed, ConnectTimeout, Pool, ReadTimeout
+from gateway.engines_http import (
+    KEEPALIVE_IDLE,
+    UNACKNOWLEDGED_SECONDS,
+    Broken,
+    ConnectFailed,
+    ConnectTimeout,
+    Pool,
+    ReadTimeout,
+    Unreachable,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -228,3 +237,26 @@ async def test_a_client_that_gives_up_waiting_closes_the_connection(pool):
         with pytest.raises(asyncio.CancelledError):
             await waiting
         assert not pool.idle.get(("127.0.0.1", server.port))
+
+
+async def test_a_connection_gives_up_on_a_host_that_stops_acknowledging(pool):
+    """Keepalive probes and TCP_USER_TIMEOUT on every connection: a node cut off is found out in seconds, where a
+    request on a pooled connection would otherwise wait out the read timeout (the fleet tests cut one for real)."""
+    async with Server(lambda request: whole(b"{}")) as server:
+        answer = await post(pool, server)
+        await answer.read()
+        answer.release()
+        [conn] = pool.idle[("127.0.0.1", server.port)]
+        sock = conn.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == UNACKNOWLEDGED_SECONDS * 1000
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE
+
+        # what the kernel says when it gives up (ETIMEDOUT) is `Unreachable`, before any of an answer: the caller
+        # passes the replica over and another takes the request
+        waiting = asyncio.ensure_future(conn.pool._ask(conn, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"))
+        await asyncio.sleep(0)
+        conn.connection_lost(TimeoutError(110, "Connection timed out"))
+        with pytest.raises(Unreachable) as lost:
+            await waiting
+        assert lost.value.before_answer

@@ -30,6 +30,14 @@ def test_ready_replicas_are_routes_and_starting_ones_are_coming(node):
     assert route.coming == 2
 
 
+def test_an_agent_behind_a_proxy_is_reached_at_the_address_it_advertises(node):
+    """Its stream comes from the proxy's address; its engines listen on its own."""
+    node.facts = {**node.facts, "advertise_address": "198.18.0.12"}
+    node.save(update_fields=["facts"])
+    ready = make_replica(make_model("m"), node, state=Replica.State.READY)
+    assert table.load().models["m"].ready[0].base_url == f"http://198.18.0.12:{ready.port}"
+
+
 def test_an_unplaced_replica_is_not_coming(node):
     make_replica(make_model("m"), None, state=Replica.State.PENDING, reason="needs 2.0 GiB RAM")
     assert table.load().models["m"].coming == 0  # a request is answered 503 at once, not after the wait

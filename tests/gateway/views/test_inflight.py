@@ -30,18 +30,27 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pyte
 # In-flight counts
 
 
-async def test_in_flight_counts_concurrent_requests_and_returns_to_zero(client, cluster):
+async def test_in_flight_counts_concurrent_requests_and_returns_to_zero(client, cluster, slow_engine):
     gw = runtime()
     replica = cluster.replica.name
     for _ in range(3):
         # 12 at once: tests/engine.py (socketserver's listen backlog of 5) resets connections beyond about that
         results = await asyncio.gather(*(chat(client, stream=bool(i % 2)) for i in range(12)))
         assert {r.status_code for r in results} == {200}
-        assert gw.local == {replica: 6}  # the streams, not yet read by their clients, are still in flight
-        await shared_in_flight_becomes(replica, 6)
         await asyncio.gather(*(read(r) for r in results))
         assert not gw.local
         await shared_in_flight_becomes(replica, 0)
+
+    # streams the engine is still writing are counted, here and for the other web processes
+    slow = await sync_to_async(lambda: ready_replica(make_model("slow"), cluster.node, slow_engine.port))()
+    await gw.refresh()
+    streams = await asyncio.gather(*(chat(client, model="slow", stream=True) for _ in range(4)))
+    assert [r.status_code for r in streams] == [200] * 4
+    assert gw.local == {slow.name: 4}
+    await shared_in_flight_becomes(slow.name, 4)
+    await asyncio.gather(*(read(r) for r in streams))
+    assert not gw.local
+    await shared_in_flight_becomes(slow.name, 0)
 
 
 async def test_a_client_that_goes_away_mid_stream_cancels_the_upstream(cluster, slow_engine):
@@ -145,4 +154,30 @@ async def test_a_client_that_goes_away_once_it_has_the_done_got_a_whole_stream(c
     assert metrics.REQUESTS.labels("linger", "200", replica.name)._value.get() == before + 1
     gw = runtime()
     assert not gw.local
+    await shared_in_flight_becomes(replica.name, 0)
+
+
+async def test_a_streams_count_is_let_go_when_the_engines_done_passes_before_the_client_has_it(cluster, lingering_engine):
+    """A conversation's next turn may come the moment its answer ends, through another web process: by then the
+    replica must not be counted busy with the answer. The engine here keeps the stream open half a second after
+    its [DONE]; the count is already let go when the [DONE] goes to the client, and let go once."""
+
+    def lingering_model():
+        return ready_replica(make_model("linger"), cluster.node, lingering_engine.port)
+
+    replica = await sync_to_async(lingering_model)()
+    body = json.dumps({"model": "linger", "messages": MESSAGES, "stream": True}).encode()
+    gw = runtime()
+    counted_at_done = []
+
+    async def send(message):
+        if b"data: [DONE]" in message.get("body", b""):
+            counted_at_done.append(gw.local.get(replica.name, 0))
+
+    gauge = metrics.of("linger").inflight
+    before = gauge._value.get()
+    serving = asyncio.create_task(application()(asgi_scope(body, cluster.secret), hangs_up_after(body, asyncio.Event()), send))
+    await asyncio.wait_for(serving, 10)
+    assert counted_at_done == [0]
+    assert not gw.local and gauge._value.get() == before  # not let go twice when the stream closed after it
     await shared_in_flight_becomes(replica.name, 0)

@@ -81,9 +81,29 @@ async def test_a_conversations_replica_that_refuses_connections_passes_it_to_the
         assert response.status_code == 200, response.content
         assert response["X-Llmgw-Replica"] == order[1]  # the next on the ring, every turn
     grew = {name: sample(name) - before[name] for name in METRICS}
-    # each of the three was sent twice (the dead replica, then the next) and found a ready replica at once
-    assert grew == {"llmgw_upstream_attempts_count": 3, "llmgw_upstream_attempts_sum": 6,
+    # the first was sent twice (the dead replica, then the next); the dead one was passed over after that, for a
+    # while: each found a ready replica at once
+    assert grew == {"llmgw_upstream_attempts_count": 3, "llmgw_upstream_attempts_sum": 4,
                     "llmgw_replica_wait_seconds_count": 3}
+
+    # once the while is over, one request tries it again
+    gw = runtime()
+    gw.unreachable[names[0]] = 0.0
+    before = sample("llmgw_upstream_attempts_sum")
+    response = await ask(client, turns(f"doc {i}", 1)[0])
+    assert response["X-Llmgw-Replica"] == order[1] and sample("llmgw_upstream_attempts_sum") - before == 2
+    assert names[0] in gw.unreachable
+
+
+async def test_a_replica_passed_over_is_still_tried_when_it_is_the_only_one(cluster, client):
+    dead = free_port()
+    model = await sync_to_async(make_model)("solo", profile="embeds", routing=Model.Routing.PREFIX)
+    name = (await sync_to_async(ready_replica)(model, cluster.node, dead)).name
+    await sync_to_async(notify.routing_changed)()
+    for _ in range(2):
+        response = await ask(client, turns("x", 1)[0], model="solo")
+        assert name in openai_error(response, 502, "upstream_error")["message"]
+    assert name in runtime().unreachable
 
 
 async def test_least_inflight_spreads_a_conversation_and_names_the_replica_too(cluster, client):
