@@ -66,6 +66,7 @@ def gather(
     gpus: list[int] | None = None,
     port_range: tuple[int, int] = (20000, 20999),
     engines: dict[str, str] | None = None,
+    advertise_address: str = "",
 ) -> Facts:
     """This node's facts. `memory` caps what is offered; `gpus` (memory sizes) replaces what nvidia-smi finds."""
     total = psutil.virtual_memory().total
@@ -73,7 +74,7 @@ def gather(
         found = nvidia_gpus()
     else:
         found = [{"index": i, "name": "simulated", "memory_bytes": size} for i, size in enumerate(gpus)]
-    return {
+    facts: Facts = {
         "hostname": socket.gethostname(),
         "cpu_count": psutil.cpu_count() or 1,
         "memory_bytes": min(total, memory) if memory else total,
@@ -83,3 +84,6 @@ def gather(
         "port_range": [port_range[0], port_range[1]],
         "agent_version": AGENT_VERSION,
     }
+    if advertise_address.strip():
+        facts["advertise_address"] = advertise_address.strip()
+    return facts

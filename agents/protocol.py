@@ -4,6 +4,8 @@ agent -> server: hello, report, progress
 server -> agent: desired, restart_agent
 """
 
+import ipaddress
+import re
 from typing import Literal, NotRequired, TypedDict
 
 # States an agent reports for a replica it was asked to run.
@@ -25,6 +27,8 @@ class Facts(TypedDict):
     engines: dict[str, str]  # driver kind -> version ("" when unknown)
     port_range: list[int]  # [low, high] inclusive, where engines may listen
     agent_version: str
+    # where gateways dial this node's engines, when not the address its stream comes from (a proxy between)
+    advertise_address: NotRequired[str]
 
 
 class ReplicaStatus(TypedDict):
@@ -85,3 +89,17 @@ class RestartAgent(TypedDict):
 
 AgentMessage = Hello | Report | Progress
 ServerMessage = Desired | RestartAgent
+
+
+HOST_NAME = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
+)
+
+
+def is_address(text: str) -> bool:
+    """An IP address or a DNS host name: what a gateway can dial an engine at (a node's advertise_address)."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return bool(HOST_NAME.match(text))

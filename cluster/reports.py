@@ -96,6 +96,11 @@ def _clean_facts(facts: dict) -> dict:
         raise ValueError(f"malformed facts: {exc}") from None
     if not 1 <= clean["port_range"][0] <= clean["port_range"][1] <= 65535:
         raise ValueError(f"port_range {clean['port_range']} is not LOW <= HIGH within 1-65535")
+    address = str(facts.get("advertise_address") or "").strip()
+    if address:
+        if not protocol.is_address(address):
+            raise ValueError(f"advertise_address {address[:100]!r} is not an IP address or host name")
+        clean["advertise_address"] = address
     sizes = (clean["memory_bytes"], clean["memory_total_bytes"], *(g["memory_bytes"] for g in gpus))
     if not all(0 <= n < 2**63 for n in sizes):
         raise ValueError("memory sizes must be between 0 and 2**63 - 1")

@@ -9,15 +9,24 @@
 Every step writes an Event and is reported as it happens. A step that times out is reported and the restart
 goes on with the next: a node whose agent does not come back keeps its engines, and the reconciler treats it
 as any silent node.
+
+The process running it holds a lock in Redis that lives LOCK_TTL seconds past its last heartbeat. When that
+process dies (a worker killed mid-restart), the lock lapses, and the next reconcile tick in any worker records
+`system.restart_interrupted`, saying what was restarted and what was not (`check_interrupted`): each step
+restarts a part whole or not at all (an agent re-executes itself, a process restarts itself), so nothing is
+left half-restarted, and `llmgw restart` may be run again at once.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 
 import redis
 from celery import current_app
+from django.db import transaction
 from django.utils import timezone
 
 from cluster import control, notify
@@ -30,6 +39,9 @@ LOCK = "llmgw:system:restart"
 QUEUED = "llmgw:system:restart:queued"  # a restart asked for and not yet begun (a worker takes it soon)
 QUEUED_TTL = 120  # seconds: a queued restart no worker took (the broker was away) stops blocking the next
 RESTART_TASK = "cluster.tasks.restart_system"  # sent by name: the tasks module sits above this one
+LOCK_TTL = 30  # seconds the running restart's lock outlives its last heartbeat
+HEARTBEAT = 5.0
+BEGUN, ENDS = "system.restart", ("system.restarted", "system.restart_interrupted")
 AGENT_TIMEOUT = 60.0
 PROCESS_TIMEOUT = 90.0
 
@@ -60,21 +72,81 @@ def restart_system(
     """Run the whole restart; `me` is this process's control id when it is a control-plane process itself.
     Returns {"agents": {node: "back"|"timeout"}, "processes": {id: new id|"timeout"|"asked"}}. One at a time:
     OperationError while another runs."""
-    lock = redis_client().lock(LOCK, timeout=3600, blocking=False)
+    lock = redis_client().lock(LOCK, timeout=LOCK_TTL, blocking=False, thread_local=False)
     if not lock.acquire():
         raise Conflict("a system restart is already running; watch it with: llmgw ctl events")
     redis_client().delete(QUEUED)  # begun: a new one may be queued for after it
+    alive = _Heartbeat(lock)
+    alive.start()
     try:
         return _restart(actor, report, agent_timeout, process_timeout, me)
     finally:
+        alive.stop()
         try:
             lock.release()
         except redis.exceptions.LockError:
             pass
 
 
+class _Heartbeat(threading.Thread):
+    """Keeps the running restart's lock alive while this process runs it; when the process dies, the lock lapses
+    within LOCK_TTL. A lock Redis lost (restarted empty) is taken again."""
+
+    def __init__(self, lock):
+        super().__init__(daemon=True, name="system-restart-heartbeat")
+        self.lock, self._ended = lock, threading.Event()
+
+    def run(self) -> None:
+        while not self._ended.wait(HEARTBEAT):
+            try:
+                self.lock.reacquire()
+            except redis.exceptions.LockNotOwnedError:
+                try:
+                    redis_client().set(LOCK, self.lock.local.token, nx=True, px=LOCK_TTL * 1000)
+                except redis.exceptions.RedisError:
+                    pass
+            except redis.exceptions.RedisError:
+                pass  # Redis away for a moment: the next beat
+
+    def stop(self) -> None:
+        self._ended.set()
+        self.join(HEARTBEAT + 1)
+
+
+def check_interrupted() -> bool:
+    """A restart begun whose process died before it ended (its lock lapsed): record what it did and did not
+    restart, once (every worker's reconcile tick asks). True when it recorded that."""
+    begun = Event.objects.filter(kind=BEGUN).order_by("-id").first()  # by the kind's index: a few rows
+    if begun is None or timezone.now() - begun.created_at < timedelta(seconds=LOCK_TTL):
+        return False
+    if Event.objects.filter(kind__in=ENDS, id__gt=begun.id).exists() or redis_client().exists(LOCK):
+        return False
+    with transaction.atomic():
+        Event.objects.select_for_update().filter(pk=begun.pk).first()  # two ticks at once: one records it
+        if Event.objects.filter(kind__in=ENDS, id__gt=begun.id).exists():
+            return False
+        steps = list(Event.objects.filter(id__gt=begun.id, kind__in=(
+            "agent.restarted", "agent.restart_timeout", "process.restart", "process.restarted",
+            "process.restart_timeout")).values_list("kind", "subject"))
+        agents_done = [s for k, s in steps if k == "agent.restarted"]
+        agents_left = [n for n in (begun.data or {}).get("agents", []) if n not in {s for k, s in steps
+                                                                                   if k.startswith("agent.")}]
+        asked = [s for k, s in steps if k == "process.restart"]
+        back = {s for k, s in steps if k in ("process.restarted", "process.restart_timeout")}
+        done = [f"agent {n}" for n in agents_done] + [f"process {p}" for p in asked if p in back]
+        left = [f"agent {n}" for n in agents_left] + [f"process {p} (asked, not seen back)" for p in asked
+                                                      if p not in back]
+        if not asked:
+            left.append("every control-plane process")
+        message = (f"system restart cut short: the process running it stopped. Restarted: {', '.join(done) or 'none'}; "
+                   f"not restarted: {', '.join(left)}. Nothing is half-restarted; run `llmgw restart` again")
+        record("system.restart_interrupted", "system", message[:1000], done=done, not_done=left)
+    return True
+
+
 def _restart(actor, report, agent_timeout, process_timeout, me) -> dict:
-    record("system.restart", actor, "system restart: agents, then control-plane processes; engines keep serving")
+    agents = list(Node.objects.filter(connected=True).order_by("name").values_list("name", flat=True))
+    record(BEGUN, actor, "system restart: agents, then control-plane processes; engines keep serving", agents=agents)
     result: dict = {"agents": {}, "processes": {}}
     for line in _restart_agents(actor, agent_timeout, result["agents"]):
         report(line)

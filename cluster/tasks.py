@@ -19,6 +19,7 @@ def reconcile():
 
 @shared_task(name="cluster.tasks.reconcile_tick", ignore_result=True)
 def reconcile_tick():
+    system.check_interrupted()
     if reconciler.due():
         reconciler.reconcile()
 

@@ -9,7 +9,7 @@ states. Engines run in their own process session and outlive the agent; their pi
 """
 
 from agents.agent.program import main, parser, run
-from agents.agent.stream import Agent, agent_url
+from agents.agent.stream import Agent, agent_url, agent_urls
 from agents.agent.supervisor import EngineSupervisor
 
-__all__ = ["Agent", "EngineSupervisor", "agent_url", "main", "parser", "run"]
+__all__ = ["Agent", "EngineSupervisor", "agent_url", "agent_urls", "main", "parser", "run"]

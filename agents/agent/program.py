@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 from agents import facts as node_facts
-from agents.agent.stream import Agent, agent_url
+from agents.protocol import is_address
+from agents.agent.stream import Agent, agent_urls
 
 log = logging.getLogger("llmgw.agent")
+ADDRESS_ENV = "LLMGW_AGENT_ADDRESS"
 
 
 async def _serve(agent: Agent) -> str:
@@ -42,15 +44,18 @@ def run(
     stop_timeout: float = 10.0,
     report_interval: float = 5.0,
     start_timeout: float = 600.0,
+    advertise_address: str = "",
 ) -> None:
     """Runs the agent until SIGTERM/SIGINT; re-executes this process when the server asks for a restart."""
     if not token:
         raise ValueError("the agent needs a node token (--token)")
-    agent_url(server)  # a bad URL is an error now, not a retry loop
+    agent_urls(server)  # a bad URL is an error now, not a retry loop
+    if advertise_address and not is_address(advertise_address.strip()):
+        raise ValueError(f"--advertise-address {advertise_address!r} is not an IP address or host name")
     state_dir = Path(state_dir).resolve()
     if logging.getLogger("httpx").level == logging.NOTSET:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check
-    facts = node_facts.gather(memory=memory, gpus=gpus, port_range=port_range)
+    facts = node_facts.gather(memory=memory, gpus=gpus, port_range=port_range, advertise_address=advertise_address)
     engines = ", ".join(f"{k} {v}".strip() for k, v in facts["engines"].items()) or "none"
     log.info(
         "agent %s on %s: %d CPUs, %.1f GiB offered, %d GPU(s), engines: %s; state in %s",
@@ -82,7 +87,8 @@ def run(
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m agents.agent", description="The llmgw node agent.")
-    p.add_argument("--server", default=os.environ.get("LLMGW_SERVER", ""), help="e.g. https://llmgw.example.com")
+    p.add_argument("--server", default=os.environ.get("LLMGW_SERVER", ""), help="e.g. https://llmgw.example.com; several control planes separated by commas, dialled in "
+                        "order, the next when one does not answer")
     token = os.environ.get("LLMGW_AGENT_TOKEN", "")
     p.add_argument("--token", default=token, help="the node token (or LLMGW_AGENT_TOKEN, which keeps it out of ps)")
     p.add_argument("--state-dir", type=Path, default=Path(".llmgw/agent"), help="engine records, logs, model cache")
@@ -91,6 +97,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port-range", type=_arg(node_facts.parse_port_range), default=(20000, 20999), help="LOW-HIGH")
     p.add_argument("--stop-timeout", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds an engine may take to become healthy")
+    p.add_argument("--advertise-address", default=os.environ.get(ADDRESS_ENV, ""),
+                   help="the address gateways reach this node's engines at (default: the one its stream comes from; "
+                        "give it when a proxy stands between)")
     p.add_argument("--report-interval", type=float, default=5.0, help="seconds between heartbeat reports")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -123,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_timeout=args.stop_timeout,
             report_interval=args.report_interval,
             start_timeout=args.start_timeout,
+            advertise_address=args.advertise_address,
         )
     except (ValueError, OSError) as exc:
         print(f"llmgw agent: {exc}", file=sys.stderr)

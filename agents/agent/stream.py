@@ -17,6 +17,12 @@ from agents.protocol import Facts
 
 log = logging.getLogger("llmgw.agent")
 
+OPEN_TIMEOUT = 15  # seconds for a server to accept the stream
+# a server that stops answering (cut off, killed without closing its sockets) is given up after about
+# PING_INTERVAL + PING_TIMEOUT: then the next URL
+PING_INTERVAL = 10
+PING_TIMEOUT = 10
+MAX_DELAY = 10.0  # seconds at most between rounds of dialling: a healed node is back within seconds
 REFUSED_CODES = {4001: "the token was not accepted", 4003: "the server refused this agent"}
 
 
@@ -30,6 +36,15 @@ def agent_url(server: str) -> str:
     if not path.endswith("/ws/agent"):
         path += "/ws/agent"
     return urlunsplit((scheme, parts.netloc, path + "/", "", ""))
+
+
+def agent_urls(servers: str) -> list[str]:
+    """The stream URLs of one server URL or several, comma-separated (control planes that share one database):
+    the agent dials them in order and moves to the next when one does not answer."""
+    urls = [agent_url(server) for server in servers.split(",") if server.strip()]
+    if not urls:
+        raise ValueError("no server URL given (write e.g. https://llmgw.example.com, or several separated by commas)")
+    return list(dict.fromkeys(urls))
 
 
 class Agent:
@@ -47,7 +62,8 @@ class Agent:
         report_interval: float = 5.0,
         health_interval: float = 5.0,
     ):
-        self.url = agent_url(server)
+        self.urls = agent_urls(server)
+        self.url = self.urls[0]
         self.token = token
         self.facts = facts
         self.report_interval = report_interval
@@ -70,15 +86,18 @@ class Agent:
         await self.engines.adopt()
         loop = asyncio.get_running_loop()
         delay = 0.5
+        index = 0  # the URL dialled; a round is every URL once
+        failed_in_round = 0
         while True:
+            self.url = self.urls[index]
             connected_at = None
             try:
                 async with connect(
                     self.url,
                     additional_headers={"Authorization": f"Bearer {self.token}"},
-                    open_timeout=15,
-                    ping_interval=20,
-                    ping_timeout=20,
+                    open_timeout=OPEN_TIMEOUT,
+                    ping_interval=PING_INTERVAL,
+                    ping_timeout=PING_TIMEOUT,
                     max_size=16 * 1024 * 1024,
                 ) as ws:
                     connected_at = loop.time()
@@ -108,10 +127,21 @@ class Agent:
                 log.warning("cannot reach %s: %s; retrying", self.url, exc or type(exc).__name__)
             except Exception:  # whatever went wrong, engines keep running and the agent tries again
                 log.exception("the stream to %s failed; reconnecting", self.url)
-            if connected_at is not None and loop.time() - connected_at > 30:
-                delay = 0.5
+            if connected_at is not None:
+                # a stream that was up: the same server once more first (its web process restarting), then the rest
+                failed_in_round = 0
+                if loop.time() - connected_at > 30:
+                    delay = 0.5
+                await asyncio.sleep(delay * random.uniform(0.75, 1.25))
+                continue
+            failed_in_round += 1
+            index = (index + 1) % len(self.urls)
+            if failed_in_round < len(self.urls):
+                log.info("trying %s", self.urls[index])
+                continue  # the next control plane at once
+            failed_in_round = 0
             await asyncio.sleep(delay * random.uniform(0.75, 1.25))
-            delay = min(delay * 2, 30.0)
+            delay = min(delay * 2, MAX_DELAY)
 
     async def _session(self, ws) -> str:
         self._dirty.clear()  # the hello says it all

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from agents import agent as agent_program
 from agents import facts
+from agents.agent.program import ADDRESS_ENV
 from agents.agent.records import stop_recorded_engines
 from llmgw.home import home
 
@@ -26,7 +27,12 @@ class AgentError(Exception):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", help="the control plane's URL, e.g. http://10.0.0.1:8000")
+    p.add_argument("--server", help="the control plane's URL, e.g. http://10.0.0.1:8000; with two control planes both, "
+                                    "comma-separated (http://10.0.0.1:8000,http://10.0.0.2:8000): dialled in order, "
+                                    "the next when one does not answer")
+    p.add_argument("--advertise-address", metavar="ADDR", default=None,
+                   help="the address gateways reach this node's engines at (default: the one its stream comes from; "
+                        f"give it when a proxy stands between; or {ADDRESS_ENV})")
     p.add_argument("--token-file", metavar="PATH", help="a file holding the node token (mode 0600)")
     p.add_argument("--token", default="", help=f"the node token; prefer {TOKEN_ENV} or --token-file: every user of "
                                                "the machine can read a command line in `ps`")
@@ -65,6 +71,7 @@ def agent(o: dict, out) -> None:
             port_range,
             stop_timeout=o.get("stop_timeout", 10.0),
             report_interval=_report_interval(),
+            advertise_address=o.get("advertise_address") or os.environ.get(ADDRESS_ENV, ""),
         )
     except ValueError as exc:
         raise AgentError(str(exc)) from None

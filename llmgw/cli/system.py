@@ -72,6 +72,8 @@ def system_restart(o, out):
                 awaited.discard(e["subject"])
             elif e["kind"] == "system.restarted":
                 failed, done_at = (e.get("data") or {}).get("failed") or [], time.monotonic()
+            elif e["kind"] == "system.restart_interrupted":
+                raise CliError("the system restart was cut short (see above); run `llmgw restart` again")
         out.flush()
         if done_at is not None and awaited and time.monotonic() - done_at > o["timeout"]:
             out.write(f"  {', '.join(sorted(awaited))}: not back within {o['timeout']:.0f}s (is it supervised?)\n")

@@ -93,6 +93,12 @@ def test_clean_facts_fills_defaults():
     assert clean["gpus"] == [{"index": 0, "name": "", "memory_bytes": 7}]
 
 
+@pytest.mark.parametrize("address", ["198.18.0.10", "fd00::5", "node-3.example.com", "gpu1"])
+def test_clean_facts_keeps_the_address_an_agent_advertises(address):
+    assert reports._clean_facts({"advertise_address": f" {address} "})["advertise_address"] == address
+    assert "advertise_address" not in reports._clean_facts({"advertise_address": ""})
+
+
 @pytest.mark.parametrize(
     "facts",
     [
@@ -112,6 +118,10 @@ def test_clean_facts_fills_defaults():
         {"port_range": ["a", "b"]},
         {"port_range": [20999, 20000]},
         {"port_range": [0, 10**12]},
+        {"advertise_address": "http://10.0.0.1"},
+        {"advertise_address": "10.0.0.1:8000"},
+        {"advertise_address": "a b"},
+        {"advertise_address": "x" * 300},
     ],
 )
 def test_clean_facts_rejects_garbage_with_value_error(facts):

@@ -177,3 +177,53 @@ def test_the_process_that_ran_the_restart_is_said_to_be_back_by_its_successor(db
     assert back.message.startswith(f"worker {me.id}: back as worker@{host}:42 after ")
     control._succeed(r, "worker", f"worker@{host}:44", system.successor_started)  # once
     assert Event.objects.filter(kind="process.restarted").count() == 1
+
+
+def test_a_restart_whose_process_died_is_said_to_be_cut_short_once_its_lock_lapses(db):
+    """A worker killed mid-restart holds nothing for long: its lock lapses LOCK_TTL after its last heartbeat, and
+    the next reconcile tick records what was restarted and what was not; a new restart may be queued at once."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from cluster.events import record
+    from cluster.tasks import reconcile_tick
+
+    begun = record(system.BEGUN, "user:ops", "system restart: …", agents=["gpu-1", "gpu-2", "gpu-3"])
+    record("agent.restart", "user:ops", "asked", subject="gpu-1")
+    record("agent.restarted", "user:ops", "agent gpu-1: back after 2.0s", subject="gpu-1")
+    record("agent.restart", "user:ops", "asked", subject="gpu-2")  # and then the worker was killed
+    lock = redis_client().lock(system.LOCK, timeout=60)
+    assert lock.acquire()
+    try:
+        assert not system.check_interrupted()  # just begun
+        Event.objects.filter(pk=begun.pk).update(created_at=timezone.now() - timedelta(seconds=system.LOCK_TTL + 1))
+        assert not system.check_interrupted()  # its process is alive: the lock is kept
+    finally:
+        lock.release()
+    reconcile_tick()
+    [cut] = Event.objects.filter(kind="system.restart_interrupted")
+    assert cut.data == {"done": ["agent gpu-1"], "not_done": ["agent gpu-2", "agent gpu-3",
+                                                              "every control-plane process"]}
+    assert "run `llmgw restart` again" in cut.message
+    assert not system.check_interrupted()  # said once
+    response = client_for("operator").post(f"{API}/system/restart/")
+    assert response.status_code == 202, response.content
+    redis_client().delete(system.QUEUED)
+
+
+def test_a_running_restart_keeps_its_lock_alive_and_takes_it_again_when_redis_lost_it(db, monkeypatch):
+    monkeypatch.setattr(system, "HEARTBEAT", 0.1)
+    lock = redis_client().lock(system.LOCK, timeout=1, thread_local=False)
+    assert lock.acquire()
+    alive = system._Heartbeat(lock)
+    alive.start()
+    try:
+        time.sleep(1.5)  # past the TTL: kept
+        assert redis_client().exists(system.LOCK)
+        redis_client().delete(system.LOCK)  # Redis restarted empty
+        time.sleep(0.5)
+        assert redis_client().get(system.LOCK) == lock.local.token
+    finally:
+        alive.stop()
+        lock.release()

@@ -82,10 +82,11 @@ class System:
     admin_token: str = ""
     _dropdb: tuple[str, str] | None = None
     supervisor: Supervisor = field(default_factory=Supervisor)
+    host: str = "127.0.0.1"  # where the web process listens
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     # processes
 
@@ -207,8 +208,12 @@ class System:
                 conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def start_system(home: Path, extra_env: dict | None = None, redis_db: int = 3) -> System:
-    """Migrate a fresh database, then start web, worker and beat. Agents are added by the tests."""
+def start_system(home: Path, extra_env: dict | None = None, redis_db: int = 3, host: str = "127.0.0.1",
+                 database_url: str | None = None, redis_url: str | None = None) -> System:
+    """Migrate a fresh database, then start web, worker and beat. Agents are added by the tests. The web process
+    listens on `host` (loopback; a test network's bridge for agents in namespaces). `database_url` (a PostgreSQL
+    server's, where the run's database is made) and `redis_url` stand for DATABASE_URL and REDIS_URL: servers of
+    the test's own, which it may restart."""
     home.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "DJANGO_SETTINGS"))}
     env.update(
@@ -224,11 +229,11 @@ def start_system(home: Path, extra_env: dict | None = None, redis_db: int = 3) -
     )
     env.update(extra_env or {})
     dropdb = None
-    if os.environ.get("DATABASE_URL", "").startswith(("postgres", "postgresql")):
+    if (database_url or os.environ.get("DATABASE_URL", "")).startswith(("postgres", "postgresql")):
         import psycopg
 
         name = "llmgw_it_" + secrets.token_hex(4)
-        admin_url = os.environ["DATABASE_URL"]
+        admin_url = database_url or os.environ["DATABASE_URL"]
         with psycopg.connect(admin_url, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         env["DATABASE_URL"] = _with_db(admin_url, name)
@@ -236,8 +241,8 @@ def start_system(home: Path, extra_env: dict | None = None, redis_db: int = 3) -
     else:
         env["DATABASE_URL"] = f"sqlite:///{home / 'db.sqlite3'}"
     # Our own Redis db, so the in-process tests' flushes never touch the running system.
-    env["REDIS_URL"] = _redis_db(os.environ["REDIS_URL"], redis_db)
-    system = System(home=home, env=env, port=free_port(), _dropdb=dropdb)
+    env["REDIS_URL"] = _redis_db(redis_url or os.environ["REDIS_URL"], redis_db)
+    system = System(home=home, env=env, port=free_port(), _dropdb=dropdb, host=host)
     try:
         flush_redis(env["REDIS_URL"])
         subprocess.run(
@@ -254,7 +259,7 @@ def start_system(home: Path, extra_env: dict | None = None, redis_db: int = 3) -
         out = system.cli("user", "add", "admin", "--role", "admin", "--password", "admin-password").stdout
         system.admin_token = out.strip().split()[-1]
         py = sys.executable
-        system.spawn("web", web_argv("127.0.0.1", system.port, env.get("LLMGW_WEB_SERVER") or None))
+        system.spawn("web", web_argv(host, system.port, env.get("LLMGW_WEB_SERVER") or None))
         system.spawn("worker", [py, "-m", "celery", "-A", "llmgw", "worker", "-l", "info", "-c", "1",
                                 "--without-gossip", "--without-mingle", "-n", f"it-{system.port}@%h"])
         system.spawn("beat", [py, "-m", "celery", "-A", "llmgw", "beat", "-l", "info",
@@ -296,10 +301,10 @@ def make_model_file(system: System, name: str = "tiny.bin", size: int = 2 * MiB)
 
 def start_web(system: System, name: str = "web2", server: str | None = None) -> str:
     """Another web process (uvicorn or daphne; default: as LLMGW_WEB_SERVER) on the same database, Redis and
-    settings; returns its URL."""
+    settings, on the same address; returns its URL."""
     port = free_port()
-    system.spawn(name, web_argv("127.0.0.1", port, server))
-    url = f"http://127.0.0.1:{port}"
+    system.spawn(name, web_argv(system.host, port, server))
+    url = f"http://{system.host}:{port}"
     wait_for(lambda: _http_ok(url + "/login/"), 60, what=f"{name} to answer")
     return url
 

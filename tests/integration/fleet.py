@@ -1,0 +1,355 @@
+"""A fleet across network namespaces for the fault matrix (tests/integration/test_fleet.py).
+
+Two control planes (web, Celery worker and beat each) on one PostgreSQL and one Redis of the test's own (the
+matrix restarts them), Debian's nginx in front of both webs as the README configures it, and agent hosts in
+network namespaces (tests/integration/netns.py), each agent dialling both control planes (`--server A,B`) through a
+delaying relay of its own (no delay until a scenario sets one), so it advertises its own address.
+
+While a scenario runs, `Load` keeps a few requests in flight through nginx with the official `openai` client and
+counts every failure, and `Watch` checks the invariants twice a second: per model, replicas counting toward it
+never beyond what it wants plus one surge replica; never two engines for one replica; per node, the memory of its
+replicas within what it offers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import psycopg
+
+from agents.agent.records import engines_dir
+from agents.ports import free_port
+from llmgw.valkey import EmbeddedValkey
+from tests.integration import netns
+from tests.integration.harness import (
+    MANAGE,
+    Agent,
+    System,
+    add_test_engine,
+    make_model_file,
+    start_nginx,
+    start_system,
+    start_web,
+    wait_for,
+)
+
+COUNTING = ("pending", "downloading", "starting", "ready")
+HOLDING_MEMORY = ("downloading", "starting", "ready", "draining", "stopping")
+MODEL = "fleet"
+
+
+class OwnPostgres:
+    """A PostgreSQL server of the test's own (initdb under `runuser -u postgres`), which it may restart."""
+
+    def __init__(self):
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        if not found:
+            raise RuntimeError("PostgreSQL's server programs are missing (/usr/lib/postgresql/*/bin)")
+        self.bin = Path(found[-1]).parent
+        self.root = Path(tempfile.mkdtemp(prefix="llmgw-pg-"))
+        self.root.chmod(0o755)
+        shutil.chown(self.root, "postgres", "postgres")
+        self.data = self.root / "data"
+        self.port = free_port()
+        self._as_postgres(str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
+        self.start()
+
+    def _as_postgres(self, *argv: str) -> None:
+        done = subprocess.run(["runuser", "-u", "postgres", "--", *argv], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip() or done.stdout.strip()}")
+
+    @property
+    def url(self) -> str:
+        return f"postgres://postgres@127.0.0.1:{self.port}/postgres"
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=300"
+        self._as_postgres(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "log"), "-o", options,
+                          "-w", "-t", "60", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._as_postgres(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
+
+    def close(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            self.stop("immediate")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@dataclass
+class Fleet:
+    net: netns.Network
+    system: System  # control plane A; B's processes are web-b, worker-b, beat-b in system.procs
+    url_b: str
+    nginx: str
+    key: str
+    postgres: OwnPostgres
+    valkey: EmbeddedValkey
+    hosts: dict[str, netns.Host] = field(default_factory=dict)
+    relays: dict[str, netns.DelayRelay] = field(default_factory=dict)
+
+    # the control planes
+
+    def control_plane(self, which: str) -> list[str]:
+        return ["web", "worker", "beat"] if which == "a" else ["web-b", "worker-b", "beat-b"]
+
+    def kill_control_plane(self, which: str) -> None:
+        """SIGKILL every process of one control plane at once, as a machine that loses its power."""
+        for name in self.control_plane(which):
+            proc = self.system.procs[name]
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+        for name in self.control_plane(which):
+            self.system.procs[name].popen.wait(10)
+
+    def start_control_plane(self, which: str) -> None:
+        py, home, port = sys.executable, self.system.home, self.system.port
+        if which == "a":
+            from llmgw.web import web_argv
+
+            self.system.spawn("web", web_argv(self.system.host, port))
+            wait_for(lambda: _answers(self.system.url), 60, what="control plane A's web")
+        else:
+            self.url_b = start_web(self.system, "web-b") if not self.url_b else self._restart_web_b()
+        suffix = "" if which == "a" else "-b"
+        self.system.spawn(f"worker{suffix}", [py, "-m", "celery", "-A", "llmgw", "worker", "-l", "info", "-c", "1",
+                                              "--without-gossip", "--without-mingle", "-n", f"fleet{suffix}-{port}@%h"])
+        self.system.spawn(f"beat{suffix}", [py, "-m", "celery", "-A", "llmgw", "beat", "-l", "info",
+                                            "-s", str(home / f"celerybeat-schedule{suffix}")])
+
+    def _restart_web_b(self) -> str:
+        from llmgw.web import web_argv
+
+        host, port = self.url_b.removeprefix("http://").rsplit(":", 1)
+        self.system.spawn("web-b", web_argv(host, int(port)))
+        wait_for(lambda: _answers(self.url_b), 60, what="control plane B's web")
+        return self.url_b
+
+    def api(self, path: str, url: str | None = None, **params):
+        import httpx
+
+        response = httpx.get((url or self.url_b) + path, params=params, timeout=30,
+                             headers={"Authorization": f"Bearer {self.system.admin_token}"})
+        response.raise_for_status()
+        return response.json()
+
+    # agents
+
+    def start_agent(self, name: str) -> None:
+        host, agent, relay = self.hosts[name], self.system.agents[name], self.relays[name]
+        env = dict(self.system.env, LLMGW_AGENT_TOKEN=agent.token, LLMGW_ENGINE_HOST=host.address)
+        argv = [sys.executable, str(MANAGE), "llmgw", "agent", "--server", f"{relay.url},{self.url_b}",
+                "--advertise-address", host.address, "--state-dir", str(agent.state_dir), "--memory", agent.memory,
+                "--gpus", "none", "--port-range", agent.port_range, "--stop-timeout", "5"]
+        agent.proc = self.system.spawn(f"agent-{name}", host.argv(argv), env=env)
+
+    def engines(self) -> dict[str, list[tuple[str, int]]]:
+        """Every engine process running on the hosts, by the replica its agent recorded it for: (host, pid)."""
+        found: dict[str, list[tuple[str, int]]] = {}
+        for name, host in self.hosts.items():
+            recorded = {}
+            for path in engines_dir(self.system.agents[name].state_dir).glob("*.json"):
+                with contextlib.suppress(OSError, ValueError):
+                    record = json.loads(path.read_text())
+                    recorded[int(record["pid"])] = record["name"]
+            for pid in host.pids():
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                if b"tests/engine.py" in cmdline:
+                    found.setdefault(recorded.get(pid, f"unrecorded pid {pid}"), []).append((name, pid))
+        return found
+
+    def rows(self, sql: str, *args) -> list[tuple]:
+        with psycopg.connect(self.system.env["DATABASE_URL"], connect_timeout=5) as conn:
+            return conn.execute(sql, args).fetchall()
+
+    def replicas(self, model: str = MODEL) -> list[dict]:
+        rows = self.rows(
+            "SELECT r.name, r.state, r.restart, n.name FROM cluster_replica r JOIN cluster_model m ON m.id = r.model_id "
+            "LEFT JOIN cluster_node n ON n.id = r.node_id WHERE m.name = %s ORDER BY r.id", model)
+        return [{"name": n, "state": s, "restart": r, "node": node} for n, s, r, node in rows]
+
+    def ready(self, model: str = MODEL) -> list[dict]:
+        return [r for r in self.replicas(model) if r["state"] == "ready"]
+
+    def orphans(self) -> list[str]:
+        """Engines running with no live replica row naming them on their node."""
+        live = {(name, node) for name, state, node in self.rows(
+            "SELECT r.name, r.state, n.name FROM cluster_replica r JOIN cluster_node n ON n.id = r.node_id "
+            "WHERE r.state NOT IN ('failed', 'stopped')")}
+        return [f"{replica} on {host} (pid {pid})" for replica, found in self.engines().items()
+                for host, pid in found if (replica, host) not in live]
+
+    def close(self) -> None:
+        for relay in self.relays.values():
+            relay.close()
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/login/", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_fleet(home: Path, hosts=("n1", "n2", "n3"), replicas: int = 2) -> Fleet:
+    net = netns.Network()
+    postgres = valkey = system = fleet = None
+    try:
+        postgres = OwnPostgres()
+        valkey = EmbeddedValkey(home / "valkey")
+        valkey.start()
+        system = start_system(home, host=net.address, database_url=postgres.url, redis_url=valkey.url, redis_db=0,
+                              extra_env={"LLMGW_ENGINE_HOST": ""})
+        fleet = Fleet(net, system, "", "", "", postgres, valkey)
+        fleet.start_control_plane("b")
+        fleet.nginx, _ = start_nginx(system, [system.url, fleet.url_b])
+        add_test_engine(system)
+        system.sha = make_model_file(system)
+        for name in hosts:
+            host = fleet.hosts[name] = net.host(name)
+            out = system.cli("node", "add", name, "--server", system.url).stdout
+            token = next(w for w in out.split() if w.startswith("lnt_"))
+            system.agents[name] = Agent(name, token, home / f"agent-{name}", "1GiB", "22000-22199")
+            web_a = system.url.removeprefix("http://").rsplit(":", 1)
+            fleet.relays[name] = netns.DelayRelay(net.address, (web_a[0], int(web_a[1])), 0.0)
+            fleet.start_agent(name)
+        system.wait_nodes_connected(list(hosts), timeout=60)
+        system.cli("ctl", "model", "add", MODEL, "--file", system.sha, "--engine", "testengine", "--replicas",
+                   str(replicas), "--memory", "300MiB")
+        system.wait_ready(MODEL, replicas, timeout=90)
+        fleet.key = system.cli("ctl", "keys", "create", "fleet-load").stdout.split()[-1]
+        return fleet
+    except BaseException:
+        if system is not None:
+            print(system.diagnostics())
+        stop_fleet(fleet, net, system, postgres, valkey)
+        raise
+
+
+def stop_fleet(fleet, net, system, postgres, valkey) -> None:
+    if fleet is not None:
+        fleet.close()
+    if system is not None:
+        system.stop()
+    if net is not None:
+        net.close()
+    if valkey is not None:
+        valkey.stop()
+    if postgres is not None:
+        postgres.close()
+
+
+class Load:
+    """A few requests in flight throughout, through nginx with the official client; every failure counted."""
+
+    def __init__(self, url: str, key: str, workers: int = 3, model: str = MODEL):
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+        self.url, self.key, self.model = url, key, model
+        self.ok = 0
+        self.failures: list[tuple[float, str]] = []
+        self.slowest = 0.0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._work, args=(i,), daemon=True) for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def _work(self, worker: int) -> None:
+        client = openai.OpenAI(base_url=self.url + "/v1", api_key=self.key, max_retries=0, timeout=60)
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            started = time.monotonic()
+            try:
+                client.chat.completions.create(model=self.model, max_tokens=4,
+                                               messages=[{"role": "user", "content": f"worker {worker}, request {n}"}])
+                with self._lock:
+                    self.ok += 1
+            except Exception as exc:  # every failure is the finding: counted with what it said
+                with self._lock:
+                    self.failures.append((time.time(), f"{type(exc).__name__}: {exc}"[:300]))
+            with self._lock:
+                self.slowest = max(self.slowest, time.monotonic() - started)
+            time.sleep(0.05)
+
+    def mark(self) -> tuple[int, int]:
+        with self._lock:
+            self.slowest = 0.0
+            return self.ok, len(self.failures)
+
+    def since(self, mark: tuple[int, int]) -> tuple[int, list[str]]:
+        with self._lock:
+            return self.ok - mark[0], [f for _, f in self.failures[mark[1]:]]
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(90)
+
+
+class Watch:
+    """The invariants, checked twice a second while a scenario runs; what broke them, with when."""
+
+    def __init__(self, fleet: Fleet, surge: int = 1):
+        self.fleet, self.surge = fleet, surge
+        self.broken: list[str] = []
+        self.checks = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self.check()
+            except (psycopg.Error, OSError):  # the database restarted under the scenario: checked again next time
+                continue
+
+    def check(self) -> None:
+        fleet, now = self.fleet, time.strftime("%H:%M:%S")
+        for model, wanted, counting in fleet.rows(
+                "SELECT m.name, m.replicas, COUNT(r.id) FILTER (WHERE r.state = ANY(%s) AND r.restart <> 'replacing') "
+                "FROM cluster_model m LEFT JOIN cluster_replica r ON r.model_id = m.id GROUP BY m.id", list(COUNTING)):
+            if counting > wanted + self.surge:
+                self.broken.append(f"{now} {model}: {counting} replicas count toward it, it wants {wanted}")
+        for node, offered, held in fleet.rows(
+                "SELECT n.name, n.memory_bytes, COALESCE(SUM(r.memory_bytes) FILTER (WHERE r.state = ANY(%s)), 0) "
+                "FROM cluster_node n LEFT JOIN cluster_replica r ON r.node_id = n.id GROUP BY n.id",
+                list(HOLDING_MEMORY)):
+            if held > offered:
+                self.broken.append(f"{now} node {node}: replicas hold {held} bytes of the {offered} it offers")
+        for replica, found in fleet.engines().items():
+            if len(found) > 1:
+                self.broken.append(f"{now} two engines for {replica}: {found}")
+        self.checks += 1
+
+    def stop(self) -> list[str]:
+        self._stop.set()
+        self._thread.join(10)
+        self.check()
+        # every replica's state was written with an Event saying so (pending has several: placed, waiting, …)
+        for name, state in self.fleet.rows(
+                "SELECT r.name, r.state FROM cluster_replica r WHERE r.state <> 'pending' AND NOT EXISTS ("
+                "SELECT 1 FROM cluster_event e WHERE e.subject = r.name AND e.kind = 'replica.' || r.state)"):
+            self.broken.append(f"replica {name} is {state} with no replica.{state} Event")
+        return self.broken

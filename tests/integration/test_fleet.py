@@ -1,0 +1,222 @@
+"""The fault matrix: a fleet across network namespaces with two control planes (tests/integration/fleet.py).
+
+Each scenario runs with requests in flight throughout (`Load`) and the invariants watched (`Watch`), and adds a
+row to the report printed at the end (`pytest -s`): requests served and failed, duplicates, orphans, and the time
+to recover.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.integration import netns
+from tests.integration.fleet import MODEL, Load, Watch, start_fleet, stop_fleet
+from tests.integration.harness import holds_for, wait_for
+
+pytestmark = pytest.mark.integration
+
+TOLERANCE = 6  # LLMGW_NODE_TOLERANCE and LLMGW_NODE_LOST_GRACE, as tests/integration/harness.py sets them
+GRACE = 8
+REPORT: list[tuple] = []
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    why = netns.unavailable()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the fleet tests: {why}")
+        pytest.skip(why)
+    started = start_fleet(tmp_path_factory.mktemp("fleet"))
+    try:
+        yield started
+    finally:
+        print(report())
+        stop_fleet(started, started.net, started.system, started.postgres, started.valkey)
+
+
+def report() -> str:
+    lines = ["", "| scenario | served | failed | invariants broken | orphans | recovered in |", "|---|---|---|---|---|---|"]
+    lines += [f"| {' | '.join(str(c) for c in row)} |" for row in REPORT]
+    return "\n".join(lines)
+
+
+@pytest.fixture
+def scenario(fleet, request):
+    """The fleet steady (every host's agent connected, the model's replicas ready), load on, invariants watched."""
+    def steady():
+        rows = [r for r in fleet.replicas() if r["state"] not in ("failed", "stopped")]
+        return len(rows) == 2 and all(r["state"] == "ready" for r in rows)
+
+    wait_for(steady, 120, what=f"two ready replicas of {MODEL} and no other: {fleet.replicas()}")
+    fleet.system.wait_nodes_connected(list(fleet.hosts), timeout=60)
+    load, watch = Load(fleet.nginx, fleet.key), Watch(fleet)
+    outcome = {"recovered": "-", "orphans": 0}
+    try:
+        yield load, watch, outcome
+    finally:
+        load.stop()
+        broken = watch.stop()
+        served, failed = load.since((0, 0))
+        REPORT.append((request.node.name.removeprefix("test_"), served, len(failed), len(broken), outcome["orphans"],
+                       outcome["recovered"]))
+        for host in fleet.hosts.values():
+            host.heal()
+        for relay in fleet.relays.values():
+            relay.delay = 0.0
+    assert not broken, broken
+    assert not failed, failed[:5]
+
+
+def host_with_a_replica(fleet) -> tuple[str, list[str]]:
+    ready = fleet.ready()
+    node = ready[0]["node"]
+    return node, sorted(r["name"] for r in ready if r["node"] == node)
+
+
+def engine_pids(fleet) -> dict[str, list[tuple[str, int]]]:
+    return {name: found for name, found in fleet.engines().items()}
+
+
+def no_orphans_within(fleet, seconds: float) -> float:
+    started = time.monotonic()
+    wait_for(lambda: not fleet.orphans(), seconds, what=f"no engine without a live replica row: {fleet.orphans()}")
+    return time.monotonic() - started
+
+
+def test_a_node_cut_off_shorter_than_the_tolerance_moves_nothing(fleet, scenario):
+    load, watch, outcome = scenario
+    node, replicas = host_with_a_replica(fleet)
+    before_rows, before_engines = fleet.replicas(), engine_pids(fleet)
+    fleet.hosts[node].cut()
+    time.sleep(TOLERANCE / 2)
+    fleet.hosts[node].heal()
+    holds_for(lambda: fleet.replicas() == before_rows and engine_pids(fleet) == before_engines, TOLERANCE + GRACE + 4,
+              what="the same replicas and the same engine processes")
+
+
+def test_a_node_cut_off_past_the_grace_is_replaced_and_its_stale_engine_stops_after(fleet, scenario):
+    load, watch, outcome = scenario
+    node, replicas = host_with_a_replica(fleet)
+    host = fleet.hosts[node]
+    cut_at = time.monotonic()
+    host.cut()
+    wait_for(lambda: len([r for r in fleet.ready() if r["node"] != node]) == 2, 90,
+             what="two ready replicas on the other nodes")
+    outcome["recovered"] = f"{time.monotonic() - cut_at:.1f} s (replaced)"
+    stale = [name for name, found in fleet.engines().items() if any(h == node for h, _ in found)]
+    assert set(replicas) <= set(stale)  # still running over there, cut off
+    host.heal()
+    took = no_orphans_within(fleet, 60)
+    outcome["recovered"] += f", stale engine stopped {took:.1f} s after the heal"
+    assert not set(replicas) & set(fleet.engines())
+
+
+def test_a_lossy_slow_link_replaces_nothing_and_fails_nothing(fleet, scenario):
+    load, watch, outcome = scenario
+    node, replicas = host_with_a_replica(fleet)
+    before = fleet.replicas()
+    fleet.relays[node].delay = 0.2
+    fleet.hosts[node].lossy(30)
+    holds_for(lambda: fleet.replicas() == before, 60, interval=1.0, what="no replica replaced")
+    fleet.hosts[node].heal()
+    fleet.relays[node].delay = 0.0
+    fleet.system.wait_nodes_connected([node], timeout=60)
+
+
+def test_a_control_plane_killed_the_agents_and_the_gateway_go_on_through_the_other(fleet, scenario):
+    load, watch, outcome = scenario
+    system = fleet.system
+    last_event = fleet.api("/api/v1/events/", limit=1)["results"][0]["id"]
+    killed_at = time.monotonic()
+    fleet.kill_control_plane("a")
+
+    def reconnected():
+        events = fleet.api("/api/v1/events/", kind_prefix="node.connected", after=last_event, limit=100)["results"]
+        return {e["subject"] for e in events} >= set(fleet.hosts)
+
+    wait_for(reconnected, 60, what="every agent connected to control plane B")
+    outcome["recovered"] = f"agents on B {time.monotonic() - killed_at:.1f} s after the kill"
+    # the reconciler still acts (B's beat and worker): a third replica, and back to two
+    system.cli("ctl", "model", "set", MODEL, "--replicas", "3")
+    wait_for(lambda: len(fleet.ready()) == 3, 60, what="a third replica ready, placed by B's reconciler")
+    system.cli("ctl", "model", "set", MODEL, "--replicas", "2")
+    wait_for(lambda: len(fleet.ready()) == 2 and len([r for r in fleet.replicas() if r["state"] != "stopped"
+                                                       and r["state"] != "failed"]) == 2, 60, what="back to two")
+
+    fleet.start_control_plane("a")
+    web_log = system.home / "logs" / "web.log"
+    served_before = web_log.read_text().count("llmgw.access")
+    wait_for(lambda: web_log.read_text().count("llmgw.access") > served_before + 5, 30,
+             what="nginx sending requests to control plane A again")
+
+
+def test_an_agent_host_that_reboots_has_its_replicas_failed_and_replaced_once(fleet, scenario):
+    load, watch, outcome = scenario
+    node, replicas = host_with_a_replica(fleet)
+    fleet.hosts[node].kill_all()  # the agent and its engines, at once
+    rebooted_at = time.monotonic()
+    fleet.start_agent(node)
+
+    def replaced():
+        rows = {r["name"]: r for r in fleet.replicas()}
+        return all(rows[name]["state"] == "failed" for name in replicas) and len(fleet.ready()) == 2
+
+    wait_for(replaced, 90, what="the host's replicas failed and the model back to two ready")
+    outcome["recovered"] = f"{time.monotonic() - rebooted_at:.1f} s"
+    rows = fleet.replicas()
+    assert len([r for r in rows if r["state"] in ("pending", "downloading", "starting", "ready")]) == 2
+    outcome["orphans"] = len(fleet.orphans())
+    assert not fleet.orphans()
+
+
+def test_postgresql_and_redis_restarted_under_load_need_no_restart_of_llmgw(fleet, scenario):
+    load, watch, outcome = scenario
+    system = fleet.system
+    pids = {name: proc.popen.pid for name, proc in system.procs.items() if proc.alive()}
+    started = time.monotonic()
+    fleet.postgres.stop("fast")
+    time.sleep(1)
+    fleet.postgres.start()
+    fleet.valkey.stop()
+    fleet.valkey.start()  # empty: no persistence
+    # the reconciler acts afterwards: a third replica and back
+    wait_for(lambda: system.cli("ctl", "model", "set", MODEL, "--replicas", "3", check=False).returncode == 0, 60,
+             what="the CLI to change the model after the restarts")
+    wait_for(lambda: len(fleet.ready()) == 3, 90, what="a third replica ready after PostgreSQL and Redis restarted")
+    outcome["recovered"] = f"{time.monotonic() - started:.1f} s (reconciler placed a replica)"
+    system.cli("ctl", "model", "set", MODEL, "--replicas", "2")
+    wait_for(lambda: len(fleet.ready()) == 2, 60, what="back to two")
+    assert {name: proc.popen.pid for name, proc in system.procs.items() if proc.alive()} == pids
+
+
+def test_a_worker_killed_in_the_middle_of_a_system_restart(fleet, scenario):
+    """The restart says what it did not do once the worker running it is gone, holds nothing, and runs again to
+    the end. Every control-plane process is supervised from here on, as systemd would."""
+    load, watch, outcome = scenario
+    system = fleet.system
+    system.supervise(*fleet.control_plane("a"), *fleet.control_plane("b"))
+    last = fleet.api("/api/v1/events/", limit=1)["results"][0]["id"]
+    assert system.api("POST", "/api/v1/system/restart/").status_code == 202
+
+    def steps(kind: str) -> list[dict]:
+        return fleet.api("/api/v1/events/", kind_prefix=kind, after=last, limit=100)["results"]
+
+    wait_for(lambda: steps("agent.restarted"), 60, what="the first agent restarted")
+    logs = system.home / "logs"
+    [running] = [name for name in ("worker", "worker-b") if "restart_system[" in (logs / f"{name}.log").read_text()]
+    killed_at = time.monotonic()
+    os.killpg(system.procs[running].popen.pid, 9)
+    [cut] = wait_for(lambda: steps("system.restart_interrupted"), 90, what="the restart said to be cut short")
+    outcome["recovered"] = f"cut short said {time.monotonic() - killed_at:.1f} s after the kill"
+    assert cut["data"]["done"] and any(step.startswith("agent ") for step in cut["data"]["done"])
+    assert "every control-plane process" in cut["data"]["not_done"]
+    assert not steps("system.restarted")
+
+    # nothing half-restarted: every agent is connected; and the restart runs again, to the end
+    system.wait_nodes_connected(list(fleet.hosts), timeout=60)
+    done = system.cli("restart", "--timeout", "60", timeout=600)
+    assert "system restart done" in done.stdout, done.stdout
