@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
@@ -16,6 +17,7 @@ from cluster.clients import allowed_host, header, page_scheme
 
 log = logging.getLogger("llmgw.agents")
 REFUSED = 4003
+REAPPLY_EVERY = 30.0  # seconds: a report the same as the last one applied is applied whole again this often
 
 
 def _merged(earlier: dict, later: dict) -> dict:
@@ -51,6 +53,8 @@ class AgentConsumer(notify.StopsCleanly, AsyncJsonWebsocketConsumer):
 
     node_pk: int | None = None
     node_name = ""
+    _applied: tuple | None = None  # the last report applied whole, and when: the same again is only a heartbeat
+    _applied_at = 0.0
     _worker: asyncio.Task | None = None
     _closing = False  # the socket is closed (by either end): what is still queued is handled, nothing is sent
 
@@ -178,14 +182,20 @@ class AgentConsumer(notify.StopsCleanly, AsyncJsonWebsocketConsumer):
 
     async def on_hello(self, message):
         await database_sync_to_async(reports.hello)(self.node_pk, message["facts"], list(message.get("replicas") or []))
-        await self.send_desired({})
+        await self._send_desired()
 
     async def on_report(self, message):
-        left = await database_sync_to_async(reports.report)(
-            self.node_pk, list(message.get("replicas") or []), bool(message.get("full"))
-        )
+        said = (list(message.get("replicas") or []), bool(message.get("full")))
+        if said == self._applied and time.monotonic() - self._applied_at < REAPPLY_EVERY:
+            # the heartbeat of a node where nothing changed: that it was seen, one UPDATE (hundreds of agents
+            # report every 5 s; applying each report whole was most of the control plane's steady CPU)
+            await database_sync_to_async(reports.seen)(self.node_pk)
+            return
+        self._applied = None
+        left = await database_sync_to_async(reports.report)(self.node_pk, *said)
+        self._applied, self._applied_at = said, time.monotonic()
         if left:
-            await self.send_desired({})
+            await self._send_desired()
 
     async def on_progress(self, message):
         await database_sync_to_async(reports.progress)(
@@ -195,6 +205,10 @@ class AgentConsumer(notify.StopsCleanly, AsyncJsonWebsocketConsumer):
     # Channel-layer messages (cluster.notify: from the reconciler, the operations and newer streams).
 
     async def send_desired(self, event):
+        self._applied = None  # the node's list changed: its next report is applied whole
+        await self._send_desired()
+
+    async def _send_desired(self):
         desired = await database_sync_to_async(reports.desired)(self.node_pk, self.mirror_base())
         await self.send_json(desired)
 

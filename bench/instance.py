@@ -32,8 +32,16 @@ def gguf_path() -> Path:
     return found
 
 
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url + "/login/", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 class Instance:
-    def __init__(self, tag: str, env: dict | None = None, agent_memory: str | None = None):
+    def __init__(self, tag: str, env: dict | None = None, agent_memory: str | None = None,
+                 up_args: list[str] | None = None):
         self.home = Path(tempfile.mkdtemp(prefix=f"llmgw-bench-{tag}-"))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -44,10 +52,14 @@ class Instance:
         argv = [sys.executable, str(MANAGE), "llmgw", "up", "--port", str(self.port), "--no-demo"]
         if agent_memory:
             argv += ["--agent-memory", agent_memory]
+        argv += up_args or []
         self.up = subprocess.Popen(argv, env=self.env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
-        self.wait(lambda: self.cli("ctl", "nodes", "--json", check=False).returncode == 0
-                  and json.loads(self.cli("ctl", "nodes", "--json").stdout or "[]"), 120, "the local agent")
+        if "--no-agent" in (up_args or []):
+            self.wait(lambda: _answers(self.url), 120, "the web process")
+        else:
+            self.wait(lambda: self.cli("ctl", "nodes", "--json", check=False).returncode == 0
+                      and json.loads(self.cli("ctl", "nodes", "--json").stdout or "[]"), 120, "the local agent")
         said = self.cli("user", "add", "bench-admin", "--role", "admin").stdout
         self.token = said.split("(shown once): ", 1)[1].split()[0]
 

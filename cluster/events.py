@@ -6,11 +6,18 @@ from celery import current_app
 from django.db import transaction
 
 from cluster import notify
+from cluster.locks import redis_client
 from cluster.models import Event
 
 log = logging.getLogger("llmgw.events")
 
 RECONCILE_TASK = "cluster.tasks.reconcile"  # sent by name: the tasks module sits above everything that kicks
+# A run asked for and not yet begun: while it is there, a kick sends no other task (the queued run will see the
+# change). Hundreds of agents reporting at once made hundreds of runs one after another, each reading the whole
+# cluster; now they make one, and one more for what came while it ran. The run deletes it as it begins; it
+# lapses by itself should no worker take the task (beat's tick runs the reconciler anyway).
+RECONCILE_QUEUED = "llmgw:reconcile:queued"
+QUEUED_TTL = 10
 
 
 def record(kind: str, actor: str, message: str, subject: str = "", **data) -> Event:
@@ -31,15 +38,22 @@ def ask_reconciler() -> None:
         log.warning("could not kick the reconciler (%s); its next tick will pick the request up", exc)
 
 
-def kick_reconciler() -> None:
-    """Run the reconciler soon after this transaction commits, and have the gateways reload. If the broker is
-    away, beat's next tick runs it."""
+def kick_reconciler(routing: bool = True) -> None:
+    """Run the reconciler soon after this transaction commits, and have the gateways reload (unless `routing` is
+    False: the change moves no route, such as an agent connecting again from the same address; what the
+    reconciler then changes reloads them itself). If the broker is away, beat's next tick runs it."""
 
     def send():
+        try:
+            if not redis_client().set(RECONCILE_QUEUED, 1, nx=True, ex=QUEUED_TTL):
+                return  # a run is queued and has not begun: it reads this change
+        except Exception as exc:  # Redis away: send the task anyway
+            log.debug("could not check for a queued reconcile (%s)", exc)
         try:
             current_app.send_task(RECONCILE_TASK, retry=False, expires=30)
         except Exception as exc:  # the broker is down: the change is saved; beat catches up when it is back
             log.warning("could not kick the reconciler (%s); its next tick will pick the change up", exc)
 
     transaction.on_commit(send)
-    notify.routing_changed()
+    if routing:
+        notify.routing_changed()

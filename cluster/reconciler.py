@@ -13,7 +13,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from cluster import autoscaler, inflight, notify, planner
-from cluster.events import record
+from cluster.events import RECONCILE_QUEUED, record
 from cluster.locks import redis_client
 from cluster.memory import estimate
 from cluster.models import ClusterSettings, Model, Node, Replica
@@ -375,6 +375,7 @@ def reconcile_once() -> int:
 def reconcile(max_passes: int = 5) -> int | None:
     """Run under the lock; if someone asked again meanwhile (dirty), run again. None if another run holds it."""
     r = redis_client()
+    r.delete(RECONCILE_QUEUED)  # begun: a change from now on queues the next run
     r.set(DIRTY_KEY, 1, ex=60)
     lock = r.lock(LOCK_KEY, timeout=LOCK_TTL, blocking=False)
     if not lock.acquire():

@@ -29,10 +29,11 @@ def connected(node_pk: int, address: str) -> Node:
     now = timezone.now()
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node_pk)
+        moved = node.address != address  # where gateways dial its engines, unless it advertises an address
         node.connected, node.last_seen, node.address = True, now, address
         node.save(update_fields=["connected", "last_seen", "address"])
         record("node.connected", f"agent:{node.name}", f"node {node.name} connected from {address}", subject=node.name)
-        kick_reconciler()
+        kick_reconciler(routing=moved)
     return node
 
 
@@ -42,7 +43,7 @@ def disconnected(node_pk: int) -> None:
         if node is None or not Node.objects.filter(pk=node_pk, connected=True).update(connected=False):
             return
         record("node.disconnected", f"agent:{node.name}", f"node {node.name}: agent stream closed", subject=node.name)
-        kick_reconciler()
+        kick_reconciler(routing=False)  # its engines go on serving: no route moves until the reconciler moves one
 
 
 def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus]) -> None:
@@ -51,6 +52,7 @@ def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus]) -> 
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node_pk)
         changed = node.facts != facts
+        moved = (node.facts or {}).get("advertise_address") != facts.get("advertise_address")
         node.facts = facts
         node.memory_bytes = facts["memory_bytes"]
         node.last_seen, node.connected = now, True
@@ -68,7 +70,7 @@ def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus]) -> 
                     f"offered, {len(facts['gpus'])} GPU(s), engines: {engines}",
                     subject=node.name,
                 )
-            kick_reconciler()
+            kick_reconciler(routing=moved)
         report(node_pk, replicas, full=False)  # in the same transaction: a bad replica list refuses the whole hello
 
 
@@ -105,6 +107,11 @@ def _clean_facts(facts: dict) -> dict:
     if not all(0 <= n < 2**63 for n in sizes):
         raise ValueError("memory sizes must be between 0 and 2**63 - 1")
     return clean
+
+
+def seen(node_pk: int) -> None:
+    """A report that says what the last one did: the node is alive, nothing else changed."""
+    Node.objects.filter(pk=node_pk).update(last_seen=timezone.now(), connected=True)
 
 
 def report(node_pk: int, statuses: list[protocol.ReplicaStatus], full: bool) -> bool:

@@ -288,6 +288,47 @@ async def test_reports_move_replicas_forward_never_back(node_token, model):
     await communicator.disconnect()
 
 
+async def test_a_report_the_same_as_the_last_is_a_heartbeat_and_is_applied_again_after_a_change(node_token, model,
+                                                                                                  monkeypatch):
+    """Hundreds of agents report every 5 s: one that says what it said last only says it is alive (the node's
+    last_seen), not a whole report's transaction; once its list changed, or after REAPPLY_EVERY, it is applied."""
+    from agents import consumers
+
+    node, token = node_token
+    replica = await database_sync_to_async(make_replica)(model, node, S.STARTING)
+    communicator = await open_stream(token)
+    await hello(communicator)
+    await report(communicator, {"name": replica.name, "state": "ready", "pid": 50}, full=True)
+    await settle(communicator)
+    assert (await replica_row(replica)).state == S.READY
+    applied = []
+    real = consumers.reports.report
+    # the stream's own calls (a hello applies its replicas through it too, by keyword)
+    monkeypatch.setattr(consumers.reports, "report", lambda *a, **k: (applied.append(a) if not k else None) or real(*a, **k))
+    seen = (await node_row(node.pk)).last_seen
+    await report(communicator, {"name": replica.name, "state": "ready", "pid": 50}, full=True)
+    await settle(communicator)
+    assert applied == [] and (await node_row(node.pk)).last_seen > seen
+
+    # the server stops it meanwhile and says so: the same report is applied whole (still running, so stopping)
+    await fetch(lambda: Replica.objects.filter(pk=replica.pk).update(state=S.STOPPING))
+    await get_channel_layer().group_send(agent_group(node.pk), {"type": "send.desired"})
+    assert (await communicator.receive_json_from(timeout=TIMEOUT))["replicas"] == []
+    await report(communicator, {"name": replica.name, "state": "ready", "pid": 50}, full=True)
+    await settle(communicator)
+    assert len(applied) == 1
+    await report(communicator, full=True)  # stopped: a report that differs
+    await settle(communicator)
+    await communicator.receive_json_from(timeout=TIMEOUT)  # it left the list: sent again, besides the hello's
+    assert len(applied) == 2 and (await replica_row(replica)).state == S.STOPPED
+
+    monkeypatch.setattr(consumers, "REAPPLY_EVERY", 0.0)
+    await report(communicator, full=True)
+    await settle(communicator)
+    assert len(applied) == 3
+    await communicator.disconnect()
+
+
 async def test_a_failed_report_keeps_why_backs_off_and_sends_the_list_again(node_token, model):
     node, token = node_token
     replica = await database_sync_to_async(make_replica)(model, node, S.STARTING)

@@ -379,3 +379,27 @@ def test_due_respects_the_reconcile_interval(db):
     assert not reconciler.due()
     r.set(reconciler.LAST_RUN_KEY, time.time() - 31)
     assert reconciler.due()
+
+
+def test_a_burst_of_kicks_queues_one_run_and_a_change_during_the_run_queues_the_next(db, monkeypatch,
+                                                                                      django_capture_on_commit_callbacks):
+    """Hundreds of agents reporting at once each kick the reconciler: one run is queued for all of them (it reads
+    every change made before it begins), not one whole-cluster run per report."""
+    from celery import current_app
+
+    from cluster.events import RECONCILE_QUEUED, RECONCILE_TASK, kick_reconciler
+
+    sent = []
+    monkeypatch.setattr(current_app, "send_task", lambda name, **kw: sent.append(name))
+    r = redis_client()
+    r.delete(RECONCILE_QUEUED)
+    for _ in range(50):
+        with django_capture_on_commit_callbacks(execute=True):
+            kick_reconciler()
+    assert sent == [RECONCILE_TASK]
+    reconciler.reconcile()  # the run begins: a change from now on queues the next
+    with django_capture_on_commit_callbacks(execute=True):
+        kick_reconciler()
+        kick_reconciler()
+    assert sent == [RECONCILE_TASK] * 2
+    r.delete(RECONCILE_QUEUED)
