@@ -234,7 +234,7 @@ async def measure(n: int, o) -> dict:
             await asyncio.gather(*agents, return_exceptions=True)
             return {"agents": n, "connected": connected, "ready": to_ready, "web": cores["web"],
                     "worker": cores["worker"], "beat": cores["beat"], "rss": rss / 1024**2,
-                    "webs": len(roles["web"]), "errors": len(sim.errors)}
+                    "webs": len(roles["web"]), "errors": len(sim.errors), "first_errors": sim.errors[:3]}
     finally:
         control.stop()
 
@@ -249,6 +249,9 @@ def table(rows: list[dict]) -> None:
         print(f"| {r['agents']} | {r['connected']:.1f} s | {r['ready']:.1f} s | {r['web']:.2f} + {r['worker']:.2f} "
               f"(+ {r['beat']:.2f}) cores | {total / r['agents'] * 100:.3f} cores | {r['rss']:.0f} MiB "
               f"({r['webs']} web) | {r['errors']} |")
+    for r in rows:
+        for error in r["first_errors"]:
+            print(f"  {r['agents']} agents: {error}")
     if len(rows) > 1:
         a, b = rows[0], rows[-1]
         grow = b["agents"] / a["agents"]

@@ -1,6 +1,8 @@
 import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")
+# settings, loaded by get_asgi_application, find this module being imported: a web process, which keeps a pool
+# of PostgreSQL connections (LLMGW_DB_POOL: it answers every agent's reports)
 
 from django.core.asgi import get_asgi_application  # noqa: E402
 

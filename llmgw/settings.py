@@ -2,6 +2,7 @@
 
 import ipaddress
 import os
+import sys
 from pathlib import Path
 
 import dj_database_url
@@ -141,15 +142,28 @@ TEMPLATES = [
     },
 ]
 
+WEB_PROCESS = "llmgw.asgi" in sys.modules  # settings loaded as the ASGI application is (uvicorn, daphne)
 try:
     DATABASES = {
         "default": dj_database_url.parse(
             envstr("DATABASE_URL").strip() or f"sqlite:///{LLMGW_HOME / 'db.sqlite3'}",  # set but empty: unset
             conn_max_age=envint("LLMGW_DB_CONN_MAX_AGE", 0),
+            conn_health_checks=True,  # with the pool (below): each connection checked as it is taken
         )
     }
 except ValueError as exc:  # dj_database_url.UnknownSchemeError too
     raise ImproperlyConfigured(f"DATABASE_URL is not a database URL this llmgw knows ({exc})") from None
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and envbool("LLMGW_DB_POOL", WEB_PROCESS) \
+        and not DATABASES["default"].get("CONN_MAX_AGE"):
+    # The web processes (settings loaded by llmgw.asgi) keep a pool of connections (psycopg_pool, Django's own
+    # support): each agent's report and hello is a few queries run through database_sync_to_async, which closes
+    # the connection after; without a pool that opened a new PostgreSQL connection every time (~10 ms of the
+    # web process's CPU each). Django has the pool check each connection as it is taken, so one PostgreSQL
+    # closed (restarted) is replaced, not handed out. Not in Celery's processes: a pool's threads do not survive
+    # the fork of a prefork worker's child.
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": 1, "max_size": envint("LLMGW_DB_POOL_SIZE", 8), "timeout": 30, "max_idle": 300,
+    }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Several processes share one SQLite file: WAL and a busy timeout keep them from tripping over each other.
     DATABASES["default"]["OPTIONS"] = {
