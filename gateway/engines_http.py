@@ -13,9 +13,9 @@ What a caller can tell apart:
 - `Broken`: the connection ended or the answer could not be parsed; `before_answer` says whether any of the
   answer had come (before it, another replica may take the request);
 - `ReadTimeout`: the engine sent nothing for `read_timeout` seconds;
-- `Unreachable` (a `Broken`): the engine's host stopped acknowledging what was sent, or answering keepalive
-  probes (TCP_USER_TIMEOUT and keepalive on every connection): its node is cut off. An engine busy with a long
-  prefill still acknowledges at once (its kernel does), so this is not a slow engine.
+- `Unreachable` (a `Broken`): the engine's host did not acknowledge the request within UNACKNOWLEDGED_SECONDS
+  (TCP_USER_TIMEOUT on every connection): its node is cut off. An engine busy with a long prefill still
+  acknowledges at once (its kernel does), so this is not a slow engine.
 
 A pooled connection the engine closed while it sat idle is found out on its next use; such a request is sent
 once more on a new connection (nothing of an answer had come, so the engine never began it, or began it and
@@ -33,18 +33,12 @@ import time
 
 import httptools
 
-# a connection whose sent bytes go unacknowledged this long, or whose peer stops answering keepalive probes (idle
-# this long, then every KEEPALIVE_INTERVAL, KEEPALIVE_PROBES times), is given up (`Unreachable`)
+# a connection whose sent bytes (the request) go unacknowledged this long is given up (`Unreachable`): its node is
+# cut off, and nothing of an answer has come, so another replica takes the request. No keepalive probes: during
+# an answer only the engine sends, and probes lost on a lossy link would end an answer that was still coming
 UNACKNOWLEDGED_SECONDS = 5
-KEEPALIVE_IDLE = 5
-KEEPALIVE_INTERVAL = 2
-KEEPALIVE_PROBES = 3
-SOCKET_OPTIONS = [
-    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
-    *[(socket.IPPROTO_TCP, getattr(socket, name), value) for name, value in (
-        ("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL), ("TCP_KEEPCNT", KEEPALIVE_PROBES),
-        ("TCP_USER_TIMEOUT", UNACKNOWLEDGED_SECONDS * 1000)) if hasattr(socket, name)],
-]
+SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, UNACKNOWLEDGED_SECONDS * 1000)] \
+    if hasattr(socket, "TCP_USER_TIMEOUT") else []
 HIGH_WATER = 1 << 20  # bytes of an answer held before reading from the engine pauses until the client takes them
 
 
@@ -222,7 +216,7 @@ class Connection(asyncio.Protocol):
             if self.head is None and not exc and not _framed(answer.headers):
                 answer._end()  # a body that lasts until the connection closes: it has
             else:
-                if isinstance(exc, TimeoutError):  # ETIMEDOUT: unacknowledged, or no answer to keepalive probes
+                if isinstance(exc, TimeoutError):  # ETIMEDOUT: the request went unacknowledged
                     self._failed(Unreachable("the engine's host stopped answering", self.head is not None))
                 else:
                     what = f"the engine closed the connection ({type(exc).__name__ if exc else 'EOF'})"
