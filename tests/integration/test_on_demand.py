@@ -177,7 +177,9 @@ def test_a_load_step_scales_up_then_down_and_a_restart_keeps_the_state(od):
         od.wait_ready("step", 2, timeout=60)
         print(f"load step: the second replica serving {time.monotonic() - stepped:.1f} s after the step")
         up = [e for e in events(od, "model.scaled") if e["subject"] == "step" and e["data"]["after"] == 2]
-        assert up and up[-1]["data"]["per_replica"] > 1 and up[-1]["data"]["target"] == 1
+        # decided the moment the window's average passed the target; the Event keeps it rounded to 0.01 (a CI
+        # run's 1.004 was written 1.0)
+        assert up and up[-1]["data"]["per_replica"] >= 1 and up[-1]["data"]["target"] == 1
 
         # the control plane's worker and beat die and come back: the autoscaler carries on where it was
         for name in ("worker", "beat"):
