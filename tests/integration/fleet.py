@@ -226,7 +226,7 @@ def start_fleet(home: Path, hosts=("n1", "n2", "n3"), replicas: int = 2) -> Flee
         add_test_engine(system)
         system.sha = make_model_file(system)
         for name in hosts:
-            host = fleet.hosts[name] = net.host(name)
+            fleet.hosts[name] = net.host(name)
             out = system.cli("node", "add", name, "--server", system.url).stdout
             token = next(w for w in out.split() if w.startswith("lnt_"))
             system.agents[name] = Agent(name, token, home / f"agent-{name}", "1GiB", "22000-22199")

@@ -8,6 +8,7 @@ to recover.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -77,10 +78,6 @@ def host_with_a_replica(fleet) -> tuple[str, list[str]]:
     return node, sorted(r["name"] for r in ready if r["node"] == node)
 
 
-def engine_pids(fleet) -> dict[str, list[tuple[str, int]]]:
-    return {name: found for name, found in fleet.engines().items()}
-
-
 def no_orphans_within(fleet, seconds: float) -> float:
     started = time.monotonic()
     wait_for(lambda: not fleet.orphans(), seconds, what=f"no engine without a live replica row: {fleet.orphans()}")
@@ -90,11 +87,11 @@ def no_orphans_within(fleet, seconds: float) -> float:
 def test_a_node_cut_off_shorter_than_the_tolerance_moves_nothing(fleet, scenario):
     load, watch, outcome = scenario
     node, replicas = host_with_a_replica(fleet)
-    before_rows, before_engines = fleet.replicas(), engine_pids(fleet)
+    before_rows, before_engines = fleet.replicas(), fleet.engines()
     fleet.hosts[node].cut()
     time.sleep(TOLERANCE / 2)
     fleet.hosts[node].heal()
-    holds_for(lambda: fleet.replicas() == before_rows and engine_pids(fleet) == before_engines, TOLERANCE + GRACE + 4,
+    holds_for(lambda: fleet.replicas() == before_rows and fleet.engines() == before_engines, TOLERANCE + GRACE + 4,
               what="the same replicas and the same engine processes")
 
 
@@ -209,7 +206,7 @@ def test_a_worker_killed_in_the_middle_of_a_system_restart(fleet, scenario):
     logs = system.home / "logs"
     [running] = [name for name in ("worker", "worker-b") if "restart_system[" in (logs / f"{name}.log").read_text()]
     killed_at = time.monotonic()
-    os.killpg(system.procs[running].popen.pid, 9)
+    os.killpg(system.procs[running].popen.pid, signal.SIGKILL)
     [cut] = wait_for(lambda: steps("system.restart_interrupted"), 90, what="the restart said to be cut short")
     outcome["recovered"] = f"cut short said {time.monotonic() - killed_at:.1f} s after the kill"
     assert cut["data"]["done"] and any(step.startswith("agent ") for step in cut["data"]["done"])
