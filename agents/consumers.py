@@ -7,16 +7,33 @@ import json
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-from channels.db import database_sync_to_async
+from channels.db import DatabaseSyncToAsync
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
 from cluster import notify, reports
 from cluster.clients import allowed_host, header, page_scheme
+from cluster.models import Node
 
 log = logging.getLogger("llmgw.agents")
 REFUSED = 4003
+
+
+# The streams' database work runs on threads of its own, several at once (each stream's messages still one at a
+# time, in order): on Channels' one database thread per process, hundreds of agents connecting at once waited in
+# one queue, each for every trip to PostgreSQL before it. Fewer threads than the web process's pool of
+# connections (LLMGW_DB_POOL_SIZE), so the dashboard's and the API's requests always find one.
+_pool = (settings.DATABASES["default"].get("OPTIONS") or {}).get("pool")
+STREAM_THREADS = max(1, min(6, _pool["max_size"] - 2)) if isinstance(_pool, dict) and "max_size" in _pool else 6
+_executor = ThreadPoolExecutor(max_workers=STREAM_THREADS, thread_name_prefix="agent-streams")
+
+
+def database_sync_to_async(func):
+    return DatabaseSyncToAsync(func, thread_sensitive=False, executor=_executor)
+
+
 REAPPLY_EVERY = 30.0  # seconds: a report the same as the last one applied is applied whole again this often
 
 
@@ -69,7 +86,14 @@ class AgentConsumer(notify.StopsCleanly, AsyncJsonWebsocketConsumer):
             return
         auth = header(self.scope, b"authorization")
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        node = await database_sync_to_async(reports.node_for_token)(token)
+
+        def connect() -> Node | None:  # one trip to the database threads: hundreds of agents connect at once
+            node = reports.node_for_token(token)
+            if node is not None:
+                reports.connected(node, self.address)
+            return node
+
+        node = await database_sync_to_async(connect)()
         if node is None:
             log.warning(
                 "refused agent stream from %s: %s", self.address, "wrong node token" if token else "no node token"
@@ -78,11 +102,15 @@ class AgentConsumer(notify.StopsCleanly, AsyncJsonWebsocketConsumer):
             return
         self.node_pk, self.node_name = node.pk, node.name
         self.group = notify.agent_group(node.pk)
-        # A second stream for the same node replaces the first (an agent that reconnected before its old socket died).
-        await notify.supersede_agent_stream(self.channel_layer, node.pk, self.channel_name)
-        await self.channel_layer.group_add(self.group, self.channel_name)
+        try:
+            # A second stream for the same node replaces the first (an agent that reconnected before its old socket
+            # died).
+            await notify.supersede_agent_stream(self.channel_layer, node.pk, self.channel_name)
+            await self.channel_layer.group_add(self.group, self.channel_name)
+        except Exception:  # the channel layer away: the stream fails (the agent dials again), no node is left
+            await database_sync_to_async(reports.disconnected)(node.pk)  # connected without a stream
+            raise
         await self.accept()
-        await database_sync_to_async(reports.connected)(node.pk, self.address)
         log.info("agent for node %s connected from %s", node.name, self.address)
         self._pending: dict[tuple, dict] = {}
         self._waiting = asyncio.Event()
@@ -181,8 +209,13 @@ class AgentConsumer(notify.StopsCleanly, AsyncJsonWebsocketConsumer):
                     log.exception("node %s: handling its %s message failed", self.node_name, key[0])
 
     async def on_hello(self, message):
-        await database_sync_to_async(reports.hello)(self.node_pk, message["facts"], list(message.get("replicas") or []))
-        await self._send_desired()
+        facts, replicas, base = message["facts"], list(message.get("replicas") or []), self.mirror_base()
+
+        def hello() -> dict:  # one trip to the database thread: hundreds of agents say hello at once
+            reports.hello(self.node_pk, facts, replicas)
+            return reports.desired(self.node_pk, base)
+
+        await self.send_json(await database_sync_to_async(hello)())
 
     async def on_report(self, message):
         said = (list(message.get("replicas") or []), bool(message.get("full")))

@@ -52,6 +52,7 @@ class Sim:
         self.ws_url = url.replace("http://", "ws://") + "/ws/agent/"
         self.tokens = tokens
         self.connected: dict[int, float] = {}
+        self.opened: dict[int, float] = {}  # handshake done (first time)
         self.desired_messages = 0
         self.reports = 0
         self.errors: list[str] = []
@@ -73,6 +74,7 @@ class Sim:
             try:
                 async with connect(self.ws_url, additional_headers={"Authorization": f"Bearer {self.tokens[i]}"},
                                    open_timeout=120, ping_interval=None, max_size=16 * 1024 * 1024) as ws:
+                    self.opened.setdefault(i, time.monotonic())
                     await ws.send(json.dumps({"type": "hello", "facts": self.facts(i), "replicas": []}))
 
                     async def heartbeat():
@@ -198,6 +200,10 @@ async def measure(n: int, o) -> dict:
                                      f"{sim.errors[:3]}")
                 await asyncio.sleep(0.05)
             connected = max(sim.connected.values()) - started
+            opened = sorted(t - started for t in sim.opened.values())
+            answered = sorted(t - started for t in sim.connected.values())
+            print(f"  {n} agents: handshakes done at p50 {opened[n // 2]:.1f} s, all {opened[-1]:.1f} s; first desired "
+                  f"at p50 {answered[n // 2]:.1f} s, all {answered[-1]:.1f} s", flush=True)
 
             sample = control.home / "sim.bin"
             sample.write_bytes(os.urandom(1024 * 1024))

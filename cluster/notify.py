@@ -21,6 +21,7 @@ report or connect, the gateways and the dashboards also refresh on a timer.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Literal, TypedDict
 
 from asgiref.sync import async_to_sync
@@ -126,11 +127,41 @@ def dashboard_changed(kind: str) -> None:
         return
 
     def send():
-        _send(DASHBOARD_GROUP, DashboardChanged(type="dashboard.changed", families=sorted(send.families)))
+        _send_dashboard(send.families)
 
     send.families = {family}
     connection._llmgw_dashboard = send
     transaction.on_commit(send)
+
+
+_dashboard_lock = threading.Lock()
+_dashboard_waiting: set[str] = set()  # families committed in this process and not yet sent
+_dashboard_sending = False
+
+
+def _send_dashboard(families: set[str]) -> None:
+    """The families go out in this process's next `dashboard.changed`: one message is under way at a time per
+    process, and what commits meanwhile goes out in the one after it, by the thread already sending. (Hundreds
+    of agents connecting at once made a message per Event, each waited for by the thread that committed it.)"""
+    global _dashboard_sending
+    with _dashboard_lock:
+        _dashboard_waiting.update(families)
+        if _dashboard_sending:
+            return
+        _dashboard_sending = True
+    try:
+        while True:
+            with _dashboard_lock:
+                if not _dashboard_waiting:
+                    _dashboard_sending = False
+                    return
+                batch = sorted(_dashboard_waiting)
+                _dashboard_waiting.clear()
+            _send(DASHBOARD_GROUP, DashboardChanged(type="dashboard.changed", families=batch))
+    except BaseException:
+        with _dashboard_lock:
+            _dashboard_sending = False
+        raise
 
 
 class StopsCleanly:

@@ -25,16 +25,22 @@ def node_for_token(token: str) -> Node | None:
     return Node.objects.filter(token_hash=Node.hash_token(token)).first()
 
 
-def connected(node_pk: int, address: str) -> Node:
-    now = timezone.now()
+def connected(node: Node, address: str) -> None:
+    """The node's agent stream is up, from `address`. `node` is the row its token was just read as: where it was
+    last seen decides whether the gateways reload (a newer stream of the same node racing this one at most
+    reloads them once more)."""
     with transaction.atomic():
-        node = Node.objects.select_for_update().get(pk=node_pk)
-        moved = node.address != address  # where gateways dial its engines, unless it advertises an address
-        node.connected, node.last_seen, node.address = True, now, address
-        node.save(update_fields=["connected", "last_seen", "address"])
+        if not Node.objects.filter(pk=node.pk).update(connected=True, last_seen=timezone.now(), address=address):
+            return  # removed meanwhile: its stream is closed by the removal
+        # where gateways dial its engines (unless it advertises an address): a route moves only if it has replicas
+        moved = node.address != address and _has_replicas(node.pk)
         record("node.connected", f"agent:{node.name}", f"node {node.name} connected from {address}", subject=node.name)
         kick_reconciler(routing=moved)
-    return node
+    node.connected, node.address = True, address
+
+
+def _has_replicas(node_pk: int) -> bool:
+    return Replica.objects.filter(node_id=node_pk).exclude(state__in=Replica.TERMINAL).exists()
 
 
 def disconnected(node_pk: int) -> None:
@@ -52,7 +58,7 @@ def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus]) -> 
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node_pk)
         changed = node.facts != facts
-        moved = (node.facts or {}).get("advertise_address") != facts.get("advertise_address")
+        moved = (node.facts or {}).get("advertise_address") != facts.get("advertise_address") and _has_replicas(node.pk)
         node.facts = facts
         node.memory_bytes = facts["memory_bytes"]
         node.last_seen, node.connected = now, True
@@ -71,7 +77,8 @@ def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus]) -> 
                     subject=node.name,
                 )
             kick_reconciler(routing=moved)
-        report(node_pk, replicas, full=False)  # in the same transaction: a bad replica list refuses the whole hello
+        if replicas:  # in the same transaction: a bad replica list refuses the whole hello
+            _statuses(node, replicas, full=False, now=now)
 
 
 def _clean_facts(facts: dict) -> dict:
@@ -117,34 +124,40 @@ def seen(node_pk: int) -> None:
 def report(node_pk: int, statuses: list[protocol.ReplicaStatus], full: bool) -> bool:
     """Apply an agent's report. Returns True when a replica left the node's desired list (send it again)."""
     now = timezone.now()
-    if not all(isinstance(s, dict) for s in statuses):
-        raise ValueError("each replica status must be an object")
-    terminal_change = False
-    any_change = False
     with transaction.atomic():
         node = Node.objects.filter(pk=node_pk).first()
         if node is None:
             return False
         Node.objects.filter(pk=node_pk).update(last_seen=now, connected=True)
-        actor = f"agent:{node.name}"
-        rows = {r.name: r for r in Replica.objects.filter(node_id=node_pk).exclude(state__in=Replica.TERMINAL)}
-        seen = set()
-        for status in statuses:
-            replica = rows.get(str(status.get("name")))
-            if replica is None:
-                continue  # not ours (any more): it is not in the desired list, so the agent stops it
-            seen.add(replica.name)
-            change = _apply(replica, status, now, actor)
-            any_change |= change is not None
-            terminal_change |= change in Replica.TERMINAL
-        if full:
-            for replica in rows.values():
-                if replica.name not in seen and replica.state == S.STOPPING:
-                    if _set(replica, S.STOPPED, now, reason=replica.reason):
-                        record("replica.stopped", actor, f"replica {replica.name} stopped", subject=replica.name)
-                        any_change = terminal_change = True
-        if any_change:
-            kick_reconciler()
+        return _statuses(node, statuses, full, now)
+
+
+def _statuses(node: Node, statuses: list[protocol.ReplicaStatus], full: bool, now) -> bool:
+    """The replicas' states as the agent reports them (`full`: the list is all it runs); in the caller's
+    transaction. True when a replica left the node's desired list."""
+    if not all(isinstance(s, dict) for s in statuses):
+        raise ValueError("each replica status must be an object")
+    terminal_change = False
+    any_change = False
+    actor = f"agent:{node.name}"
+    rows = {r.name: r for r in Replica.objects.filter(node_id=node.pk).exclude(state__in=Replica.TERMINAL)}
+    seen = set()
+    for status in statuses:
+        replica = rows.get(str(status.get("name")))
+        if replica is None:
+            continue  # not ours (any more): it is not in the desired list, so the agent stops it
+        seen.add(replica.name)
+        change = _apply(replica, status, now, actor)
+        any_change |= change is not None
+        terminal_change |= change in Replica.TERMINAL
+    if full:
+        for replica in rows.values():
+            if replica.name not in seen and replica.state == S.STOPPING:
+                if _set(replica, S.STOPPED, now, reason=replica.reason):
+                    record("replica.stopped", actor, f"replica {replica.name} stopped", subject=replica.name)
+                    any_change = terminal_change = True
+    if any_change:
+        kick_reconciler()
     return terminal_change
 
 
@@ -255,15 +268,17 @@ def progress(node_pk: int, name: str, done: int, total: int) -> None:
 
 def desired(node_pk: int, mirror_base: str) -> protocol.Desired:
     """The complete list of replicas this node should run, with all it needs to run each."""
-    cluster = ClusterSettings.load()
-    # During a key rotation a replica keeps the key it started with (the snapshot's fingerprint names it).
-    keys = {ClusterSettings.fingerprint(k): k for k in (cluster.engine_key, cluster.previous_engine_key) if k}
-    rows = (
+    rows = list(
         Replica.objects.filter(node_id=node_pk, state__in=Replica.RUNNING)
         .select_related("model__file", "model__engine", "model__profile")
         .order_by("name")
     )
     replicas: list[protocol.DesiredReplica] = []
+    if not rows:  # a node with nothing to run (a new one): no key to read
+        return {"type": "desired", "replicas": replicas}
+    cluster = ClusterSettings.load()
+    # During a key rotation a replica keeps the key it started with (the snapshot's fingerprint names it).
+    keys = {ClusterSettings.fingerprint(k): k for k in (cluster.engine_key, cluster.previous_engine_key) if k}
     for r in rows:
         # A replica runs what it was started with; a new engine key or profile reaches it by restart.
         snap = r.snapshot or {}

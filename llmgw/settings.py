@@ -162,7 +162,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and envbool
     # closed (restarted) is replaced, not handed out. Not in Celery's processes: a pool's threads do not survive
     # the fork of a prefork worker's child.
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
-        "min_size": 1, "max_size": envint("LLMGW_DB_POOL_SIZE", 8), "timeout": 30, "max_idle": 300,
+        "min_size": 1, "max_size": envint("LLMGW_DB_POOL_SIZE", 12), "timeout": 30, "max_idle": 300,
     }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Several processes share one SQLite file: WAL and a busy timeout keep them from tripping over each other.
@@ -196,7 +196,7 @@ LOGOUT_REDIRECT_URL = "login"
 
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "BACKEND": "llmgw.channel_layer.RedisChannelLayer",  # channels_redis's, with a pool that waits
         # redis-py 8 reads with a 5 s socket timeout by default; the layer blocks 5 s in BZPOPMIN, so give it room.
         "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30, "socket_connect_timeout": 5}]},
     }

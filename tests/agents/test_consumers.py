@@ -457,6 +457,45 @@ async def test_a_second_stream_supersedes_the_first(node_token):
     assert (await event_kinds("gpu-1")).count("node.disconnected") == 1
 
 
+@pytest.mark.skipif("sqlite" in __import__("os").environ.get("DATABASE_URL", "sqlite"),
+                    reason="SQLite locks the whole file: one writer at a time is all it has")
+async def test_one_nodes_slow_database_work_holds_up_no_other_nodes_stream(node_token):
+    """Each stream's database work runs on threads of the streams' own, several at once: on one thread for the
+    whole process, hundreds of agents connecting at once each waited for all the work queued before theirs."""
+    import threading
+
+    from django.db import connection, transaction
+
+    slow, slow_token = node_token
+    _, quick_token = await database_sync_to_async(operations.add_node)("gpu-2", "test")
+    locked, release = threading.Event(), threading.Event()
+
+    def hold_the_row():  # another transaction holds the slow node's row: its hello waits for it
+        try:
+            with transaction.atomic():
+                Node.objects.select_for_update().get(pk=slow.pk)
+                locked.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    waiting = await open_stream(slow_token)
+    holder = threading.Thread(target=hold_the_row)
+    holder.start()
+    try:
+        assert await asyncio.to_thread(locked.wait, 10)
+        await waiting.send_json_to({"type": "hello", "facts": FACTS, "replicas": []})
+        assert await waiting.receive_nothing(timeout=0.3)  # held up by the lock
+        quick = await open_stream(quick_token)
+        assert (await hello(quick))["replicas"] == []  # not held up behind it
+    finally:
+        release.set()
+        await asyncio.to_thread(holder.join, 30)
+    assert (await waiting.receive_json_from(timeout=TIMEOUT))["type"] == "desired"  # and then it goes on
+    await quick.disconnect()
+    await waiting.disconnect()
+
+
 # The agent closes while its messages are still being handled
 
 
@@ -496,3 +535,19 @@ async def test_an_answer_the_closed_socket_refuses_is_that_close_not_a_fault(nod
     assert (await node_row(node.pk)).memory_bytes == 3 * GIB
     assert not (await node_row(node.pk)).connected
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")], caplog.text
+
+
+
+async def test_with_the_channel_layer_away_the_stream_fails_and_leaves_no_node_connected(node_token, settings):
+    from channels.layers import channel_layers
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from agents.ports import free_port
+
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "llmgw.channel_layer.RedisChannelLayer", "CONFIG": {
+        "hosts": [{"address": f"redis://127.0.0.1:{free_port()}/0", "socket_connect_timeout": 1}]}}}
+    assert channel_layers.backends == {}  # made again from the new setting
+    node, token = node_token
+    with pytest.raises(RedisConnectionError):  # the server answers the handshake with an error: the agent retries
+        await stream(token).connect(timeout=TIMEOUT)
+    assert not (await node_row(node.pk)).connected

@@ -428,7 +428,7 @@ def test_desired_for_a_node_without_replicas_is_empty(node):
 
 def test_connected_and_disconnected_write_events(db):
     node = make_node("gpu-1", alive=False)
-    reports.connected(node.pk, "10.0.0.7")
+    reports.connected(node, "10.0.0.7")
     node.refresh_from_db()
     assert (node.connected, node.address) == (True, "10.0.0.7")
     assert events("node.connected", "gpu-1") == 1
@@ -437,6 +437,52 @@ def test_connected_and_disconnected_write_events(db):
     node.refresh_from_db()
     assert not node.connected
     assert events("node.disconnected", "gpu-1") == 1
+
+
+def gateway_reloads(action) -> int:
+    """How many `routing.changed` messages the gateways hear from `action` (its commit's messages sent), read
+    from the real channel layer up to a message of our own sent after them."""
+    from asgiref.sync import async_to_sync, sync_to_async
+    from channels.layers import get_channel_layer
+
+    from cluster import notify
+
+    layer = get_channel_layer()
+
+    async def listen(step) -> int:
+        channel = await layer.new_channel()
+        await layer.group_add(notify.GATEWAY_GROUP, channel)
+        try:
+            await sync_to_async(step)()
+            await layer.send(channel, {"type": "end"})
+            heard = 0
+            while (await layer.receive(channel))["type"] != "end":
+                heard += 1
+            return heard
+        finally:
+            await layer.group_discard(notify.GATEWAY_GROUP, channel)
+
+    return async_to_sync(listen)(action)
+
+
+def test_an_agent_connecting_from_a_new_address_reloads_the_gateways_only_where_a_route_moves(
+        db, model, django_capture_on_commit_callbacks):
+    # hundreds of new nodes connecting at once made every web process reload its table hundreds of times
+    empty = make_node("gpu-1", alive=False)
+    serving = make_node("gpu-2", alive=False, address="10.0.0.8")
+    make_replica(model, serving, S.READY)
+
+    def connect(node, address):
+        def step():
+            with django_capture_on_commit_callbacks(execute=True):
+                reports.connected(node, address)
+        return step
+
+    assert gateway_reloads(connect(empty, "10.0.0.7")) == 0  # no replica: no route to move
+    assert gateway_reloads(connect(serving, "10.0.0.8")) == 0  # back from where it was
+    assert gateway_reloads(connect(serving, "10.0.0.9")) == 1  # its engines are dialled elsewhere now
+    serving.refresh_from_db()
+    assert (serving.connected, serving.address) == (True, "10.0.0.9")
 
 
 def test_node_for_token(db):
