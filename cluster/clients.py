@@ -17,6 +17,12 @@ IN_PROCESS = "llmgw.in_process"
 CLI_ACTOR = "cli"  # who that command's changes are recorded as
 
 
+def agents_url(request) -> str:
+    """The URL agents dial, for the command a new node's token is printed in: LLMGW_PUBLIC_URL, else the URL
+    this request came to."""
+    return (settings.LLMGW_PUBLIC_URL or request.build_absolute_uri("/")).rstrip("/")
+
+
 def client_address(meta) -> str:
     """The client's address: REMOTE_ADDR, or, when that is a proxy in LLMGW_TRUSTED_PROXIES, the nearest address
     in X-Forwarded-For that is not one (what the proxy saw)."""

@@ -12,7 +12,6 @@ import functools
 from dataclasses import dataclass
 from datetime import timedelta
 
-from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.db.models import Count
@@ -25,6 +24,7 @@ from django.views.decorators.http import require_POST
 from agents.facts import parse_size
 from agents.units import parse_duration
 from cluster import operations, queries
+from cluster.clients import agents_url
 from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Profile, Replica
 from cluster.operations import OperationError
 from cluster.roles import WRITE_ROLES, can_change, role_of
@@ -102,7 +102,7 @@ def _nodes(request) -> dict:
             "node": node, "alive": node.is_alive(now), "drain": node.drain_state(node.replica_count) or "",
             "memory": Bar(total, used.ram(node.pk), max(total - offered, 0)), "gpus": gpus,
         })
-    server = (settings.LLMGW_PUBLIC_URL or request.build_absolute_uri("/")).rstrip("/")
+    server = agents_url(request)
     return {"rows": rows, "server": server}
 
 
@@ -301,7 +301,7 @@ def system_restart(request):
 @action("nodes")
 def node_add(request):
     node, token = operations.add_node(request.POST.get("name", "").strip(), _actor(request))
-    server = (settings.LLMGW_PUBLIC_URL or request.build_absolute_uri("/")).rstrip("/")
+    server = agents_url(request)
     command = operations.agent_command(server, token)
     return f"node {node.name} added; start its agent with the command below (the token is shown once)", {
         "once": {"label": f"agent command for {node.name}", "value": command}}
@@ -310,7 +310,7 @@ def node_add(request):
 @action("nodes")
 def node_token(request, name: str):
     node, token = operations.reset_node_token(name, _actor(request))
-    server = (settings.LLMGW_PUBLIC_URL or request.build_absolute_uri("/")).rstrip("/")
+    server = agents_url(request)
     return f"node {node.name}: a new token; the old one no longer works (start its agent again with the command below)", {
         "once": {"label": f"agent command for {node.name}", "value": operations.agent_command(server, token)}}
 

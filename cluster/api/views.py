@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 
-from django.conf import settings
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import exceptions, mixins, permissions, serializers, status, viewsets
@@ -54,6 +53,7 @@ from cluster.api.serializers import (
     SystemRestartSerializer,
     UserCreateSerializer,
 )
+from cluster.clients import agents_url
 from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
 
 
@@ -77,7 +77,7 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewSet
         return Response(NewNodeSerializer(node).data, status=status.HTTP_201_CREATED)
 
     def _agents_url(self, data: dict) -> str:
-        return data.get("server") or (settings.LLMGW_PUBLIC_URL or self.request.build_absolute_uri("/")).rstrip("/")
+        return data.get("server") or agents_url(self.request)
 
     @extend_schema(request=NodeTokenSerializer, responses={200: NewNodeTokenSerializer})
     @action(detail=True, methods=["post"])
