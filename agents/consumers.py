@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from channels.db import DatabaseSyncToAsync
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
+from django.db import DatabaseError
 
 from cluster import notify, reports
 from cluster.clients import allowed_host, header, page_scheme
@@ -63,7 +64,7 @@ def _finite(text: str) -> float:
 CLOSED_SOCKET = "after sending 'websocket.close'"
 
 
-class AgentConsumer(notify.StopsCleanly, AsyncJsonWebsocketConsumer):
+class AgentConsumer(notify.EndsWhenTheLayerIsAway, notify.StopsCleanly, AsyncJsonWebsocketConsumer):
     """One node's stream. Messages are read as fast as they come and handled in order by one task, a newer
     hello, report or progress of a replica taking the place of one not handled yet (each says the whole state
     it is about): a flood of messages queues nothing in the socket, which keeps answering pings."""
@@ -102,19 +103,30 @@ class AgentConsumer(notify.StopsCleanly, AsyncJsonWebsocketConsumer):
             return
         self.node_pk, self.node_name = node.pk, node.name
         self.group = notify.agent_group(node.pk)
-        try:
-            # A second stream for the same node replaces the first (an agent that reconnected before its old socket
-            # died).
-            await notify.supersede_agent_stream(self.channel_layer, node.pk, self.channel_name)
-            await self.channel_layer.group_add(self.group, self.channel_name)
-        except Exception:  # the channel layer away: the stream fails (the agent dials again), no node is left
-            await database_sync_to_async(reports.disconnected)(node.pk)  # connected without a stream
-            raise
+        # A second stream for the same node replaces the first (an agent that reconnected before its old socket died).
+        await notify.supersede_agent_stream(self.channel_layer, node.pk, self.channel_name)
+        await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
         log.info("agent for node %s connected from %s", node.name, self.address)
         self._pending: dict[tuple, dict] = {}
         self._waiting = asyncio.Event()
         self._worker = asyncio.get_running_loop().create_task(self._handle_pending())
+
+    def describe(self) -> str:
+        return f"agent stream of node {self.node_name or '?'}"
+
+    async def layer_away(self) -> None:
+        """The channel layer failed under the stream (notify.EndsWhenTheLayerIsAway): what was queued is dropped
+        (the agent says it all again when it is back), and its node is not left connected by a stream that is
+        gone."""
+        self._closing = True
+        if self._worker is not None:
+            self._worker.cancel()
+        if self.node_pk is not None and not getattr(self, "superseded", False):
+            try:
+                await database_sync_to_async(reports.disconnected)(self.node_pk)
+            except DatabaseError as exc:  # PostgreSQL away too: the reconciler marks it when it has no word
+                log.warning("node %s: could not record its stream's end (%s)", self.node_name, exc)
 
     async def close(self, code=None, reason=None):
         self._closing = True

@@ -27,6 +27,7 @@ from typing import Literal, TypedDict
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import connection, transaction
+from redis.exceptions import RedisError
 
 log = logging.getLogger("llmgw.notify")
 
@@ -162,6 +163,45 @@ def _send_dashboard(families: set[str]) -> None:
         with _dashboard_lock:
             _dashboard_sending = False
         raise
+
+
+TRY_AGAIN = 1013  # RFC 6455 "Try Again Later": the stream cannot go on now
+
+
+class EndsWhenTheLayerIsAway:
+    """For a websocket consumer: when the channel layer (Redis) fails under it, as it starts or later (Redis
+    restarted), the socket ends with a word its client understands, not a traceback in the log and an HTTP 500:
+    503 to the handshake, or close code 1013 (try again later) once accepted. The client (an agent, a dashboard
+    page) dials again. `layer_away()` is the consumer's own clean-up."""
+
+    _accepted = False
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        except RedisError as exc:
+            log.warning("%s ends: the channel layer is away (%s); its client will dial again", self.describe(), exc)
+            try:
+                if self._accepted:
+                    await send({"type": "websocket.close", "code": TRY_AGAIN})
+                else:
+                    await send({"type": "websocket.http.response.start", "status": 503,
+                                "headers": [(b"content-type", b"text/plain"), (b"retry-after", b"1")]})
+                    await send({"type": "websocket.http.response.body",
+                                "body": b"the control plane's Redis is away: try again\n"})
+            except (OSError, RuntimeError):  # the socket is gone already
+                pass
+            await self.layer_away()
+
+    async def accept(self, subprotocol=None, headers=None):
+        await super().accept(subprotocol, headers)
+        self._accepted = True
+
+    def describe(self) -> str:
+        return f"{type(self).__name__} stream"
+
+    async def layer_away(self) -> None:
+        pass
 
 
 class StopsCleanly:

@@ -11,10 +11,10 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from channels.security.websocket import WebsocketDenier
 
 from cluster.clients import same_origin
-from cluster.notify import DASHBOARD_GROUP, StopsCleanly
+from cluster.notify import DASHBOARD_GROUP, EndsWhenTheLayerIsAway, StopsCleanly
 
 
-class DashboardConsumer(StopsCleanly, AsyncJsonWebsocketConsumer):
+class DashboardConsumer(EndsWhenTheLayerIsAway, StopsCleanly, AsyncJsonWebsocketConsumer):
     async def connect(self):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated or not user.is_active:

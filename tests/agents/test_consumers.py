@@ -11,7 +11,7 @@ from channels.testing import WebsocketCommunicator
 from agents.consumers import REFUSED
 from cluster import operations
 from cluster.models import ClusterSettings, Event, Model, Node, Replica
-from cluster.notify import agent_group
+from cluster.notify import TRY_AGAIN, agent_group
 from llmgw.asgi import application
 from tests.factories import make_model, make_replica, node_facts, seed_defaults
 from tests.sockets import ends_by_itself
@@ -538,9 +538,9 @@ async def test_an_answer_the_closed_socket_refuses_is_that_close_not_a_fault(nod
 
 
 
-async def test_with_the_channel_layer_away_the_stream_fails_and_leaves_no_node_connected(node_token, settings):
+async def test_with_the_channel_layer_away_the_agent_is_told_to_try_again_and_no_node_is_left_connected(
+        node_token, settings, caplog):
     from channels.layers import channel_layers
-    from redis.exceptions import ConnectionError as RedisConnectionError
 
     from agents.ports import free_port
 
@@ -548,6 +548,37 @@ async def test_with_the_channel_layer_away_the_stream_fails_and_leaves_no_node_c
         "hosts": [{"address": f"redis://127.0.0.1:{free_port()}/0", "socket_connect_timeout": 1}]}}}
     assert channel_layers.backends == {}  # made again from the new setting
     node, token = node_token
-    with pytest.raises(RedisConnectionError):  # the server answers the handshake with an error: the agent retries
-        await stream(token).connect(timeout=TIMEOUT)
+    communicator = stream(token)
+    await communicator.send_input({"type": "websocket.connect"})
+    answer = await communicator.receive_output(timeout=TIMEOUT)
+    assert (answer["type"], answer["status"]) == ("websocket.http.response.start", 503)  # not a 500
+    assert b"try again" in (await communicator.receive_output(timeout=TIMEOUT))["body"]
+    await communicator.wait(timeout=TIMEOUT)
     assert not (await node_row(node.pk)).connected
+    assert "Traceback" not in caplog.text and "the channel layer is away" in caplog.text
+
+
+@pytest.mark.integration  # starts a Valkey of its own, to stop it
+async def test_a_stream_whose_channel_layer_goes_away_later_is_closed_with_try_again(node_token, settings, tmp_path,
+                                                                                      caplog):
+    # Redis stopped under an open stream: its wait for messages fails; the agent hears 1013 and dials again
+    from channels.layers import channel_layers
+
+    from llmgw.valkey import EmbeddedValkey
+
+    valkey = EmbeddedValkey(tmp_path / "valkey")
+    url = await asyncio.to_thread(valkey.start)
+    try:
+        settings.CHANNEL_LAYERS = {"default": {"BACKEND": "llmgw.channel_layer.RedisChannelLayer", "CONFIG": {
+            "hosts": [{"address": url, "socket_connect_timeout": 1}]}}}
+        assert channel_layers.backends == {}
+        node, token = node_token
+        communicator = await open_stream(token)
+        await hello(communicator)
+        await asyncio.to_thread(valkey.stop)
+        assert await communicator.receive_output(timeout=10) == {"type": "websocket.close", "code": TRY_AGAIN}
+        await communicator.wait(timeout=TIMEOUT)
+    finally:
+        await asyncio.to_thread(valkey.stop)
+    assert not (await node_row(node.pk)).connected
+    assert "Traceback" not in caplog.text and "the channel layer is away" in caplog.text
