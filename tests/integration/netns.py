@@ -95,8 +95,11 @@ class Host:
             self.faults.discard(table)
 
     def cut(self) -> None:
-        """Nothing arrives here any more: the control plane's words, the gateways' connections, the answers."""
-        self._nft("inet llmgw_cut", "  chain input {\n    type filter hook input priority 0; policy drop;\n  }")
+        """Nothing arrives here from the network any more: the control plane's words, the gateways' connections,
+        the answers. The host still reaches itself (loopback, its own address: the agent's health checks of its
+        engines), as a machine whose cable is pulled does."""
+        self._nft("inet llmgw_cut", '  chain input {\n    type filter hook input priority 0; policy drop;\n'
+                                    '    iif "lo" accept\n  }')
 
     def heal(self) -> None:
         """Every fault of this host gone."""

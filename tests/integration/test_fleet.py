@@ -14,13 +14,11 @@ import time
 import pytest
 
 from tests.integration import netns
-from tests.integration.fleet import MODEL, Load, Watch, start_fleet, stop_fleet
+from tests.integration.fleet import GRACE, MODEL, TOLERANCE, Load, Watch, start_fleet, stop_fleet
 from tests.integration.harness import holds_for, wait_for
 
 pytestmark = pytest.mark.integration
 
-TOLERANCE = 6  # LLMGW_NODE_TOLERANCE and LLMGW_NODE_LOST_GRACE, as tests/integration/harness.py sets them
-GRACE = 8
 REPORT: list[tuple] = []
 
 
@@ -118,7 +116,17 @@ def test_a_lossy_slow_link_replaces_nothing_and_fails_nothing(fleet, scenario):
     before = fleet.replicas()
     fleet.relays[node].delay = 0.2
     fleet.hosts[node].lossy(30)
-    holds_for(lambda: fleet.replicas() == before, 60, interval=1.0, what="no replica replaced")
+    since = fleet.api("/api/v1/events/", limit=1)["results"][0]["id"]
+
+    def unchanged() -> bool:
+        if fleet.replicas() == before:
+            return True
+        said = fleet.api("/api/v1/events/", after=since, limit=100)["results"]
+        print(f"replicas were {before}, now {fleet.replicas()}; since the loss began:",
+              *(f"{e['created_at']} {e['kind']} {e['message']}" for e in said), sep="\n  ")
+        return False
+
+    holds_for(unchanged, 60, interval=1.0, what="no replica replaced (the replicas and Events: printed above)")
     fleet.hosts[node].heal()
     fleet.relays[node].delay = 0.0
     fleet.system.wait_nodes_connected([node], timeout=60)
