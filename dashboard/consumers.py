@@ -2,7 +2,8 @@
 
 Every Event (cluster.events.record) sends, after its transaction commits, one `dashboard.changed` per
 transaction to the `dashboard` group (cluster.notify) with the Event kinds' families (`replica`, `node`,
-`model`, `system`, ...). This consumer passes them on; the page's partials that show a family fetch themselves
+`model`, `system`, ...); transactions a process commits while its last message is still under way share the
+next one. This consumer passes them on; the page's partials that show a family fetch themselves
 again (htmx). The pages also refresh on a slow timer, so a lost message costs nothing.
 """
 
