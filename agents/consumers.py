@@ -223,7 +223,7 @@ class AgentConsumer(notify.EndsWhenTheLayerIsAway, notify.StopsCleanly, AsyncJso
     async def on_hello(self, message):
         facts, replicas, base = message["facts"], list(message.get("replicas") or []), self.mirror_base()
 
-        def hello() -> dict:  # one trip to the database thread: hundreds of agents say hello at once
+        def hello() -> dict:  # one trip to the database threads: hundreds of agents say hello at once
             reports.hello(self.node_pk, facts, replicas)
             return reports.desired(self.node_pk, base)
 

@@ -48,3 +48,19 @@ def a_swallowed_cancel(monkeypatch):
             return await original(self, channel)
 
     monkeypatch.setattr(RedisChannelLayer, "receive", receive)
+
+
+@pytest.fixture
+def channel_layer_at(settings):
+    """Point the project's channel layer at a Redis of the test's choosing (the layers are made again from the
+    setting): `channel_layer_at(url)`; with no URL, a port nothing listens on (the layer away)."""
+    from channels.layers import channel_layers
+
+    from agents.ports import free_port
+
+    def point(url: str | None = None) -> None:
+        settings.CHANNEL_LAYERS = {"default": {"BACKEND": "llmgw.channel_layer.RedisChannelLayer", "CONFIG": {
+            "hosts": [{"address": url or f"redis://127.0.0.1:{free_port()}/0", "socket_connect_timeout": 1}]}}}
+        assert channel_layers.backends == {}
+
+    return point

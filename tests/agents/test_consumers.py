@@ -539,14 +539,8 @@ async def test_an_answer_the_closed_socket_refuses_is_that_close_not_a_fault(nod
 
 
 async def test_with_the_channel_layer_away_the_agent_is_told_to_try_again_and_no_node_is_left_connected(
-        node_token, settings, caplog):
-    from channels.layers import channel_layers
-
-    from agents.ports import free_port
-
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "llmgw.channel_layer.RedisChannelLayer", "CONFIG": {
-        "hosts": [{"address": f"redis://127.0.0.1:{free_port()}/0", "socket_connect_timeout": 1}]}}}
-    assert channel_layers.backends == {}  # made again from the new setting
+        node_token, channel_layer_at, caplog):
+    channel_layer_at()  # nothing listens there
     node, token = node_token
     communicator = stream(token)
     await communicator.send_input({"type": "websocket.connect"})
@@ -559,19 +553,15 @@ async def test_with_the_channel_layer_away_the_agent_is_told_to_try_again_and_no
 
 
 @pytest.mark.integration  # starts a Valkey of its own, to stop it
-async def test_a_stream_whose_channel_layer_goes_away_later_is_closed_with_try_again(node_token, settings, tmp_path,
-                                                                                      caplog):
+async def test_a_stream_whose_channel_layer_goes_away_later_is_closed_with_try_again(
+        node_token, channel_layer_at, tmp_path, caplog):
     # Redis stopped under an open stream: its wait for messages fails; the agent hears 1013 and dials again
-    from channels.layers import channel_layers
-
     from llmgw.valkey import EmbeddedValkey
 
     valkey = EmbeddedValkey(tmp_path / "valkey")
     url = await asyncio.to_thread(valkey.start)
     try:
-        settings.CHANNEL_LAYERS = {"default": {"BACKEND": "llmgw.channel_layer.RedisChannelLayer", "CONFIG": {
-            "hosts": [{"address": url, "socket_connect_timeout": 1}]}}}
-        assert channel_layers.backends == {}
+        channel_layer_at(url)
         node, token = node_token
         communicator = await open_stream(token)
         await hello(communicator)

@@ -99,15 +99,9 @@ async def test_a_closed_page_ends_even_if_the_channel_layer_swallows_its_cancel(
     assert await ends_by_itself(page)
 
 
-async def test_with_the_channel_layer_away_the_page_is_told_to_try_again(cookie, settings, caplog):
+async def test_with_the_channel_layer_away_the_page_is_told_to_try_again(cookie, channel_layer_at, caplog):
     # not a traceback in the log and an HTTP 500: the page's socket dials again, and the pages refresh on a timer
-    from channels.layers import channel_layers
-
-    from agents.ports import free_port
-
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "llmgw.channel_layer.RedisChannelLayer", "CONFIG": {
-        "hosts": [{"address": f"redis://127.0.0.1:{free_port()}/0", "socket_connect_timeout": 1}]}}}
-    assert channel_layers.backends == {}
+    channel_layer_at()  # nothing listens there
     page = browser(cookie)
     await page.send_input({"type": "websocket.connect"})
     answer = await page.receive_output(timeout=3)
