@@ -47,30 +47,60 @@ UVICORN_OPTIONS = ["--loop", "uvloop", "--http", "httptools", "--ws", "websocket
 SETTLE = 0.25  # seconds a stopping web process waits, no longer accepting, for requests on its newest connections
 
 
-def serve_inherited(fd: int) -> None:
-    """uvicorn on the listening socket this process inherited as `fd`, with the options above, the socket's
-    family read from the descriptor itself.
+def graceful_server(config):
+    """A uvicorn server that stops as uvicorn does, but for two things, so that a web process that stops while
+    other processes go on serving its socket loses no request:
 
-    It stops as uvicorn does, but for one thing: uvicorn closes, the moment it stops accepting, every connection
-    that has not sent a request yet, and a client that had just connected gets no answer. On a socket that
-    other web processes go on serving, this one first stops accepting (the kernel hands new connections to the
-    others), then gives the connections it took a moment ago the time to deliver their request, and serves it."""
+    - uvicorn closes, the moment it stops accepting, every connection without a request under way: one that
+      has just been accepted and not yet sent its request, or a kept-alive one whose client is sending its next
+      request in that instant; either client gets no answer. This one first stops accepting (the kernel hands
+      new connections to the others), waits `SETTLE` seconds, and only then closes the connections that had
+      nothing under way all that while.
+    - every request that begins once the stop has begun is answered with `Connection: close`, so its client
+      goes on over a new connection (to another process) instead of sending its next request on one about to
+      be closed.
+
+    What is left is what any HTTP/1.1 server has: a connection idle for the whole settle whose client sends on
+    it just as it is closed (a client retries that, RFC 9110 9.3.2)."""
     import asyncio
+
+    import uvicorn
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class ClosingOnceStopping(HttpToolsProtocol):
+        def on_headers_complete(self) -> None:
+            before = self.cycle
+            super().on_headers_complete()
+            if getattr(self.server_state, "stopping", False) and self.cycle is not None and self.cycle is not before:
+                self.cycle.keep_alive = False
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            self.server_state.stopping = True
+            for server in self.servers:
+                server.close()
+            for connection in list(self.server_state.connections):  # under way: this answer is its last
+                cycle = getattr(connection, "cycle", None)
+                if cycle is not None and not cycle.response_complete:
+                    cycle.keep_alive = False
+            await asyncio.sleep(SETTLE)
+            await super().shutdown(sockets)
+
+    config.http = ClosingOnceStopping
+    return Server(config)
+
+
+def serve_inherited(fd: int) -> None:
+    """uvicorn (`graceful_server`) on the listening socket this process inherited as `fd`, with the options
+    above, the socket's family read from the descriptor itself."""
     import socket
 
     import uvicorn
 
-    class Server(uvicorn.Server):
-        async def shutdown(self, sockets=None):
-            for server in self.servers:
-                server.close()
-            await asyncio.sleep(SETTLE)
-            await super().shutdown(sockets)
-
     sock = socket.socket(fileno=fd)
-    config = uvicorn.Config(APPLICATION, loop="uvloop", http="httptools", ws="websockets", lifespan="off",
-                            access_log=False, ws_per_message_deflate=False)
-    Server(config).run(sockets=[sock])
+    config = uvicorn.Config(APPLICATION, loop="uvloop", lifespan="off", access_log=False, ws="websockets",
+                            ws_per_message_deflate=False)
+    graceful_server(config).run(sockets=[sock])
 
 
 def serve_workers(host: str, port: int, workers: int, server: str | None = None) -> None:

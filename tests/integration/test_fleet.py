@@ -195,7 +195,10 @@ def test_postgresql_and_redis_restarted_under_load_need_no_restart_of_llmgw(flee
     outcome["recovered"] = f"{time.monotonic() - started:.1f} s (reconciler placed a replica)"
     system.cli("ctl", "model", "set", MODEL, "--replicas", "2")
     wait_for(lambda: len(fleet.ready()) == 2, 60, what="back to two")
-    assert {name: proc.popen.pid for name, proc in system.procs.items() if proc.alive()} == pids
+    now = {name: proc.popen.pid for name, proc in system.procs.items() if proc.alive()}
+    gone = [name for name in pids if now.get(name) != pids[name]]
+    assert not gone, "\n".join(f"--- {name} (exit {system.procs[name].returncode})\n{system.procs[name].tail(80)}"
+                                for name in gone)
 
 
 def test_a_worker_killed_in_the_middle_of_a_system_restart(fleet, scenario):
