@@ -3,6 +3,7 @@ any directory, and the program's one-line answers where there is nothing to work
 test_package.py builds the wheel and installs it.)"""
 
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -11,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from llmgw import home as home_module
 from llmgw.home import home, secret_key
@@ -19,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LLMGW = Path(sys.executable).parent / "llmgw"  # bin/setup-venv installs the checkout (editable)
 
 
-def pins() -> dict[str, str]:
+def pins(name: str = "base.txt") -> dict[str, str]:
     found = {}
-    for line in (ROOT / "requirements" / "base.txt").read_text().splitlines():
+    for line in (ROOT / "requirements" / name).read_text().splitlines():
         line = line.split("#")[0].strip()
         if line and not line.startswith("-"):
             requirement = Requirement(line)
@@ -42,6 +44,18 @@ def test_every_dependency_of_the_package_is_pinned_and_its_range_holds_the_pin()
         assert name in pinned, f"{name} is a dependency of the package but not pinned in requirements/base.txt"
         assert requirement.specifier.contains(pinned[name], prereleases=True), \
             f"{requirement} does not hold the pin {name}=={pinned[name]}"
+
+
+def test_the_lock_holds_every_pin_at_its_version_and_pins_exact_versions_only():
+    locked = {canonicalize_name(package): version for package, version in pins("lock.txt").items()}
+    for name in ("base.txt", "dev.txt"):
+        for package, version in pins(name).items():
+            found = locked.get(canonicalize_name(package))
+            assert found == version, f"requirements/{name} pins {package}=={version}; lock.txt has {found}"
+    assert "kombu" in locked  # what celery pulls in
+    for line in (ROOT / "requirements" / "lock.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            assert re.fullmatch(r"[A-Za-z0-9_.\-]+==[^\s;#]+", line), f"lock.txt: {line!r} is not name==version"
 
 
 def test_every_pin_is_a_dependency_of_the_package():
