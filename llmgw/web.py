@@ -61,7 +61,7 @@ def graceful_server(config):
       be closed.
 
     What is left is what any HTTP/1.1 server has: a connection idle for the whole settle whose client sends on
-    it just as it is closed (a client retries that, RFC 9110 9.3.2)."""
+    it just as it is closed (RFC 9112, 9.3.1: clients retry such a request; the `openai` client does by default)."""
     import asyncio
 
     import uvicorn
