@@ -58,6 +58,12 @@ def listener():
     sock.close()
 
 
+@pytest.fixture
+def long_settle(monkeypatch):
+    """A settle of a second: what a test sends "as the stop begins" then arrives within it on a busy machine."""
+    monkeypatch.setattr("llmgw.web.SETTLE", 1.0)
+
+
 def get(conn: http.client.HTTPConnection) -> http.client.HTTPResponse:
     conn.request("GET", "/")
     response = conn.getresponse()
@@ -65,7 +71,7 @@ def get(conn: http.client.HTTPConnection) -> http.client.HTTPResponse:
     return response
 
 
-def test_a_request_on_a_kept_alive_connection_as_the_stop_begins_is_answered_and_told_to_close(listener):
+def test_a_request_on_a_kept_alive_connection_as_the_stop_begins_is_answered_and_told_to_close(listener, long_settle):
     running = Running(listener)
     conn = http.client.HTTPConnection(*listener.getsockname())
     assert get(conn).getheader("connection") is None  # kept alive
@@ -89,7 +95,7 @@ def test_a_connection_idle_all_through_the_settle_is_closed_and_the_stop_ends(li
     assert conn.sock.recv(1) == b""  # closed by the server, nothing sent
 
 
-def test_clients_sending_back_to_back_lose_nothing_while_one_of_two_processes_on_a_socket_stops(listener):
+def test_clients_sending_back_to_back_lose_nothing_while_one_of_two_processes_on_a_socket_stops(listener, long_settle):
     first, second = Running(listener), Running(listener)
     failures, answers, done = [], [], threading.Event()
 
