@@ -248,7 +248,7 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_CONNECTION_TIMEOUT = 3
 CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 3, "socket_timeout": 10}
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
-CELERY_WORKER_CONSUMER = "llmgw.celery:Consumer"  # survives a Redis restart with messages unacknowledged (its doc)
+CELERY_WORKER_CONSUMER = "llmgw.worker:Consumer"  # survives a Redis restart with messages unacknowledged (its doc)
 CELERY_BEAT_SCHEDULE = {
     "reconcile": {"task": "cluster.tasks.reconcile_tick", "schedule": 1.0, "options": {"expires": 5}},
     "usage": {"task": "gateway.tasks.flush_usage", "schedule": 15.0, "options": {"expires": 30}},
