@@ -9,7 +9,6 @@ again (htmx). The pages also refresh on a slow timer, so a lost message costs no
 
 from channels.auth import AuthMiddlewareStack
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
-from channels.security.websocket import WebsocketDenier
 
 from cluster.clients import same_origin
 from cluster.notify import DASHBOARD_GROUP, EndsWhenTheLayerIsAway, StopsCleanly
@@ -45,7 +44,15 @@ class SameOrigin:
     async def __call__(self, scope, receive, send):
         if same_origin(scope):
             return await self.application(scope, receive, send)
-        return await WebsocketDenier()(scope, receive, send)
+        return await turned_away(scope, receive, send)
+
+
+async def turned_away(scope, receive, send):
+    """The socket refused at its handshake (HTTP 403). Not Channels' WebsocketDenier: that is a consumer, which
+    waits on the channel layer from its start, and redis-py can swallow the cancellation of that wait (see
+    `cluster.notify.StopsCleanly`), leaving it waiting after the socket is gone."""
+    if (await receive())["type"] == "websocket.connect":
+        await send({"type": "websocket.close"})
 
 
 def dashboard_socket():

@@ -211,8 +211,9 @@ async def test_a_host_the_server_does_not_answer_to_is_refused_unless_the_public
     request with it would be; with LLMGW_PUBLIC_URL set, the Host is not used."""
     node, token = node_token
     await database_sync_to_async(make_replica)(model, node, S.PENDING)
-    connected, code = await stream(token, host="attacker.example:80").connect(timeout=TIMEOUT)
-    assert (connected, code) == (False, REFUSED)
+    refused = stream(token, host="attacker.example:80")
+    assert await refused.connect(timeout=TIMEOUT) == (False, REFUSED)
+    assert await ends_by_itself(refused)  # the server's disconnect that follows ends the consumer
     assert not (await node_row(node.pk)).connected
     settings.LLMGW_PUBLIC_URL = "https://llmgw.example.org"
     communicator = stream(token, host="attacker.example:80")

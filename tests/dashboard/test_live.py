@@ -55,12 +55,14 @@ async def test_without_a_session_the_socket_is_closed_for_the_login_page():
     page = browser(None)
     connected, code = await page.connect(timeout=3)
     assert not connected and code == 4401
+    assert await ends_by_itself(page)  # the server's disconnect that follows ends the consumer
 
 
 async def test_a_page_from_another_site_may_not_listen(cookie):
     page = browser(cookie, origin=b"http://evil.example")
     connected, _ = await page.connect(timeout=3)
     assert not connected
+    assert page.future.done()  # turned away without a consumer: nothing of it waits on the channel layer
 
 
 @pytest.mark.parametrize(
@@ -78,8 +80,7 @@ async def test_the_origin_is_the_pages_scheme_host_and_port(cookie, origin, host
     page = browser(cookie, origin=origin, host=host, scheme=scheme, **more)
     connected, _ = await page.connect(timeout=3)
     assert connected == opens
-    if connected:
-        await page.disconnect()
+    assert await ends_by_itself(page)
 
 
 async def test_behind_a_trusted_proxy_that_ends_tls_the_page_is_https(cookie):
@@ -90,6 +91,7 @@ async def test_behind_a_trusted_proxy_that_ends_tls_the_page_is_https(cookie):
     await page.disconnect()
     stranger = browser(cookie, origin=b"https://llmgw.test:8000", client="10.0.0.7", **proxied)
     assert not (await stranger.connect(timeout=3))[0]
+    assert await ends_by_itself(stranger)
 
 
 async def test_a_closed_page_ends_even_if_the_channel_layer_swallows_its_cancel(cookie, a_swallowed_cancel):
