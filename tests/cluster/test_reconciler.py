@@ -63,12 +63,15 @@ class Listener:
 
         return async_to_sync(go)()
 
-    def messages(self, wait: float = 0.3) -> list[dict]:
+    def messages(self, wait: float | None = None) -> list[dict]:
+        """What came, each waited for `wait` seconds; by default the first up to 5 s (one is expected: a busy
+        machine's fresh layer took longer than 0.3 s to fetch it in a CI run), the rest 0.3 s."""
         async def drain(layer):
             got = []
             while True:
                 try:
-                    got.append(await asyncio.wait_for(layer.receive(self.channel), wait))
+                    limit = wait if wait is not None else (5.0 if not got else 0.3)
+                    got.append(await asyncio.wait_for(layer.receive(self.channel), limit))
                 except asyncio.TimeoutError:
                     return got
 
