@@ -23,9 +23,11 @@ def server_installed() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in ("django", "celery", "rest_framework"))
 
 
-def _standalone(argv: list[str]) -> int:
+def standalone(argv: list[str], out=None, err=None) -> int:
     """The program where only the node's part is installed: the agent, and every command that talks to a
-    server (`llmgw login URL` first, or --server / LLMGW_SERVER)."""
+    server (`llmgw login URL` first, or --server / LLMGW_SERVER). `out`, `err`: where it writes (the process's
+    own by default; the integration tests drive a live system through this in their own process)."""
+    out, err = out or sys.stdout, err or sys.stderr
     from llmgw.cli.args import OneLineParser
     from llmgw.cli.program import run
     from llmgw.cli.tree import build
@@ -40,9 +42,9 @@ def _standalone(argv: list[str]) -> int:
             raise CliError(f"`llmgw {options['command']}`: {SERVER_MISSING}")
         if options["command"] == "agent":
             return _run_agent(options)
-        run(options, sys.stdout)
+        run(options, out, err=err)
     except (CliError, AgentError) as exc:
-        sys.stderr.write(f"error: {exc}\n")
+        err.write(f"error: {exc}\n")
         return 1
     except KeyboardInterrupt:
         return 130
@@ -72,7 +74,7 @@ def _run_agent(options: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not server_installed():
-        return _standalone(argv)
+        return standalone(argv)
     if argv[:1] == ["agent"]:  # Django-free here too: the agent starts fast and needs no settings
         from llmgw.cli.args import OneLineParser
 

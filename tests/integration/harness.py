@@ -1,10 +1,12 @@
 """A whole llmgw on loopback for integration tests: daphne, Celery worker and beat, agents, as real processes.
 
-Tests talk to it as an operator would: the `manage.py llmgw` CLI, the REST API, and the engines' ports.
+Tests talk to it as an operator would: the `llmgw` program (its code, in the test's process, over HTTP), the REST
+API, and the engines' ports.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -22,8 +24,10 @@ import httpx
 
 from agents.agent.records import stop_recorded_engines
 from agents.ports import free_port
+from llmgw.main import standalone
 from llmgw.processes import Child, Supervisor
 from llmgw.web import web_argv
+from tests.workers import worker_index
 
 ROOT = Path(__file__).resolve().parents[2]
 MANAGE = ROOT / "manage.py"
@@ -58,8 +62,16 @@ def _with_db(url: str, db: str) -> str:
 
 
 def _redis_db(url: str, db: int) -> str:
+    """Database `db` of this worker's share of the Redis at `url` (conftest.py: workers sharing REDIS_URL's server
+    take 8 databases each)."""
     parts = urlparse(url)
-    return urlunparse(parts._replace(path=f"/{db}"))
+    return urlunparse(parts._replace(path=f"/{db + int(os.environ.get('LLMGW_TEST_REDIS_DB_BASE', 0))}"))
+
+
+# The engine ports of this worker's agents, 21000 to 28999 for four workers: two workers' engines never want one
+# port (an agent fails a replica whose port is taken), and none is an ephemeral port (32768 and up) that
+# `free_port` may hand a web process. `llmgw up`'s own agent takes 20000-20999.
+ENGINE_PORTS = 21000 + 2000 * worker_index()
 
 
 @dataclass
@@ -107,7 +119,22 @@ class System:
             self.supervisor.watch(self.procs[name])
         self.supervisor.start_thread()
 
-    def cli(self, *args: str, check: bool = True, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    def cli(self, *args: str, check: bool = True, token: str | None = None) -> subprocess.CompletedProcess:
+        """`llmgw ARGS` as an operator runs it against this system from anywhere: the program's own code (what a
+        laptop's install runs, llmgw.main.standalone) in this process, over HTTP to the web, as the admin (or
+        `token`'s user). What the program prints and its exit code, as a process's would be; a refusal is its
+        one line on stderr and code 1. (`host_cli` runs the program as a process on the control plane's host.)"""
+        out, err = io.StringIO(), io.StringIO()
+        code = standalone(["--server", self.url, "--token", token or self.admin_token, *args], out, err)
+        result = subprocess.CompletedProcess(["llmgw", *args], code, out.getvalue(), err.getvalue())
+        if check and result.returncode != 0:
+            raise AssertionError(f"llmgw {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def host_cli(self, *args: str, check: bool = True, env: dict | None = None,
+                 timeout: float = 120) -> subprocess.CompletedProcess:
+        """`llmgw ARGS` run as a program on the control plane's host (`manage.py llmgw`: Django booted, the API in
+        its own process, acting as `cli`): for the tests of the program as a program."""
         result = subprocess.run(
             [sys.executable, str(MANAGE), "llmgw", *args], env=env or self.env, cwd=ROOT,
             capture_output=True, text=True, timeout=timeout,
@@ -145,7 +172,7 @@ class System:
     def add_agent(self, node: str, memory: str = "1GiB", port_range: str | None = None, start: bool = True) -> Agent:
         out = self.cli("node", "add", node, "--server", self.url).stdout
         token = next(w for w in out.split() if w.startswith("lnt_"))
-        low = 21000 + 200 * len(self.agents)
+        low = ENGINE_PORTS + 200 * len(self.agents)
         agent = Agent(node, token, self.home / f"agent-{node}", memory, port_range or f"{low}-{low + 199}")
         self.agents[node] = agent
         if start:
@@ -208,6 +235,18 @@ class System:
                 conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+BOOTSTRAP = """
+from django.core.management import call_command
+call_command("migrate", verbosity=0)
+from cluster.models import ClusterSettings
+ClusterSettings.load()
+ClusterSettings.objects.update(reconcile_interval_seconds=1)
+from cluster.operations.users import add_user
+user, token = add_user("admin", "admin", "cli", password="admin-password")
+print("admin token", token)
+"""
+
+
 def start_system(home: Path, extra_env: dict | None = None, redis_db: int = 3, host: str = "127.0.0.1",
                  database_url: str | None = None, redis_url: str | None = None) -> System:
     """Migrate a fresh database, then start web, worker and beat. Agents are added by the tests. The web process
@@ -245,19 +284,15 @@ def start_system(home: Path, extra_env: dict | None = None, redis_db: int = 3, h
     system = System(home=home, env=env, port=free_port(), _dropdb=dropdb, host=host)
     try:
         flush_redis(env["REDIS_URL"])
-        subprocess.run(
-            [sys.executable, str(MANAGE), "migrate", "-v", "0"], env=env, cwd=ROOT, check=True, timeout=300
+        # One process: migrate; the reconciler every second instead of every 5 (the cluster setting the
+        # dashboard's Settings page changes: drains and hand-overs finish within a second of going idle, which
+        # keeps the suite short); the admin whose token the tests act with.
+        made = subprocess.run(
+            [sys.executable, str(MANAGE), "shell", "-c", BOOTSTRAP], env=env, cwd=ROOT, capture_output=True,
+            text=True, timeout=300,
         )
-        # The reconciler every second instead of every 5 (the cluster setting the dashboard's Settings page will
-        # change): drains and hand-overs finish within a second of going idle, which keeps the suite short.
-        subprocess.run(
-            [sys.executable, str(MANAGE), "shell", "-c",
-             "from cluster.models import ClusterSettings; ClusterSettings.load(); "
-             "ClusterSettings.objects.update(reconcile_interval_seconds=1)"],
-            env=env, cwd=ROOT, check=True, timeout=120,
-        )
-        out = system.cli("user", "add", "admin", "--role", "admin", "--password", "admin-password").stdout
-        system.admin_token = out.strip().split()[-1]
+        assert made.returncode == 0, made.stderr
+        system.admin_token = made.stdout.strip().split()[-1]
         py = sys.executable
         system.spawn("web", web_argv(host, system.port, env.get("LLMGW_WEB_SERVER") or None))
         system.spawn("worker", [py, "-m", "celery", "-A", "llmgw", "worker", "-l", "info", "-c", "1",

@@ -17,7 +17,6 @@ import signal
 import ssl
 import subprocess
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import pytest
 
 from agents.ports import free_port
 from llmgw.processes import Child
-from tests.integration.harness import ROOT, nginx_conf, nginx_conf_from_readme, wait_for
+from tests.integration.harness import ENGINE_PORTS, ROOT, nginx_conf, nginx_conf_from_readme, wait_for
 from tests.test_package import completes
 
 pytestmark = pytest.mark.integration
@@ -107,7 +106,7 @@ def test_a_node_runs_the_agent_from_the_wheel_beside_openai_agents(system, node_
     assert (program, args) == ("llmgw", ["agent", "--server", system.url]) and token.startswith("lnt_")
     state = tmp_path / "node-state"
     agent = Child("wheel-agent", [str(llmgw), *args, "--state-dir", str(state), "--memory", "1GiB", "--gpus", "none",
-                                  "--port-range", "23800-23899", "--stop-timeout", "5"],
+                                  "--port-range", f"{ENGINE_PORTS + 1800}-{ENGINE_PORTS + 1899}", "--stop-timeout", "5"],
                   tmp_path / "wheel-agent.log", clean_env(LLMGW_AGENT_TOKEN=token), cwd=elsewhere).start()
     try:
         assert token not in " ".join(psutil.Process(agent.pid).cmdline())  # what every user sees in `ps`
@@ -299,11 +298,10 @@ def test_from_a_laptop_the_readme_steps_through_nginx_with_tls(system, node_env,
     since = datetime.now(timezone.utc).isoformat()
     follow = subprocess.Popen([str(llmgw), "ctl", "events", "--follow", "--kind", "profile.", "--since", since], cwd=home,
                               env={**env, **as_vic}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        time.sleep(3)
+    try:  # whenever it starts polling, it prints what happened after `since`
         system.cli("ctl", "profile", "add", "laptop-watch")
         line = follow.stdout.readline()
-        assert "profile.added" in line and "laptop-watch" in line and "cli" in line, line
+        assert "profile.added" in line and "laptop-watch" in line and "user:admin" in line, line
     finally:
         follow.kill()
         follow.wait()
