@@ -17,6 +17,33 @@ def django_db_setup(django_db_setup, django_db_blocker):
         Event.objects.all().delete()
 
 
+@pytest.fixture(scope="session")
+def _postgresql_test_database(postgresql_server, django_db_setup, django_db_blocker):
+    from tests.postgres import make_test_database
+
+    with django_db_blocker.unblock():
+        return make_test_database(postgresql_server)
+
+
+@pytest.fixture
+def on_postgresql(request, transactional_db, django_db_blocker):
+    """The test runs on PostgreSQL (row locks, concurrent writers): the run's database when it is PostgreSQL,
+    else a migrated test database on the run's own server, emptied after the test as a transactional test's is."""
+    from django.db import connection
+
+    if connection.vendor == "postgresql":
+        yield
+        return
+    from tests.postgres import default_database, flush_test_database
+
+    database = request.getfixturevalue("_postgresql_test_database")
+    try:
+        with default_database(database):
+            yield
+    finally:
+        flush_test_database(database)
+
+
 @pytest.fixture
 def operator(db):
     return client_for("operator")

@@ -59,10 +59,14 @@ class _InProcess(WSGIHandler):
         return [b"".join(response)] if response.streaming else [response.content]
 
 
+def _sqlite_exists(name: str) -> bool:
+    return name == ":memory:" or "mode=memory" in name or Path(name).is_file()
+
+
 def local_api() -> Api:
     """The API of this host's installation; a one-line error naming where it looked when there is none."""
-    db = settings.DATABASES["default"]
-    if db["ENGINE"].endswith("sqlite3") and not Path(str(db["NAME"])).is_file():
+    db = connections["default"].settings_dict  # the database this process uses (a test run's is its own)
+    if db["ENGINE"].endswith("sqlite3") and not _sqlite_exists(str(db["NAME"])):
         raise CliError(f"no llmgw installation at {where_looked()}: start one there with `llmgw up`, point "
                        f"LLMGW_HOME (or DATABASE_URL) at yours, or talk to a server: `llmgw login URL`")
     api = Api("http://localhost", transport=httpx.WSGITransport(app=_InProcess()), local=True)

@@ -458,11 +458,10 @@ async def test_a_second_stream_supersedes_the_first(node_token):
     assert (await event_kinds("gpu-1")).count("node.disconnected") == 1
 
 
-@pytest.mark.skipif("sqlite" in __import__("os").environ.get("DATABASE_URL", "sqlite"),
-                    reason="SQLite locks the whole file: one writer at a time is all it has")
-async def test_one_nodes_slow_database_work_holds_up_no_other_nodes_stream(node_token):
+async def test_one_nodes_slow_database_work_holds_up_no_other_nodes_stream(on_postgresql, node_token):
     """Each stream's database work runs on threads of the streams' own, several at once: on one thread for the
-    whole process, hundreds of agents connecting at once each waited for all the work queued before theirs."""
+    whole process, hundreds of agents connecting at once each waited for all the work queued before theirs. On
+    PostgreSQL: SQLite locks the whole file, one writer at a time is all it has."""
     import threading
 
     from django.db import connection, transaction

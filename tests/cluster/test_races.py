@@ -1,6 +1,7 @@
 """Two processes acting at once on PostgreSQL: an agent's report against a reconcile, two adds of one name,
 two system restarts at once. Each test makes the interleaving happen for certain: one transaction holds its
-rows until the other waits on them (PostgreSQL says so in pg_stat_activity), then commits."""
+rows until the other waits on them (PostgreSQL says so in pg_stat_activity), then commits. On PostgreSQL
+whatever the run's database is (`on_postgresql`: the run's own server when DATABASE_URL names none)."""
 
 import threading
 import time
@@ -16,14 +17,11 @@ from tests.factories import make_agent_node, make_model, make_replica, seed_defa
 
 S = Replica.State
 
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(connection.vendor != "postgresql", reason="row locks and concurrent writers: PostgreSQL only"),
-]
+pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture(autouse=True)
-def _defaults(transactional_db):
+def _defaults(on_postgresql):
     seed_defaults()  # the transactional flush removed the migrations' profile and engines
 
 

@@ -14,15 +14,11 @@ replicas within what it offers.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import logging
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +28,6 @@ import openai
 import psycopg
 
 from agents.agent.records import engines_dir
-from agents.ports import free_port
 from llmgw.valkey import EmbeddedValkey
 from tests.integration import netns
 from tests.integration.harness import (
@@ -46,49 +41,11 @@ from tests.integration.harness import (
     start_web,
     wait_for,
 )
+from tests.postgres import OwnPostgres
 
 COUNTING = ("pending", "downloading", "starting", "ready")
 HOLDING_MEMORY = ("downloading", "starting", "ready", "draining", "stopping")
 MODEL = "fleet"
-
-
-class OwnPostgres:
-    """A PostgreSQL server of the test's own (initdb under `runuser -u postgres`), which it may restart."""
-
-    def __init__(self):
-        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-        if not found:
-            raise RuntimeError("PostgreSQL's server programs are missing (/usr/lib/postgresql/*/bin)")
-        self.bin = Path(found[-1]).parent
-        self.root = Path(tempfile.mkdtemp(prefix="llmgw-pg-"))
-        self.root.chmod(0o755)
-        shutil.chown(self.root, "postgres", "postgres")
-        self.data = self.root / "data"
-        self.port = free_port()
-        self._as_postgres(str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
-        self.start()
-
-    def _as_postgres(self, *argv: str) -> None:
-        done = subprocess.run(["runuser", "-u", "postgres", "--", *argv], capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip() or done.stdout.strip()}")
-
-    @property
-    def url(self) -> str:
-        return f"postgres://postgres@127.0.0.1:{self.port}/postgres"
-
-    def start(self) -> None:
-        options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=300"
-        self._as_postgres(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "log"), "-o", options,
-                          "-w", "-t", "60", "start")
-
-    def stop(self, mode: str = "fast") -> None:
-        self._as_postgres(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
-
-    def close(self) -> None:
-        with contextlib.suppress(RuntimeError):
-            self.stop("immediate")
-        shutil.rmtree(self.root, ignore_errors=True)
 
 
 @dataclass

@@ -1,0 +1,130 @@
+"""PostgreSQL servers of the tests' own: what the tests that need PostgreSQL stand on when DATABASE_URL names
+none (a fresh machine has neither DATABASE_URL nor a server), and what the fleet's fault matrix restarts.
+
+`OwnPostgres` runs Debian's server programs (bin/setup-debian installs them) on a free port of loopback, as the
+`postgres` user when the tests run as root (PostgreSQL refuses root), as the tests' own user otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from agents.ports import free_port
+
+
+def server_programs() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
+    return Path(found[-1]).parent if found else None
+
+
+class OwnPostgres:
+    """A PostgreSQL server of the test's own, started at once; `stop`/`start` restart it, `close` removes it."""
+
+    def __init__(self, max_connections: int = 300):
+        programs = server_programs()
+        if programs is None:
+            raise RuntimeError("PostgreSQL's server programs are missing (/usr/lib/postgresql/*/bin): "
+                               "bin/setup-debian installs them (Debian's postgresql)")
+        self.bin = programs
+        self.root = Path(tempfile.mkdtemp(prefix="llmgw-pg-"))
+        self.root.chmod(0o755)
+        self._as_root = os.geteuid() == 0
+        if self._as_root:
+            shutil.chown(self.root, "postgres", "postgres")
+        self.data = self.root / "data"
+        self.port = free_port()
+        self.max_connections = max_connections
+        self._run(str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
+        self.start()
+
+    def _run(self, *argv: str) -> None:
+        command = ["runuser", "-u", "postgres", "--", *argv] if self._as_root else list(argv)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip() or done.stdout.strip()}")
+
+    @property
+    def url(self) -> str:
+        return f"postgres://postgres@127.0.0.1:{self.port}/postgres"
+
+    def start(self) -> None:
+        options = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
+                   f"-c max_connections={self.max_connections}")
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "log"), "-o", options,
+                  "-w", "-t", "60", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
+
+    def close(self) -> None:
+        with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+            self.stop("immediate")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def default_database(settings_dict: dict):
+    """Django's `default` database is the one `settings_dict` names, in every thread, until the block ends: each
+    thread opens a new connection to it (its connections to the other are kept, unused, and are its again after).
+    For the tests that need PostgreSQL in a run whose database is SQLite."""
+    from asgiref.local import Local
+    from django.contrib.contenttypes.models import ContentType
+    from django.db import connections
+
+    saved_local, saved_settings = connections._connections, connections.settings["default"]
+    made = []
+    create = connections.create_connection
+
+    def create_and_keep(alias):
+        made.append(create(alias))
+        return made[-1]
+
+    connections._connections = Local(connections.thread_critical)
+    connections.settings["default"] = settings_dict
+    connections.create_connection = create_and_keep
+    ContentType.objects.clear_cache()
+    try:
+        yield
+    finally:
+        del connections.create_connection
+        connections._connections = saved_local
+        connections.settings["default"] = saved_settings
+        ContentType.objects.clear_cache()
+        for conn in made:  # some were opened by threads that are gone: closed here, whichever thread this is
+            if conn.connection is not None:
+                with contextlib.suppress(Exception):
+                    conn.connection.close()
+
+
+def make_test_database(url: str) -> dict:
+    """A migrated test database on the PostgreSQL server of `url`, as pytest-django makes the run's own; returns
+    Django's settings for it."""
+    import dj_database_url
+    from django.conf import settings
+    from django.db import connections
+    from django.db.utils import ConnectionHandler
+
+    configured = ConnectionHandler({"default": dj_database_url.parse(url)}).settings["default"]
+    configured["TEST"]["NAME"] = f"test_llmgw_{os.getpid()}"
+    name_before = settings.DATABASES["default"]["NAME"]
+    try:
+        with default_database(configured):
+            connections["default"].creation.create_test_db(verbosity=0, autoclobber=True, serialize=False)
+    finally:  # create_test_db names its database in the settings too: they go on naming the run's own
+        settings.DATABASES["default"]["NAME"] = name_before
+    return configured
+
+
+def flush_test_database(settings_dict: dict) -> None:
+    """Empty every table, as pytest-django does after a transactional test."""
+    from django.core.management import call_command
+
+    with default_database(settings_dict):
+        call_command("flush", verbosity=0, interactive=False, database="default", reset_sequences=False,
+                     allow_cascade=False, inhibit_post_migrate=False)
