@@ -19,6 +19,8 @@ def pytest_configure(config):
     from llmgw.valkey import EmbeddedValkey, use
 
     if not os.environ.get("PYTEST_XDIST_WORKER") and (getattr(config.option, "numprocesses", None) or 0) > 0:
+        # the groups go out in the order pytest_collection_modifyitems leaves them, not largest first
+        config.option.loadscopereorder = False
         return  # the xdist controller: it runs no test; each worker has its Redis
 
     if os.environ.get("REDIS_URL"):
@@ -45,33 +47,41 @@ LONGEST_FIRST = ("system", "tests/integration/test_fleet.py", "tests/integration
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    """How the suite is shared out among the xdist workers (`--dist loadgroup`; each group runs whole on one
-    worker, the next group going to the first worker free):
-    - every integration module that uses the session's `system` in one group, so one worker starts it once; each
-      other integration module a group of its own (its module's system started once); the longest first;
-    - then the unit tests by file: first those in a transaction, then the transactional ones, which empty the
-      tables after them (the migrations' rows included), then those without a database. A worker takes groups in
-      this order, so none of its tests in a transaction runs after one of its flushes, as pytest-django orders a
-      single run.
+    """How the suite is shared out among the xdist workers (`--dist loadgroup`: each group runs whole on one
+    worker, and the next group in this order goes to the first worker free):
+    - the tests that use the session's `system` are one group, so one worker starts it once; each other module's
+      integration tests one group (the module's system started once); the longest of them first;
+    - the other tests by file and by how they use the database: in a transaction (`db`), `transactional` (the
+      tables emptied after each, the migrations' rows included), or not at all.
+    Every group with a transactional test goes after every group with a test in a transaction, so no worker runs
+    a test in a transaction after one of its flushes, as pytest-django orders a single run.
     """
-    by_module: dict[str, list] = {}
+    groups: dict[str, list] = {}
     for item in items:
-        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+        module = item.nodeid.split("::")[0]
+        if item.get_closest_marker("integration") and "system" in item.fixturenames:
+            group = "system"
+        elif item.get_closest_marker("integration"):
+            group = f"{module}:integration"
+        else:
+            group = f"{module}:{_database_kind(item)}"
+        item.add_marker(pytest.mark.xdist_group(group))
+        groups.setdefault(group, []).append(item)
     order = {}
-    for module, tests in by_module.items():
-        if any(t.get_closest_marker("integration") for t in tests):
-            group = "system" if any("system" in t.fixturenames for t in tests) else module
-            rank = LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
-            for t in tests:
-                t.add_marker(pytest.mark.xdist_group(group))
-                order[id(t)] = (0, rank)
-            continue
+    for group, tests in groups.items():
+        kinds = {_database_kind(t) for t in tests}
+        name = "system" if group == "system" else group.rsplit(":", 1)[0]
+        if "transactional" in kinds:
+            phase = 2
+        elif group.endswith(":integration") or group == "system":
+            phase = 0  # integration groups: started early, the longest first
+        else:
+            phase = 1 if "db" in kinds else 3
+        rank = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
         for t in tests:
-            kind = _database_kind(t)
-            t.add_marker(pytest.mark.xdist_group(f"{module}:{kind}"))
-            order[id(t)] = (1, ("db", "transactional", "none").index(kind))
+            order[id(t)] = (phase, rank)
     result = yield
-    items.sort(key=lambda t: order.get(id(t), (2, 0)))
+    items.sort(key=lambda t: order[id(t)])
     return result
 
 
