@@ -19,9 +19,11 @@ def pytest_configure(config):
     from llmgw.valkey import EmbeddedValkey, use
 
     if not os.environ.get("PYTEST_XDIST_WORKER") and (getattr(config.option, "numprocesses", None) or 0) > 0:
-        # the groups go out in the order pytest_collection_modifyitems leaves them, not largest first
-        config.option.loadscopereorder = False
-        return  # the xdist controller: it runs no test; each worker has its Redis
+        # the xdist controller: it runs no test (each worker has its Redis); it learns the groups from the workers
+        import tempfile
+
+        os.environ[GROUPS] = str(Path(tempfile.mkdtemp(prefix="llmgw-test-groups-")) / "groups.json")
+        return
 
     if os.environ.get("REDIS_URL"):
         # one server for every worker: each its own 8 of its 16 databases (the integration tests' systems use
@@ -38,6 +40,31 @@ def pytest_configure(config):
 
     _valkey = EmbeddedValkey(Path(settings.LLMGW_HOME) / f"valkey-{worker_index()}")
     use(_valkey.start())
+
+
+GROUPS = "LLMGW_TEST_GROUPS"  # the file where the workers tell the controller each test's group
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`, with the groups pytest_collection_modifyitems makes: xdist 3.8 reads a test's group
+    from a suffix it adds to the test's id, which pytest 9 no longer lets it set."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    import json
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                self.groups = json.loads(Path(os.environ[GROUPS]).read_text())
+            return self.groups.get(nodeid, nodeid)
+
+    scheduler = GroupScheduling(config, log)
+    config.option.loadscopereorder = False  # the groups go out in the order the workers collected them in
+    return scheduler
 
 
 # Integration groups that take longest, started first (the rest follow in the order they are collected).
@@ -82,6 +109,12 @@ def pytest_collection_modifyitems(config, items):
             order[id(t)] = (phase, rank)
     result = yield
     items.sort(key=lambda t: order[id(t)])
+    if os.environ.get(GROUPS) and os.environ.get("PYTEST_XDIST_WORKER"):
+        import json
+
+        written = Path(f"{os.environ[GROUPS]}.{os.environ['PYTEST_XDIST_WORKER']}")
+        written.write_text(json.dumps({t.nodeid: t.get_closest_marker("xdist_group").args[0] for t in items}))
+        written.replace(os.environ[GROUPS])  # every worker's the same: the last one stays
     return result
 
 
