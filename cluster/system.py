@@ -102,7 +102,7 @@ class _Heartbeat(threading.Thread):
                 self.lock.reacquire()
             except redis.exceptions.LockNotOwnedError:
                 try:
-                    redis_client().set(LOCK, self.lock.local.token, nx=True, px=LOCK_TTL * 1000)
+                    redis_client().set(LOCK, self.lock.local.token, nx=True, px=int(LOCK_TTL * 1000))
                 except redis.exceptions.RedisError:
                     pass
             except redis.exceptions.RedisError:

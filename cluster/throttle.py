@@ -25,6 +25,7 @@ from cluster import events
 DOORS = {"login": "failed logins", "api": "failed API tokens", "gateway": "failed client keys"}
 PREFIX = "llmgw:auth:"  # + door:kind:who -> failures; + door:kind:who:shut -> the door is shut while it lives
 log = logging.getLogger("llmgw.throttle")
+clock = time.monotonic  # when a shut door opens, as this process sees it (tests move it on)
 REMEMBERED = 10_000  # shut doors a process keeps in memory before it forgets the ones open again
 
 # one failure: count it (the window starts again), and past the free ones shut the door for 2^(n - free - 1)
@@ -61,13 +62,13 @@ class Door:
 
     def __init__(self, name: str):
         self.name = name
-        self._shut: dict[Subject, float] = {}  # subject -> time.monotonic() it opens again
+        self._shut: dict[Subject, float] = {}  # subject -> clock() when it opens again
 
     def shut(self, found: tuple[Subject, ...]) -> int:
         """Seconds until this door opens again for any of these subjects; 0: open."""
         if not self._shut:
             return 0
-        now = time.monotonic()
+        now = clock()
         left = max((self._shut.get(s, 0.0) - now for s in found), default=0.0)
         return int(left) + 1 if left > 0 else 0
 
@@ -112,7 +113,7 @@ class Door:
         delay = float(delay)
         if delay <= 0:
             return False
-        now = time.monotonic()
+        now = clock()
         if len(self._shut) >= REMEMBERED:
             self._shut = {s: until for s, until in self._shut.items() if until > now}
         self._shut[subject] = now + delay

@@ -15,6 +15,12 @@ import uvicorn
 from llmgw.web import SETTLE, graceful_server
 
 
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 async def app(scope, receive, send):
     assert scope["type"] == "http"
     while (await receive()).get("more_body"):
@@ -113,11 +119,11 @@ def test_clients_sending_back_to_back_lose_nothing_while_one_of_two_processes_on
     threads = [threading.Thread(target=client) for _ in range(6)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    wait_until(lambda: len(answers) >= 50)  # both processes answering
     first.stop()
     first.join(10)
     before = len(answers)
-    time.sleep(0.5)
+    wait_until(lambda: len(answers) >= before + 50 or failures)
     done.set()
     for t in threads:
         t.join(10)

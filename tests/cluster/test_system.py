@@ -213,17 +213,20 @@ def test_a_restart_whose_process_died_is_said_to_be_cut_short_once_its_lock_laps
 
 
 def test_a_running_restart_keeps_its_lock_alive_and_takes_it_again_when_redis_lost_it(db, monkeypatch):
-    monkeypatch.setattr(system, "HEARTBEAT", 0.1)
-    lock = redis_client().lock(system.LOCK, timeout=1, thread_local=False)
+    monkeypatch.setattr(system, "HEARTBEAT", 0.05)
+    monkeypatch.setattr(system, "LOCK_TTL", 0.3)
+    lock = redis_client().lock(system.LOCK, timeout=0.3, thread_local=False)
     assert lock.acquire()
     alive = system._Heartbeat(lock)
     alive.start()
     try:
-        time.sleep(1.5)  # past the TTL: kept
+        time.sleep(0.6)  # twice the TTL: kept
         assert redis_client().exists(system.LOCK)
         redis_client().delete(system.LOCK)  # Redis restarted empty
-        time.sleep(0.5)
-        assert redis_client().get(system.LOCK) == lock.local.token
+        deadline = time.monotonic() + 5
+        while redis_client().get(system.LOCK) != lock.local.token and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert redis_client().get(system.LOCK) == lock.local.token  # taken again
     finally:
         alive.stop()
         lock.release()
