@@ -100,7 +100,7 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
         self._spawned: set[asyncio.Task] = set()
         self.ledger = Ledger()
-        self._unknown_key_reload = 0.0
+        self._reloaded_for_unknown = {"key": 0.0, "model": 0.0}
 
     def spawn(self, coro) -> None:
         """Run `coro` in the background, holding on to it until it ends (the loop keeps only weak references)."""
@@ -118,12 +118,13 @@ class Gateway:
         await self.engines.aclose()
         await self.redis.aclose()
 
-    def may_reload_for_unknown_key(self) -> bool:
-        """At most one reload a second for keys this process has not seen (not one per bad request)."""
+    def may_reload_for_unknown(self, what: str) -> bool:
+        """A key or a model this process has not seen may have been created a moment ago, before the change
+        reached it: a reload answers that, at most once a second for each (not one per bad request)."""
         now = time.monotonic()
-        if now - self._unknown_key_reload < 1.0:
+        if now - self._reloaded_for_unknown[what] < 1.0:
             return False
-        self._unknown_key_reload = now
+        self._reloaded_for_unknown[what] = now
         return True
 
     # the routing table

@@ -48,6 +48,9 @@ async def model_detail(request, model: str):
         table = await gw.current()
         await _authenticate(gw, table, request)
         route = table.models.get(model)
+        if route is None and gw.may_reload_for_unknown("model"):
+            await gw.refresh()
+            route = gw.table.models.get(model)
         if route is None:
             raise GatewayError(404, "model_not_found", f"no model named {model!r}")
     except GatewayError as exc:
@@ -150,6 +153,9 @@ async def _proxy(call, request, endpoint: str):
         raw, body = _parse(request, endpoint)
         call.model = body["model"]
         route = table.models.get(call.model)
+        if route is None and gw.may_reload_for_unknown("model"):
+            await gw.refresh()  # a model added a moment ago, before the change reached this process
+            route = gw.table.models.get(call.model)
         if route is None:
             raise GatewayError(404, "model_not_found", f"no model named {call.model[:64]!r}")
         call.known = True
@@ -194,7 +200,7 @@ async def _authenticate(gw, table, request):
         raise GatewayError(401, "invalid_api_key", "give your API key as `Authorization: Bearer sk-…`")
     key_hash = ApiKey.hash(header[7:].strip())
     key = table.keys.get(key_hash)
-    if key is None and gw.may_reload_for_unknown_key():
+    if key is None and gw.may_reload_for_unknown("key"):
         await gw.refresh()  # a key created a moment ago, before the change reached this process
         key = gw.table.keys.get(key_hash)
     if key is None:

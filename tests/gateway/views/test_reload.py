@@ -10,7 +10,8 @@ from django.db import transaction
 
 from cluster import notify
 from gateway.runtime import runtime
-from tests.gateway.views.harness import MESSAGES, Client
+from tests.factories import make_model
+from tests.gateway.views.harness import MESSAGES, Client, ready_replica
 
 # every test here routes to tests/engine.py running as a process
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pytest.mark.integration]
@@ -39,3 +40,24 @@ async def test_the_table_reloads_on_change_after_the_first_request(cluster):
     while gw.table is loaded and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert gw.table is not loaded
+
+
+async def test_a_model_added_a_moment_ago_is_served_before_the_change_reaches_this_process(cluster):
+    """The operator's `ctl model add` returned; the next request names the model before this process's listener
+    has heard of it: the gateway looks again (as for a key it does not know), rather than answering 404."""
+    client = Client(authorization=f"Bearer {cluster.secret}")
+
+    async def ask(model: str):
+        return await client.post("/v1/chat/completions", data=json.dumps({"model": model, "messages": MESSAGES}),
+                                 content_type="application/json")
+
+    assert (await ask("qwen")).status_code == 200  # the table is loaded
+    def add_unheard():  # what `ctl model add` and its replica coming ready write, without the channel layer's word
+        model = make_model("added")
+        ready_replica(model, cluster.node, cluster.engine.port)
+
+    await sync_to_async(add_unheard)()
+    answer = await ask("added")
+    assert answer.status_code == 200, answer.content
+    missing = await ask("no-such-model")
+    assert missing.status_code == 404 and json.loads(missing.content)["error"]["code"] == "model_not_found"
