@@ -8,7 +8,7 @@ from datetime import timedelta
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
-from cluster.models import ClusterSettings, Demand, Model, Node, Replica
+from cluster.models import ClusterSettings, Demand, EngineVersion, Model, Node, Replica
 from cluster.planner.capacity import HOLDS_MEMORY, MemoryInUse
 
 
@@ -16,6 +16,29 @@ def nodes_with_counts() -> QuerySet[Node]:
     """Nodes by name, each with `replica_count`: its replicas that are not over (stopped or failed)."""
     over = Q(replicas__state__in=Replica.TERMINAL)
     return Node.objects.annotate(replica_count=Count("replicas", filter=~over)).order_by("name")
+
+
+def default_engine(now=None) -> EngineVersion | None:
+    """The engine a new model gets unless told otherwise (the dashboard's Add a model form): one the fleet's nodes
+    can run, so that a model added as shown is placed. The engine whose kind the most nodes here now report (a GPU
+    engine counting only nodes with a GPU), then the most nodes that have reported it at all, then the most models
+    using it, then by name; None when no engine is defined."""
+    from collections import Counter
+
+    engines = list(EngineVersion.objects.annotate(n_models=Count("models")).order_by("name"))
+    if not engines:
+        return None
+    now = now or timezone.now()
+    here: Counter = Counter()
+    ever: Counter = Counter()
+    for node in Node.objects.only("facts", "connected", "last_seen"):
+        runs = {(kind, EngineVersion.Device.CPU) for kind in node.engines}
+        if node.gpus:
+            runs |= {(kind, EngineVersion.Device.GPU) for kind in node.engines}
+        ever.update(runs)
+        if node.is_alive(now):
+            here.update(runs)
+    return max(engines, key=lambda e: (here[e.kind, e.device], ever[e.kind, e.device], e.n_models))
 
 
 def models_with_counts() -> QuerySet[Model]:

@@ -118,6 +118,7 @@ def _models(request) -> dict:
         "models": models,
         "files": ModelFile.objects.order_by("name"),
         "engines": EngineVersion.objects.order_by("name"),
+        "default_engine": getattr(queries.default_engine(), "name", None),
         "profiles": Profile.objects.order_by("name"),
         "routings": Model.Routing.values,
     }

@@ -334,3 +334,11 @@ def ctl_subcommands() -> list[str]:
         yield " ".join(prefix)
 
     return [c for c in walk(parser, []) if c.startswith("ctl ")]
+
+
+def test_the_add_model_form_offers_an_engine_the_nodes_have(op):
+    make_node("laptop", facts={"engines": {"xllamacpp": "0.2.1"}})
+    body = op.get("/models/").content.decode()
+    engine = re.search(r'<select name="engine".*?</select>', body, re.S).group(0)
+    assert '<option selected>xllamacpp</option>' in engine, engine
+    assert engine.count("selected") == 1
