@@ -116,3 +116,15 @@ def cluster_settings_shown(cluster: ClusterSettings | None = None) -> dict:
         "serving_stopped": cluster.serving_stopped,
         "engine_key_fingerprint": ClusterSettings.fingerprint(cluster.engine_key),
     }
+
+
+def users_listed() -> list[dict]:
+    """Every user by name, with its role and whether it has a password (the dashboard; without one, the API token
+    alone), as `llmgw user list`, `GET /api/v1/users/` and the Users page show them. Never a token."""
+    from django.contrib.auth.models import User
+
+    from cluster.roles import role_of
+
+    return [{"name": u.username, "role": role_of(u), "password": u.has_usable_password(), "active": u.is_active,
+             "joined_at": u.date_joined, "last_login_at": u.last_login}
+            for u in User.objects.prefetch_related("groups").order_by("username")]
