@@ -49,6 +49,11 @@ def url(page: str) -> str:
 
 def a_fleet() -> None:
     """Enough on every page that its tables have rows (a long name, a long command) to overflow a phone."""
+    from cluster.models import EngineVersion, Profile
+
+    # what the migrations made (a transactional test's database is emptied after it)
+    EngineVersion.objects.get_or_create(name="llama.cpp", defaults={"kind": "llama.cpp"})
+    Profile.objects.get_or_create(name="default")
     node = make_node("gpu-node-with-a-rather-long-name-1", facts={
         "memory_total_bytes": 32 * 1024**3, "gpus": [{"index": 0, "name": "NVIDIA L4", "memory_bytes": 24 * 1024**3}]})
     model = make_model(name="qwen2.5-coder-32b-instruct-q4-k-m", file=make_file(name="a-very-long-model-file-name.gguf"))
@@ -77,5 +82,31 @@ def test_every_name_pattern_compiles_as_browsers_compile_it_and_refuses_a_bad_na
             assert name.evaluate("e => e.checkValidity()"), good
         assert "lower-case letters" in name.get_attribute("title")
         assert ("nodes", "name") in checked
+    finally:
+        context.close()
+
+
+def test_every_page_fits_a_phone_and_its_nav_reaches_every_page(browser, live_server):
+    """At a phone's width (390 px) no page scrolls sideways as a whole: the nav wraps, a wide table scrolls inside
+    its card, forms stack. Every page is reached from the nav by a tap."""
+    from gateway import operations as gateway_operations
+
+    a_fleet()
+    gateway_operations.create_key("a-key-with-a-long-name-for-a-team", "test", models=[])
+    context, tab = signed_in(browser, live_server, "admin", PHONE)
+    try:
+        tab.goto("/")
+        for page in PAGES:
+            link = tab.locator(f"nav a[data-page={page}]")
+            link.click()  # Playwright scrolls it into view and clicks only what is visible and takes the tap
+            tab.wait_for_url(live_server.url + url(page))
+            tab.wait_for_load_state("networkidle")
+            wide = tab.evaluate("""() => ({scroll: document.documentElement.scrollWidth, view: window.innerWidth,
+                culprits: [...document.querySelectorAll('body *')].filter(e => e.getBoundingClientRect().right
+                  > window.innerWidth + 1 && !e.closest('.scroll, .card, pre')).slice(0, 5).map(e => e.outerHTML.slice(0, 80))})""")
+            assert wide["scroll"] <= wide["view"], (page, wide)
+            for field in tab.locator("main form input:visible, main form select:visible").all():
+                box = field.bounding_box()
+                assert box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"], (page, field.get_attribute("name"))
     finally:
         context.close()
