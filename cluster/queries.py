@@ -3,6 +3,7 @@ dashboard show the same figures because they ask here."""
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import timedelta
 
 from django.db.models import Count, Q, QuerySet
@@ -23,8 +24,6 @@ def default_engine(now=None) -> EngineVersion | None:
     can run, so that a model added as shown is placed. The engine whose kind the most nodes here now report (a GPU
     engine counting only nodes with a GPU), then the most nodes that have reported it at all, then the most models
     using it, then by name; None when no engine is defined."""
-    from collections import Counter
-
     engines = list(EngineVersion.objects.annotate(n_models=Count("models")).order_by("name"))
     if not engines:
         return None

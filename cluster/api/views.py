@@ -30,7 +30,6 @@ from cluster.api.serializers import (
     ModelFileUploadSerializer,
     NewNodeSerializer,
     NewUserSerializer,
-    UserSerializer,
     NodeCreateSerializer,
     NodeDrainSerializer,
     NodeSerializer,
@@ -53,6 +52,7 @@ from cluster.api.serializers import (
     StatusSerializer,
     SystemRestartSerializer,
     UserCreateSerializer,
+    UserSerializer,
 )
 from cluster.clients import agents_url
 from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
