@@ -52,9 +52,7 @@ def pytest_collection_modifyitems(config, items):
     - then the unit tests by file: first those in a transaction, then the transactional ones, which empty the
       tables after them (the migrations' rows included), then those without a database. A worker takes groups in
       this order, so none of its tests in a transaction runs after one of its flushes, as pytest-django orders a
-      single run;
-    - last, an integration module that drives the test database in process (Django's live server and a browser,
-      tests/dashboard/test_browser.py): its flushes empty the tables, so no test of its worker comes after it.
+      single run.
     """
     by_module: dict[str, list] = {}
     for item in items:
@@ -64,10 +62,9 @@ def pytest_collection_modifyitems(config, items):
         if any(t.get_closest_marker("integration") for t in tests):
             group = "system" if any("system" in t.fixturenames for t in tests) else module
             rank = LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
-            flushes = any(_database_kind(t) == "transactional" for t in tests)
             for t in tests:
                 t.add_marker(pytest.mark.xdist_group(group))
-                order[id(t)] = (3, 0) if flushes else (0, rank)
+                order[id(t)] = (0, rank)
             continue
         for t in tests:
             kind = _database_kind(t)
