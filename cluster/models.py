@@ -13,10 +13,18 @@ from agents.engines import CAPABILITIES, driver_for
 from agents.units import format_duration
 from cluster import memory
 
-NAME_RE = r"^[a-z0-9][a-z0-9._-]{0,62}$"
-name_validator = RegexValidator(
-    re.compile(NAME_RE), "use lower-case letters, digits, '.', '_' or '-', starting with a letter or digit (at most 63)"
-)
+# The one rule for a name of llmgw's (node, model, profile, engine, key): the server checks NAME_RE (operations,
+# the REST API, the model's validator) and every dashboard form renders NAME_PATTERN as its input's `pattern`, with
+# NAME_HINT as its hint. `\-`, not a bare `-`: browsers compile `pattern` with the `v` flag, where a bare `-` in a
+# class is a syntax error, and drop a pattern that does not compile (the field then takes anything).
+NAME_PATTERN = r"[a-z0-9][a-z0-9._\-]{0,62}"
+NAME_RE = rf"^{NAME_PATTERN}$"
+NAME_HINT = "lower-case letters, digits, '.', '_' or '-', starting with a letter or digit (at most 63)"
+name_validator = RegexValidator(re.compile(NAME_RE), f"use {NAME_HINT}")
+
+# A user's name (Django's own rule for a user name), likewise for the server and the dashboard's form.
+USER_NAME_PATTERN = r"[A-Za-z0-9_.@+\-]{1,150}"
+USER_NAME_HINT = "letters, digits and . @ + - _ (at most 150)"
 
 GIB = 1024**3
 log = logging.getLogger("llmgw.events")

@@ -3,12 +3,13 @@ dashboard show the same figures because they ask here."""
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import timedelta
 
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
-from cluster.models import ClusterSettings, Demand, Model, Node, Replica
+from cluster.models import ClusterSettings, Demand, EngineVersion, Model, Node, Replica
 from cluster.planner.capacity import HOLDS_MEMORY, MemoryInUse
 
 
@@ -16,6 +17,27 @@ def nodes_with_counts() -> QuerySet[Node]:
     """Nodes by name, each with `replica_count`: its replicas that are not over (stopped or failed)."""
     over = Q(replicas__state__in=Replica.TERMINAL)
     return Node.objects.annotate(replica_count=Count("replicas", filter=~over)).order_by("name")
+
+
+def default_engine(now=None) -> EngineVersion | None:
+    """The engine a new model gets unless told otherwise (the dashboard's Add a model form): one the fleet's nodes
+    can run, so that a model added as shown is placed. The engine whose kind the most nodes here now report (a GPU
+    engine counting only nodes with a GPU), then the most nodes that have reported it at all, then the most models
+    using it, then by name; None when no engine is defined."""
+    engines = list(EngineVersion.objects.annotate(n_models=Count("models")).order_by("name"))
+    if not engines:
+        return None
+    now = now or timezone.now()
+    here: Counter = Counter()
+    ever: Counter = Counter()
+    for node in Node.objects.only("facts", "connected", "last_seen"):
+        runs = {(kind, EngineVersion.Device.CPU) for kind in node.engines}
+        if node.gpus:
+            runs |= {(kind, EngineVersion.Device.GPU) for kind in node.engines}
+        ever.update(runs)
+        if node.is_alive(now):
+            here.update(runs)
+    return max(engines, key=lambda e: (here[e.kind, e.device], ever[e.kind, e.device], e.n_models))
 
 
 def models_with_counts() -> QuerySet[Model]:
@@ -93,3 +115,15 @@ def cluster_settings_shown(cluster: ClusterSettings | None = None) -> dict:
         "serving_stopped": cluster.serving_stopped,
         "engine_key_fingerprint": ClusterSettings.fingerprint(cluster.engine_key),
     }
+
+
+def users_listed() -> list[dict]:
+    """Every user by name, with its role and whether it has a password (the dashboard; without one, the API token
+    alone), as `llmgw user list`, `GET /api/v1/users/` and the Users page show them. Never a token."""
+    from django.contrib.auth.models import User
+
+    from cluster.roles import role_of
+
+    return [{"name": u.username, "role": role_of(u), "password": u.has_usable_password(), "active": u.is_active,
+             "joined_at": u.date_joined, "last_login_at": u.last_login}
+            for u in User.objects.prefetch_related("groups").order_by("username")]

@@ -1,6 +1,7 @@
 """Every command an operator has, by its three front doors: the CLI command, the dashboard button (a URL name in
 dashboard/urls.py) and the REST API endpoint. The README's table says the same; tests/dashboard/test_views.py
-fails when a `ctl` subcommand is missing here or a button or endpoint does not resolve."""
+fails when a command of the CLI's tree (llmgw/cli/tree.py) is neither here nor in LOCAL, or a button or endpoint
+does not resolve."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "node add": ("node-add", "POST /api/v1/nodes/"),
     "node remove": ("node-remove", "DELETE /api/v1/nodes/{name}/"),
     "node token": ("node-token", "POST /api/v1/nodes/{name}/token/"),
+    "node list": ("nodes", "GET /api/v1/nodes/"),
+    "user add": ("user-add", "POST /api/v1/users/"),
+    "user list": ("users", "GET /api/v1/users/"),
     "mirror import": ("mirror-import", "POST /api/v1/model-files/"),  # and Mirror: Upload (multipart "file")
     "mirror list": ("mirror", "GET /api/v1/model-files/"),
     "ctl nodes": ("nodes", "GET /api/v1/nodes/"),
@@ -38,4 +42,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ctl keys revoke": ("key-revoke", "POST /api/v1/keys/{name}/revoke/"),
     "ctl usage": ("keys", "GET /api/v1/usage/"),
     "ctl events": ("events", "GET /api/v1/events/"),
+}
+
+# The commands that run on this machine by their nature, so have no button or endpoint (llmgw.cli.tree.LOCAL),
+# each with why. Keyed by the command's first word: every subcommand of it is one too.
+LOCAL: dict[str, str] = {
+    "up": "runs the whole system on this machine: until it runs there is no server to ask",
+    "agent": "runs this machine's agent (or stops the engines it recorded), which dials the server",
+    "service": "installs, starts and stops this machine's systemd units",
+    "login": "stores a server and token for the CLI on this machine; the dashboard has its own login page",
+    "logout": "forgets the CLI's stored login on this machine; the dashboard has Log out",
+    "completion": "prints the CLI's shell completion script",
 }

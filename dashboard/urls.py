@@ -28,6 +28,7 @@ urlpatterns = [
     path("mirror/upload/", views.mirror_upload, name="mirror-upload"),
     path("keys/create/", views.key_create, name="key-create"),
     path("keys/<str:name>/revoke/", views.key_revoke, name="key-revoke"),
+    path("users/add/", views.user_add, name="user-add"),
     path("settings/set/", views.settings_set, name="settings-set"),
     path("settings/engine-key/", views.engine_key_show, name="engine-key-show"),
     path("settings/engine-key/rotate/", views.engine_key_rotate, name="engine-key-rotate"),

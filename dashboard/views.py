@@ -27,11 +27,13 @@ from cluster import operations, queries
 from cluster.clients import agents_url
 from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Profile, Replica
 from cluster.operations import OperationError
-from cluster.roles import WRITE_ROLES, can_change, role_of
+from cluster.roles import ROLES, WRITE_ROLES, can_change, role_of
 from gateway import operations as gateway_operations
 from gateway.models import ApiKey
 
-PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirror", "keys", "events", "settings")
+PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirror", "keys", "users", "events",
+         "settings")
+ADMIN_PAGES = frozenset({"users"})  # in the nav of admins only; anyone else is told so on the page
 
 
 def _actor(request) -> str:
@@ -118,6 +120,7 @@ def _models(request) -> dict:
         "models": models,
         "files": ModelFile.objects.order_by("name"),
         "engines": EngineVersion.objects.order_by("name"),
+        "default_engine": getattr(queries.default_engine(), "name", None),
         "profiles": Profile.objects.order_by("name"),
         "routings": Model.Routing.values,
     }
@@ -164,6 +167,12 @@ def _keys(request) -> dict:
     return {"keys": keys, "models": Model.objects.order_by("name").values_list("name", flat=True)}
 
 
+def _users(request) -> dict:
+    if role_of(request.user) != "admin":
+        return {"users": None}
+    return {"users": queries.users_listed(), "roles": ROLES}
+
+
 def _events(request) -> dict:
     kind = request.GET.get("kind", "").strip()
     subject = request.GET.get("subject", "").strip()
@@ -182,13 +191,15 @@ def _settings(request) -> dict:
 
 CONTEXT = {
     "overview": _overview, "nodes": _nodes, "models": _models, "replicas": _replicas, "profiles": _profiles,
-    "engines": _engines, "mirror": _mirror, "keys": _keys, "events": _events, "settings": _settings,
+    "engines": _engines, "mirror": _mirror, "keys": _keys, "users": _users, "events": _events,
+    "settings": _settings,
 }
 
 
 def _render(request, page: str, extra: dict | None = None, status: int = 200) -> HttpResponse:
     role = role_of(request.user)
-    context = {"page": page, "pages": PAGES, "can_change": role in WRITE_ROLES, "is_admin": role == "admin", "role": role,
+    shown = [p for p in PAGES if p not in ADMIN_PAGES or role == "admin"]
+    context = {"page": page, "pages": shown, "can_change": role in WRITE_ROLES, "is_admin": role == "admin", "role": role,
                **CONTEXT[page](request), **(extra or {})}
     template = f"dashboard/_{page}.html" if request.htmx and not request.htmx.boosted else f"dashboard/{page}.html"
     return render(request, template, context, status=status)
@@ -202,9 +213,9 @@ def page(request, page: str = "overview"):
 # Buttons
 
 
-def action(page: str):
-    """A POST that changes the cluster: operator or admin only; OperationError becomes an error message and
-    nothing changes. The view returns a success message, or a (message, extra context) pair."""
+def action(page: str, admin: bool = False):
+    """A POST that changes the cluster: operator or admin only (admin only, with `admin`); OperationError becomes
+    an error message and nothing changes. The view returns a success message, or a (message, extra context) pair."""
 
     def wrap(view):
         @functools.wraps(view)
@@ -215,6 +226,8 @@ def action(page: str):
                 return HttpResponseForbidden(
                     "your role may only look: changing the cluster needs the operator or admin role",
                     content_type="text/plain")
+            if admin and role_of(request.user) != "admin":
+                return HttpResponseForbidden("this needs the admin role", content_type="text/plain")
             extra = {}
             try:
                 if any("\x00" in v for _, values in request.POST.lists() for v in values):
@@ -494,6 +507,17 @@ def key_create(request):
 def key_revoke(request, name: str):
     gateway_operations.revoke_key(name, _actor(request))
     return f"key {name} revoked"
+
+
+@action("users", admin=True)
+def user_add(request):
+    password = request.POST.get("password", "")
+    user, token = operations.add_user(request.POST.get("name", "").strip(), request.POST.get("role", "").strip(),
+                                      _actor(request), password=password or None)
+    said = f"user {user.username} added as {role_of(user)}; copy its API token now, it is not shown again"
+    if not password:
+        said += " (no password: it may use the API, not log in here)"
+    return said, {"once": {"label": f"API token for {user.username}", "value": token}}
 
 
 @action("settings")

@@ -92,6 +92,8 @@ READS = [
     ["ctl", "settings"],
     ["ctl", "engine-key", "show"],
     ["mirror", "list"],
+    ["user", "list"],
+    ["user", "list", "--json"],
 ]
 
 
@@ -185,6 +187,10 @@ def test_an_operator_changes_the_cluster_and_only_an_admin_adds_users_or_sees_th
     with pytest.raises(CommandError, match=r"^your role \(operator\) may not do that: the engine key is shown to"):
         remote(cluster, "ctl", "engine-key", "show", token=operator)
     assert "user u9 added as viewer" in remote(cluster, "user", "add", "u9", "--role", "viewer")
+    with pytest.raises(CommandError, match=r"^your role \(operator\) may not do that: users are listed to admins only$"):
+        remote(cluster, "user", "list", token=operator)
+    listed = remote(cluster, "user", "list")
+    assert re.search(r"^u9 +viewer +no ", listed, re.M) and re.search(r"^otto +operator ", listed, re.M), listed
 
 
 def test_a_wrong_token_a_dead_server_and_a_tls_error_are_one_line_each(cluster):

@@ -13,14 +13,14 @@ from rest_framework import exceptions, serializers, status, viewsets
 from rest_framework.response import Response
 
 from cluster.clients import CLI_ACTOR, IN_PROCESS
-from cluster.models import NAME_RE
+from cluster.models import NAME_HINT, NAME_RE, USER_NAME_HINT, USER_NAME_PATTERN
 
 INT_MAX = 2**31 - 1  # PostgreSQL's integer: a bigger number must be a 400 here, not a database error
 BIGINT_MAX = 2**63 - 1
 
 
 NO_NUL = r"^[^\x00]*$"  # what a text field takes: anything but NUL, which no database column holds
-USER_NAME_RE = r"^[A-Za-z0-9_.@+-]{1,150}$"
+USER_NAME_RE = rf"^{USER_NAME_PATTERN}$"
 
 
 @extend_schema_field({"type": "string", "pattern": NAME_RE, "maxLength": 63})
@@ -29,7 +29,7 @@ class NameField(serializers.CharField):
     schema's pattern says, checked whole (no trailing newline) and never trimmed into shape."""
 
     pattern = NAME_RE
-    message = "use lower-case letters, digits, '.', '_' or '-', starting with a letter or digit (at most 63)"
+    message = f"use {NAME_HINT}"
 
     def __init__(self, **kwargs):
         kwargs.setdefault("max_length", 63)
@@ -45,7 +45,7 @@ class NameField(serializers.CharField):
 @extend_schema_field({"type": "string", "pattern": USER_NAME_RE, "maxLength": 150})
 class UserNameField(NameField):
     pattern = USER_NAME_RE
-    message = "use letters, digits and . @ + - _ (at most 150)"
+    message = f"use {USER_NAME_HINT}"
 
     def __init__(self, **kwargs):
         super().__init__(max_length=150, **kwargs)

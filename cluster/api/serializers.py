@@ -498,6 +498,16 @@ class UserCreateSerializer(StrictSerializer):
     )
 
 
+class UserSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    role = serializers.ChoiceField(choices=ROLES, allow_null=True)
+    password = serializers.BooleanField(help_text="whether it has a password, to log in to the dashboard (else: "
+                                                  "the API token alone)")
+    active = serializers.BooleanField()
+    joined_at = serializers.DateTimeField()
+    last_login_at = serializers.DateTimeField(allow_null=True, help_text="its last dashboard login (null: never)")
+
+
 class NewUserSerializer(serializers.Serializer):
     name = serializers.CharField()
     role = serializers.ChoiceField(choices=ROLES)

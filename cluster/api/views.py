@@ -52,6 +52,7 @@ from cluster.api.serializers import (
     StatusSerializer,
     SystemRestartSerializer,
     UserCreateSerializer,
+    UserSerializer,
 )
 from cluster.clients import agents_url
 from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
@@ -380,10 +381,20 @@ class MeView(APIView):
 
 
 class UserViewSet(NamedViewSet):
-    """API users. Adding one needs the admin role; the token is shown once."""
+    """API users. Listing or adding them needs the admin role; a token is shown once, when made."""
 
     required_role = "admin"
-    serializer_class = NewUserSerializer
+    serializer_class = UserSerializer
+
+    @extend_schema(responses={200: UserSerializer(many=True)})
+    def list(self, request):
+        from cluster.roles import role_of
+
+        if role_of(request.user) != "admin":
+            raise exceptions.PermissionDenied("users are listed to admins only")
+        rows = queries.users_listed()
+        page = self.paginate_queryset(rows)
+        return self.get_paginated_response(UserSerializer(page, many=True).data)
 
     @extend_schema(request=UserCreateSerializer, responses={201: NewUserSerializer})
     def create(self, request):

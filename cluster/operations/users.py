@@ -12,6 +12,7 @@ from rest_framework.authtoken.models import Token
 
 from cluster.errors import Conflict, OperationError
 from cluster.events import record
+from cluster.models import USER_NAME_HINT, USER_NAME_PATTERN
 from cluster.operations.validation import created
 from cluster.roles import ROLES
 
@@ -22,8 +23,8 @@ def add_user(name: str, role: str, actor: str, password: str | None = None) -> t
     name = unicodedata.normalize("NFKC", name) if isinstance(name, str) else name
     if role not in ROLES:
         raise OperationError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.@+-]{1,150}", name):
-        raise OperationError(f"invalid user name {name!r}")
+    if not isinstance(name, str) or not re.fullmatch(USER_NAME_PATTERN, name):
+        raise OperationError(f"invalid user name {name!r}: use {USER_NAME_HINT}")
     if password is not None and len(password) < 8:
         raise OperationError("a password needs at least 8 characters")
     with transaction.atomic():

@@ -7,7 +7,7 @@ import re
 from django.db import IntegrityError, transaction
 
 from cluster.errors import Conflict, NotFound, OperationError
-from cluster.models import NAME_RE
+from cluster.models import NAME_HINT, NAME_RE
 
 MAX_REPLICAS = 1000
 MAX_MEMORY = 2**50  # a PiB: anything above is a typo
@@ -17,7 +17,7 @@ INT_MAX = 2**31 - 1
 def check_name(kind: str, name: str) -> None:
     if not isinstance(name, str) or not re.fullmatch(NAME_RE, name):  # fullmatch: `$` would let "a\n" in
         raise OperationError(
-            f"invalid {kind} name {name!r}: use lower-case letters, digits, '.', '_' or '-' (at most 63)"
+            f"invalid {kind} name {name!r}: use {NAME_HINT}"
         )
 
 

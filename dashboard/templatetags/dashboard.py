@@ -2,6 +2,7 @@
 
 from django import template
 from django.utils import timezone
+from django.utils.html import format_html
 
 from agents.units import format_age, format_duration, format_size
 
@@ -36,3 +37,14 @@ def seconds(value) -> str:
 def duration(value) -> str:
     """Seconds as an operator writes them: "90s", "15m", "2h" (empty for None)."""
     return "" if value is None else format_duration(value)
+
+
+@register.simple_tag
+def name_input(placeholder: str = "", rule: str = "name"):
+    """The `name` input of a form that names something: the domain's one rule (cluster.models) as its `pattern`,
+    checked by the browser before the server checks the same, and its hint beside it."""
+    from cluster.models import NAME_HINT, NAME_PATTERN, USER_NAME_HINT, USER_NAME_PATTERN
+
+    pattern, hint = (USER_NAME_PATTERN, USER_NAME_HINT) if rule == "user" else (NAME_PATTERN, NAME_HINT)
+    return format_html('<input name="name" required pattern="{}" title="{}" placeholder="{}" autocapitalize="off">'
+                       '<small class="hint">{}</small>', pattern, hint, placeholder, hint)

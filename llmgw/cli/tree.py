@@ -23,7 +23,7 @@ from llmgw.cli.nodes import drain, node_add, node_remove, node_token, nodes_list
 from llmgw.cli.profiles import engine_add, engines_list, profile_add, profile_remove, profile_set, profiles_list
 from llmgw.cli.replicas import replicas_list, restart
 from llmgw.cli.system import status, system_restart, system_start, system_stop
-from llmgw.cli.users import user_add
+from llmgw.cli.users import user_add, users_list
 
 # run on this machine, with the control plane installed: imported when run (they stand on Django)
 up = "llmgw.cli.up:up"
@@ -170,6 +170,9 @@ def build(parser) -> None:
     p.add_argument("--role", required=True, choices=ROLES)
     p.add_argument("--password", default=None, help="for the dashboard (at least 8 characters)")
     p.set_defaults(func=user_add)
+    p = user.add_parser("list", help="list users and their roles (admin only)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=users_list)
 
     ctl = sub.add_parser("ctl", help="look at and change the cluster").add_subparsers(
         dest="ctl_command", required=True, parser_class=OneLineParser, metavar="ACTION"

@@ -257,3 +257,36 @@ def test_how_a_model_scales_is_shown_the_same_everywhere(db):
                        (["--replicas", "2", "--min-replicas", "0", "--max-replicas", "2"], "either a fixed number")):
         with pytest.raises(CommandError, match=said):
             call_command("llmgw", "ctl", "model", "set", "lazy", *args, stdout=io.StringIO())
+
+
+@pytest.mark.django_db
+def test_the_default_engine_is_one_the_fleets_nodes_can_run():
+    """A new model's engine unless told otherwise (the dashboard's Add a model form): what the quick start installs
+    (xllamacpp), not the first name in the list (llama.cpp), which no node here has and whose model stays pending."""
+    from cluster.models import EngineVersion
+
+    engine_names = set(EngineVersion.objects.values_list("name", flat=True))
+    assert {"llama.cpp", "xllamacpp", "vllm"} <= engine_names  # the engines a new cluster starts with
+    make_node("laptop", facts={"engines": {"xllamacpp": "0.2.1"}})
+    assert queries.default_engine().name == "xllamacpp"
+    # a node that has gone away counts for less than one that is here now
+    make_node("old", alive=False, facts={"engines": {"llama.cpp": "b4500"}})
+    make_node("old-2", alive=False, facts={"engines": {"llama.cpp": "b4500"}})
+    assert queries.default_engine().name == "xllamacpp"
+    # a GPU engine counts only nodes with a GPU
+    gpu = {"gpus": [{"index": 0, "name": "L4", "memory_bytes": 24 * GIB}]}
+    for name in ("cpu-1", "cpu-2"):
+        make_node(name, facts={"engines": {"vllm": "0.6"}})
+    assert queries.default_engine().name == "xllamacpp"
+    for name in ("gpu-1", "gpu-2"):
+        make_node(name, facts={"engines": {"vllm": "0.6"}, **gpu})
+    assert queries.default_engine().name == "vllm"
+
+
+@pytest.mark.django_db
+def test_the_default_engine_without_nodes_is_still_one():
+    from cluster.models import EngineVersion
+
+    assert queries.default_engine() is not None
+    EngineVersion.objects.all().delete()
+    assert queries.default_engine() is None

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.integration
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
-PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirror", "keys", "events", "settings")
+PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirror", "keys", "users", "events",
+         "settings")
 MODEL = "dash-m"
 
 

@@ -80,6 +80,19 @@ def test_admin_adds_a_user_whose_token_works(admin):
     refused(client.post(f"{API}/nodes/", {"name": "gpu-1"}, format="json"), 403, "role")
 
 
+def test_admin_lists_users_with_their_roles_and_no_one_else_does(admin, operator, viewer):
+    operations.add_user("carol", "viewer", "test", password="correct-horse")
+    response = admin.get(f"{API}/users/")
+    assert response.status_code == 200, response.content
+    rows = {u["name"]: u for u in response.json()["results"]}
+    assert rows["carol"]["role"] == "viewer" and rows["carol"]["password"] is True
+    assert {u["role"] for u in rows.values()} >= {"admin", "operator", "viewer"}
+    assert not any("token" in u for u in rows.values())  # a token is shown once, when made
+    assert list(rows) == sorted(rows)
+    for client in (operator, viewer):
+        refused(client.get(f"{API}/users/"), 403, "admins only")
+
+
 def test_operator_may_not_add_users(operator):
     before = row_counts()
     refused(operator.post(f"{API}/users/", {"name": "mallory", "role": "admin"}, format="json"), 403, "role")

@@ -56,6 +56,7 @@ def test_schema_covers_every_endpoint(schema):
         ("/api/v1/model-files/{sha256}/", "get"),
         ("/api/v1/events/", "get"),
         ("/api/v1/status/", "get"),
+        ("/api/v1/users/", "get"),
         ("/api/v1/users/", "post"),
         ("/api/v1/keys/", "get"),
         ("/api/v1/keys/", "post"),
@@ -94,7 +95,7 @@ def test_schema_describes_writes_and_their_refusals(schema):
     assert set(schema["paths"]["/api/v1/events/"]["get"]["responses"]) == {"200", "400", "401", "403", "429"}
     # what the API refuses, the schema refuses: no unknown fields, names by their pattern, no NUL in text
     assert component["additionalProperties"] is False
-    assert component["properties"]["name"]["pattern"] == "^[a-z0-9][a-z0-9._-]{0,62}$"
+    assert component["properties"]["name"]["pattern"] == r"^[a-z0-9][a-z0-9._\-]{0,62}$"  # as a browser's pattern
     assert component["properties"]["engine"]["pattern"] == "^[^\\x00]*$"
     settings = schema["paths"]["/api/v1/settings/"]["patch"]["requestBody"]
     assert settings["required"] is True  # an empty PATCH is refused: it would change nothing

@@ -1,0 +1,112 @@
+"""The dashboard's pages in headless Chromium (Debian's, driven by Playwright) against Django's live test server:
+what only a browser decides — whether a form's `pattern` compiles (browsers compile it with the `v` flag and
+silently drop one that does not), and whether a page fits a phone's width. No agent, worker or engine: the
+clicking against the whole system is tests/integration/test_dashboard.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from dashboard.views import PAGES
+from tests.factories import make_file, make_model, make_node, make_replica, make_user
+from tests.integration.test_dashboard import ARGS, CHROMIUM
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+PHONE = {"width": 390, "height": 844}
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    # Playwright's sync API keeps an event loop on this thread, which Django takes for an async context: the test's
+    # own database calls are synchronous all the same
+    with pytest.MonkeyPatch.context() as patch, sync_playwright() as p:
+        patch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        yield chromium
+        chromium.close()
+
+
+def signed_in(browser, live_server, role: str, viewport: dict):
+    """A browser page logged in (by session cookie) as a new user of `role`."""
+    from django.test import Client
+
+    user, _ = make_user(role)
+    client = Client()
+    client.force_login(user)
+    context = browser.new_context(viewport=viewport, base_url=live_server.url)
+    context.set_default_timeout(15_000)
+    host = live_server.url.split("//", 1)[1].split(":")[0]
+    context.add_cookies([{"name": "sessionid", "value": client.cookies["sessionid"].value, "domain": host, "path": "/"}])
+    return context, context.new_page()
+
+
+def url(page: str) -> str:
+    return "/" if page == "overview" else f"/{page}/"
+
+
+def a_fleet() -> None:
+    """Enough on every page that its tables have rows (a long name, a long command) to overflow a phone."""
+    from cluster.models import EngineVersion, Profile
+
+    # what the migrations made (a transactional test's database is emptied after it)
+    EngineVersion.objects.get_or_create(name="llama.cpp", defaults={"kind": "llama.cpp"})
+    Profile.objects.get_or_create(name="default")
+    node = make_node("gpu-node-with-a-rather-long-name-1", facts={
+        "memory_total_bytes": 32 * 1024**3, "gpus": [{"index": 0, "name": "NVIDIA L4", "memory_bytes": 24 * 1024**3}]})
+    model = make_model(name="qwen2.5-coder-32b-instruct-q4-k-m", file=make_file(name="a-very-long-model-file-name.gguf"))
+    make_replica(model, node, gpu_index=0, memory_bytes=2 * 1024**3)
+
+
+def test_every_name_pattern_compiles_as_browsers_compile_it_and_refuses_a_bad_name(browser, live_server):
+    context, tab = signed_in(browser, live_server, "admin", {"width": 1280, "height": 800})
+    try:
+        checked = []
+        for page in PAGES:
+            tab.goto(url(page))
+            for field in tab.locator("input[pattern]").all():
+                pattern = field.get_attribute("pattern")
+                problem = tab.evaluate("p => { try { new RegExp(p, 'v'); return '' } catch (e) { return String(e) } }",
+                                       pattern)
+                assert not problem, (page, pattern, problem)
+                checked.append((page, field.get_attribute("name")))
+        tab.goto("/nodes/")
+        name = tab.locator("form[hx-post$='/nodes/add/'] input[name=name]")
+        for bad in ("GPU 1", "-gpu", "gpu_1!", "x" * 64):
+            name.fill(bad)
+            assert not name.evaluate("e => e.checkValidity()"), bad
+        for good in ("gpu-1", "gpu.1", "gpu_1", "x" * 63):
+            name.fill(good)
+            assert name.evaluate("e => e.checkValidity()"), good
+        assert "lower-case letters" in name.get_attribute("title")
+        assert ("nodes", "name") in checked
+    finally:
+        context.close()
+
+
+def test_every_page_fits_a_phone_and_its_nav_reaches_every_page(browser, live_server):
+    """At a phone's width (390 px) no page scrolls sideways as a whole: the nav wraps, a wide table scrolls inside
+    its card, forms stack. Every page is reached from the nav by a tap."""
+    from gateway import operations as gateway_operations
+
+    a_fleet()
+    gateway_operations.create_key("a-key-with-a-long-name-for-a-team", "test", models=[])
+    context, tab = signed_in(browser, live_server, "admin", PHONE)
+    try:
+        tab.goto("/")
+        for page in PAGES:
+            link = tab.locator(f"nav a[data-page={page}]")
+            link.click()  # Playwright scrolls it into view and clicks only what is visible and takes the tap
+            tab.wait_for_url(live_server.url + url(page))
+            tab.wait_for_load_state("networkidle")
+            wide = tab.evaluate("""() => ({scroll: document.documentElement.scrollWidth, view: window.innerWidth,
+                culprits: [...document.querySelectorAll('body *')].filter(e => e.getBoundingClientRect().right
+                  > window.innerWidth + 1 && !e.closest('.scroll, .card, pre')).slice(0, 5).map(e => e.outerHTML.slice(0, 80))})""")
+            assert wide["scroll"] <= wide["view"], (page, wide)
+            for field in tab.locator("main form input:visible, main form select:visible").all():
+                box = field.bounding_box()
+                assert box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"], (page, field.get_attribute("name"))
+    finally:
+        context.close()
