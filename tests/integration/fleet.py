@@ -190,6 +190,7 @@ def start_fleet(home: Path, hosts=("n1", "n2", "n3"), replicas: int = 2) -> Flee
         fleet = Fleet(net, system, "", "", "", postgres, valkey)
         fleet.start_control_plane("b")
         fleet.nginx, _ = start_nginx(system, [system.url, fleet.url_b])
+        system.server = fleet.nginx  # the operator's program reaches either control plane through the proxy
         add_test_engine(system)
         system.sha = make_model_file(system)
         for name in hosts:

@@ -95,6 +95,7 @@ class System:
     _dropdb: tuple[str, str] | None = None
     supervisor: Supervisor = field(default_factory=Supervisor)
     host: str = "127.0.0.1"  # where the web process listens
+    server: str = ""  # where `cli` points the program, when not at `url` (a proxy in front of two control planes)
 
     @property
     def url(self) -> str:
@@ -121,11 +122,12 @@ class System:
 
     def cli(self, *args: str, check: bool = True, token: str | None = None) -> subprocess.CompletedProcess:
         """`llmgw ARGS` as an operator runs it against this system from anywhere: the program's own code (what a
-        laptop's install runs, llmgw.main.standalone) in this process, over HTTP to the web, as the admin (or
-        `token`'s user). What the program prints and its exit code, as a process's would be; a refusal is its
-        one line on stderr and code 1. (`host_cli` runs the program as a process on the control plane's host.)"""
+        laptop's install runs, llmgw.main.standalone) in this process, over HTTP to the web (or `server`), as the
+        admin (or `token`'s user). What the program prints and its exit code, as a process's would be; a refusal is
+        its one line on stderr and code 1. (`host_cli` runs the program as a process on the control plane's host.)"""
         out, err = io.StringIO(), io.StringIO()
-        code = standalone(["--server", self.url, "--token", token or self.admin_token, *args], out, err)
+        argv = ["--server", self.server or self.url, "--token", token or self.admin_token, *args]
+        code = standalone(argv, out, err)  # one that hangs: pytest-timeout ends the test
         result = subprocess.CompletedProcess(["llmgw", *args], code, out.getvalue(), err.getvalue())
         if check and result.returncode != 0:
             raise AssertionError(f"llmgw {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")

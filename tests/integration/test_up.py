@@ -74,12 +74,12 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         assert pasted.returncode == 0 and pasted.stdout.strip(), pasted
         key = cli("ctl", "engine-key", "show").strip()
         chat = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
-        url = f"http://127.0.0.1:{replica['port']}/v1/chat/completions"
-        answer = httpx.post(url, json=chat, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        engine = f"http://127.0.0.1:{replica['port']}/v1/chat/completions"
+        answer = httpx.post(engine, json=chat, headers={"Authorization": f"Bearer {key}"}, timeout=60)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["content"]
-        assert httpx.post(url, json=chat, timeout=60).status_code == 401
-        assert httpx.post(url, json=chat, headers={"Authorization": "Bearer wrong"}, timeout=60).status_code == 401
+        assert httpx.post(engine, json=chat, timeout=60).status_code == 401
+        assert httpx.post(engine, json=chat, headers={"Authorization": "Bearer wrong"}, timeout=60).status_code == 401
 
         # `llmgw restart` under steady load through the gateway: the agent, then web, beat and worker restart;
         # the engine keeps serving (same pid) and no request fails

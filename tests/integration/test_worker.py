@@ -4,7 +4,6 @@ test's own, which it restarts."""
 from __future__ import annotations
 
 import re
-import time
 
 import psycopg
 import pytest
@@ -28,9 +27,16 @@ def test_a_worker_holding_messages_it_has_not_acknowledged_survives_redis_restar
 
     try:
         wait_for(lambda: " ready." in log(), 60, what="the worker to be ready")
-        with psycopg.connect(system.env["DATABASE_URL"]) as held:
+        with psycopg.connect(system.env["DATABASE_URL"]) as held, \
+                psycopg.connect(system.env["DATABASE_URL"], autocommit=True) as looking:
+            received = log().count("] received")
             held.execute("LOCK TABLE cluster_event IN ACCESS EXCLUSIVE MODE")
-            time.sleep(4)  # the tick under way waits for the lock; the next ones wait behind it
+
+            def held_up() -> bool:  # the tick under way waits for the lock; the next ones wait behind it
+                waiting = looking.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+                return waiting.fetchone()[0] > 0 and log().count("] received") >= received + 3
+
+            wait_for(held_up, 60, what="a tick waiting for the lock and two more delivered behind it")
             valkey.stop()
             valkey.start()
             wait_for(lambda: "Connection to broker lost" in log(), 30, what="the worker to see Redis go")
