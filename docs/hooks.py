@@ -6,7 +6,9 @@ cannot drift from it.
 - `reference/api.md`: every REST API operation, its parameters, body fields and answers, from the OpenAPI schema
   drf-spectacular serves at /api/v1/schema/ (generated here in process, as the view generates it).
 
-Each page holds a marker line (`<!-- generated: cli -->`, `<!-- generated: api -->`) that the hook replaces.
+Each page holds a marker line (`<!-- generated: cli -->`, `<!-- generated: api -->`) that the hook replaces; and
+`<!-- include: bench/README.md -->` puts a file of the repository there (less its title), so the benchmarks' own
+notes beside their scripts are on the site as they are.
 `mkdocs build` from the command line sets Django up with llmgw.settings and a throwaway LLMGW_HOME; inside the
 test suite (tests/test_docs.py) Django is already set up, and that is used.
 """
@@ -15,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tempfile
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 CLI_MARKER = "<!-- generated: cli -->"
 API_MARKER = "<!-- generated: api -->"
 WIDTH = 100
@@ -27,7 +32,15 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         markdown = markdown.replace(CLI_MARKER, cli_reference())
     if API_MARKER in markdown:
         markdown = markdown.replace(API_MARKER, api_reference(openapi_schema()))
-    return markdown
+    return INCLUDE.sub(lambda m: included(m.group(1)), markdown)
+
+
+INCLUDE = re.compile(r"^<!-- include: (\S+) -->$", re.M)
+
+
+def included(path: str) -> str:
+    text = (ROOT / path).read_text()
+    return re.sub(r"\A# .*\n", "", text)
 
 
 # The CLI reference
