@@ -152,3 +152,22 @@ def test_the_api_reference_has_every_operation_of_the_schema(site):
         for method in methods:
             if method != "parameters":
                 assert f"{method.upper()} <code>{path}</code>" in page, (method, path)
+
+
+def test_the_readme_links_go_somewhere():
+    """The README is read on its own (outside the site): every link into the repository names a file that is
+    there, and a heading of it where the link names one."""
+    from markdown.extensions.toc import slugify
+
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    assert len(links) > 10
+    for link in links:
+        if re.match(r"[a-z]+://", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), f"README links to {link}: no such file"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
+            assert anchor in {slugify(h, "-") for h in headings}, f"README links to {link}: no such heading"
