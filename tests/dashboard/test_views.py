@@ -257,7 +257,7 @@ def test_events_filter(op):
 
 
 def test_every_ctl_subcommand_has_a_button_and_an_endpoint():
-    """The README's table of buttons, CLI commands and API endpoints stays complete: a new `ctl` subcommand
+    """docs/dashboard.md's table of buttons, CLI commands and API endpoints stays complete: a new `ctl` subcommand
     without a dashboard button (a URL name here) or an API endpoint fails this test."""
     from pathlib import Path
 
@@ -267,7 +267,7 @@ def test_every_ctl_subcommand_has_a_button_and_an_endpoint():
 
     missing = set(ctl_subcommands()) - set(COMMANDS)
     assert not missing, f"ctl subcommands with no button or endpoint in dashboard/commands.py: {missing}"
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = (Path(__file__).resolve().parents[2] / "docs" / "dashboard.md").read_text()
     for command, (button, endpoint) in COMMANDS.items():
         try:
             reverse(f"dashboard:{button}")
@@ -277,7 +277,7 @@ def test_every_ctl_subcommand_has_a_button_and_an_endpoint():
         assert method in ("GET", "POST", "PATCH", "DELETE"), command
         match = resolve(path.replace("{name}", "x"))
         assert match.url_name != "gateway", command
-        assert f"| `{command}` |" in readme, f"README's table of buttons lacks {command}"
+        assert f"| `{command}` |" in table, f"docs/dashboard.md's table of buttons lacks {command}"
 
 
 def test_upload_a_model_file(op):
