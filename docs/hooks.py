@@ -179,12 +179,20 @@ def _resolve(schema: dict, node: dict) -> dict:
     return node
 
 
+def _shown(name: str, target: dict) -> bool:
+    """A component with a section of its own under "What comes back"."""
+    return "properties" in target and not name.endswith("Request") and not name.startswith("Paginated")
+
+
 def _type(schema: dict, node: dict) -> str:
     if "$ref" in node:
         target = _resolve(schema, node)
         if "enum" in target:
             return " \\| ".join(f"`{v}`" for v in target["enum"] if v is not None) or "null"
-        return _ref_name(node["$ref"])
+        name = _ref_name(node["$ref"])
+        if name.startswith("Paginated") and "results" in target.get("properties", {}):
+            return f"a page of {_type(schema, target['properties']['results']['items'])} (`count`, `next`, `previous`, `results`)"
+        return f"[{name}](#{name.lower()})" if _shown(name, target) else name
     for key in ("allOf", "oneOf", "anyOf"):
         if key in node:
             parts = [_type(schema, n) for n in node[key]]
@@ -201,15 +209,20 @@ def _type(schema: dict, node: dict) -> str:
     return kind
 
 
-def _fields(schema: dict, body: dict) -> list[str]:
+def _description(node: dict) -> str:
+    # less the list of an enum's choices drf-spectacular appends: the type says them
+    return re.split(r"\n\n\* `", node.get("description", ""))[0]
+
+
+def _fields(schema: dict, body: dict, writing: bool = True) -> list[str]:
     target = _resolve(schema, body)
     required = set(target.get("required", ()))
     rows = []
     for name, prop in target.get("properties", {}).items():
-        if prop.get("readOnly"):
+        if writing and prop.get("readOnly"):
             continue
         limits = [f"{k} {prop[k]}" for k in ("minimum", "maximum", "minLength", "maxLength") if k in prop]
-        meaning = " ".join(filter(None, [prop.get("description", ""), f"({', '.join(limits)})" if limits else ""]))
+        meaning = " ".join(filter(None, [_description(prop), f"({', '.join(limits)})" if limits else ""]))
         rows.append(f"| `{name}` | {_type(schema, prop)} | {'yes' if name in required else ''} | {_cell(meaning)} |")
     return rows
 
@@ -242,5 +255,14 @@ def api_reference(schema: dict) -> str:
                 body = next(iter(answer.get("content", {}).values()), {}).get("schema")
                 shape = f" ({_type(schema, body)})" if body else ""
                 out.append(f"| {status} | {_cell(answer.get('description', '') or 'done')}{shape} |")
+            out.append("")
+    out.append("## What comes back\n\nThe objects the operations above answer with, field by field.\n")
+    for name, target in sorted(schema["components"]["schemas"].items()):
+        if _shown(name, target):
+            out.append(f"### {name}\n")
+            if target.get("description"):
+                out.append(_cell(_description(target)) + "\n")
+            out.append("| field | type | always there | meaning |\n|---|---|---|---|")
+            out.extend(_fields(schema, target, writing=False))
             out.append("")
     return "\n".join(out)

@@ -211,7 +211,7 @@ def docs_block(page: str, heading: str) -> list[str]:
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
 
 
-def test_from_a_laptop_the_readme_steps_through_nginx_with_tls(system, node_env, tls_proxy, tmp_path):
+def test_from_a_laptop_the_documented_steps_through_nginx_with_tls(system, node_env, tls_proxy, tmp_path):
     url, ca_file = tls_proxy
     llmgw = node_env / "bin" / "llmgw"
     home = tmp_path / "laptop"
