@@ -1,5 +1,5 @@
 """Every command an operator has, by its three front doors: the CLI command, the dashboard button (a URL name in
-dashboard/urls.py) and the REST API endpoint. The README's table says the same; tests/dashboard/test_views.py
+dashboard/urls.py) and the REST API endpoint. docs/dashboard.md's table says the same; tests/dashboard/test_views.py
 fails when a `ctl` subcommand is missing here or a button or endpoint does not resolve."""
 
 from __future__ import annotations
