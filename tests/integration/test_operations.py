@@ -294,7 +294,7 @@ def test_system_restart_behind_a_proxy_loses_no_request_and_restarts_no_engine(s
     load = Load(system, ops, "op-sys", url=proxy_url)
     with load.running():
         started = time.monotonic()
-        said = system.cli("restart", "--timeout", "90", timeout=900).stdout
+        said = system.cli("restart", "--timeout", "90").stdout
         took = time.monotonic() - started
         served = load.ok
         wait_for(lambda: load.ok >= served + 6, 60, what="requests after the restart")
