@@ -1,7 +1,7 @@
 """Every command an operator has, by its three front doors: the CLI command, the dashboard button (a URL name in
-dashboard/urls.py) and the REST API endpoint. The README's table says the same; tests/dashboard/test_views.py
+dashboard/urls.py) and the REST API endpoint. docs/dashboard.md's table says the same; tests/dashboard/test_views.py
 fails when a command of the CLI's tree (llmgw/cli/tree.py) is neither here nor in LOCAL, or a button or endpoint
-does not resolve."""
+does not resolve, or the table lacks it."""
 
 from __future__ import annotations
 

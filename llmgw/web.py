@@ -4,7 +4,7 @@ Both serve everything (dashboard, REST API, gateway, agent and browser websocket
 httptools, is the default for two measured reasons: it is the faster gateway (bench/gateway.py: about 1.5x
 daphne's requests per second and half its added latency), and it stops gracefully (on SIGTERM it stops
 accepting, lets the requests in flight finish with `Connection: close`, then exits), so a restarted web
-process loses no request; daphne cuts the connections it holds. daphne, the server DESIGN.md names, stays
+process loses no request; daphne cuts the connections it holds. daphne, the server llmgw was first designed on, stays
 supported: `LLMGW_WEB_SERVER=daphne` or `llmgw up --server daphne`.
 """
 

@@ -42,5 +42,5 @@ def table(headers: list[str], rows: list[list], out=None) -> None:
 
 
 def as_json(data, out=None) -> None:
-    """What the API answered, as JSON: `--json` is the API's own representation (its schema at /api/schema/)."""
+    """What the API answered, as JSON: `--json` is the API's own representation (its schema at /api/v1/schema/)."""
     (out or sys.stdout).write(dumps(data) + "\n")

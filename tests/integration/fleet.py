@@ -1,7 +1,7 @@
 """A fleet across network namespaces for the fault matrix (tests/integration/test_fleet.py).
 
 Two control planes (web, Celery worker and beat each) on one PostgreSQL and one Redis of the test's own (the
-matrix restarts them), Debian's nginx in front of both webs as the README configures it, and agent hosts in
+matrix restarts them), Debian's nginx in front of both webs as docs/gateway.md configures it, and agent hosts in
 network namespaces (tests/integration/netns.py), each agent dialling both control planes (`--server A,B`) through a
 delaying relay of its own (no delay until a scenario sets one), so it advertises its own address.
 

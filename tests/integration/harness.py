@@ -373,15 +373,17 @@ http {{
     return conf
 
 
-def nginx_conf_from_readme(upstreams: list[str], port: int) -> str:
-    """The nginx configuration the README tells operators to use, for these web processes (host:port) and this
-    port: the test runs the advice itself, not a copy of it."""
-    readme = (ROOT / "README.md").read_text()
-    match = re.search(r"```nginx\n(.*?)```", readme, re.S)
-    assert match, "the README's nginx configuration block is gone"
+def nginx_conf_from_docs(upstreams: list[str], port: int) -> str:
+    """The nginx configuration docs/gateway.md ("Behind a proxy") tells operators to use, for these web processes
+    (host:port) and this port: the test runs the advice itself, not a copy of it."""
+    page = (ROOT / "docs" / "gateway.md").read_text()
+    section = page.split("\n## Behind a proxy\n", 1)
+    assert len(section) == 2, "docs/gateway.md has no section 'Behind a proxy'"
+    match = re.search(r"```nginx\n(.*?)```", section[1], re.S)
+    assert match, "docs/gateway.md's nginx configuration block is gone"
     conf = match.group(1)
     servers = re.findall(r"^ *server \S+:\d+ max_fails=0;\n", conf, re.M)
-    assert servers, "the README's upstream lists no server"
+    assert servers, "docs/gateway.md's upstream lists no server"
     ours = "".join(f"    server {u} max_fails=0;\n" for u in upstreams)
     conf = conf.replace("".join(servers), ours)
     assert "listen 80;" in conf
@@ -389,12 +391,12 @@ def nginx_conf_from_readme(upstreams: list[str], port: int) -> str:
 
 
 def start_nginx(system: System, upstreams: list[str], name: str = "nginx") -> tuple[str, Child]:
-    """Debian's nginx (bin/setup-debian installs it) in front of these web processes, configured as the README
+    """Debian's nginx (bin/setup-debian installs it) in front of these web processes, configured as docs/gateway.md
     says, as our own child (`daemon off`); returns its URL and the process, whose error log says each retry."""
     binary = shutil.which("nginx") or "/usr/sbin/nginx"
     assert os.path.exists(binary), "Debian's nginx is missing: ./llmgw-test installs it (bin/setup-debian)"
     port = free_port()
-    conf = nginx_conf(system.home / name, nginx_conf_from_readme([u.removeprefix("http://") for u in upstreams], port),
+    conf = nginx_conf(system.home / name, nginx_conf_from_docs([u.removeprefix("http://") for u in upstreams], port),
                       error_log_level="info")
     prefix = conf.parent
     child = system.spawn(name, [binary, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-e",

@@ -278,7 +278,7 @@ def test_a_worker_killed_mid_drain_leaves_nothing_stuck(system, ops):
 
 
 def test_system_restart_behind_a_proxy_loses_no_request_and_restarts_no_engine(system, ops):
-    """Two web processes behind Debian's nginx, configured as the README tells operators to, and web, worker and
+    """Two web processes behind Debian's nginx, configured as docs/gateway.md tells operators to, and web, worker and
     beat supervised as systemd's `Restart=always` would: `llmgw restart` restarts every agent, then each
     control-plane process one at a time. No client request fails and no engine restarts. Last in this module:
     every control-plane process is new afterwards."""

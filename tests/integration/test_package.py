@@ -5,8 +5,8 @@
   says, away from the checkout — serves a replica of the test control plane; `llmgw agent stop-engines` stops it.
 - The control plane's install (`llmgw[server]`) runs `llmgw up` from an empty directory, and a command run from
   another directory finds that installation.
-- From a laptop (the same install as a node's), the README's "From your laptop" steps, run as written against the
-  test control plane behind Debian's nginx with TLS (the README's configuration, a throwaway CA): the same output
+- From a laptop (the same install as a node's), the "From your laptop" steps of docs/fleet.md, run as written against
+  the test control plane behind Debian's nginx with TLS (docs/gateway.md's configuration, a throwaway CA): the same output
   as on the control plane's host, the roles, and one-line errors for a TLS failure, a wrong token, a dead server.
 """
 
@@ -27,7 +27,7 @@ import pytest
 
 from agents.ports import free_port
 from llmgw.processes import Child
-from tests.integration.harness import ENGINE_PORTS, ROOT, nginx_conf, nginx_conf_from_readme, wait_for
+from tests.integration.harness import ENGINE_PORTS, ROOT, nginx_conf, nginx_conf_from_docs, wait_for
 from tests.test_package import completes
 
 pytestmark = pytest.mark.integration
@@ -169,7 +169,7 @@ def test_the_control_plane_from_the_wheel_runs_up_in_an_empty_directory(wheel, t
 
 @pytest.fixture
 def tls_proxy(system, tmp_path):
-    """Debian's nginx in front of the test control plane, configured as the README says, listening with TLS
+    """Debian's nginx in front of the test control plane, configured as docs/gateway.md says, listening with TLS
     (a certificate for localhost from a throwaway CA): its https:// URL and the CA's file."""
     import trustme
 
@@ -182,7 +182,7 @@ def tls_proxy(system, tmp_path):
         extra.write_to_path(str(pem), append=True)
     ca.cert_pem.write_to_path(str(ca_file))
     port = free_port()
-    http = nginx_conf_from_readme([system.url.removeprefix("http://")], port).replace(
+    http = nginx_conf_from_docs([system.url.removeprefix("http://")], port).replace(
         f"listen 127.0.0.1:{port};", f"listen 127.0.0.1:{port} ssl;\n    ssl_certificate {pem};\n"
                                      f"    ssl_certificate_key {key};")
     conf = nginx_conf(tmp_path / "nginx", http)
@@ -203,15 +203,15 @@ def tls_proxy(system, tmp_path):
         nginx.stop()
 
 
-def readme_block(heading: str) -> list[str]:
-    """The commands of the README's first ```sh block under this heading, comments dropped."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split(f"\n{heading}\n", 1)[1]
+def docs_block(page: str, heading: str) -> list[str]:
+    """The commands of the first ```sh block under this heading of this page of docs/, comments dropped."""
+    text = (ROOT / "docs" / page).read_text()
+    section = text.split(f"\n{heading}\n", 1)[1]
     block = re.search(r"```sh\n(.*?)```", section, re.S).group(1)
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
 
 
-def test_from_a_laptop_the_readme_steps_through_nginx_with_tls(system, node_env, tls_proxy, tmp_path):
+def test_from_a_laptop_the_documented_steps_through_nginx_with_tls(system, node_env, tls_proxy, tmp_path):
     url, ca_file = tls_proxy
     llmgw = node_env / "bin" / "llmgw"
     home = tmp_path / "laptop"
@@ -236,10 +236,11 @@ def test_from_a_laptop_the_readme_steps_through_nginx_with_tls(system, node_env,
     assert said.startswith(f"error: TLS error talking to {url}: ") and "certificate verify failed" in said
     assert said.count("\n") == 1
 
-    # the README's steps, as written: the server and the user put in, the CA from LLMGW_CA_CERT
+    # the steps of docs/fleet.md, as written: the server and the user put in, the CA from LLMGW_CA_CERT
     (home / "my-model.gguf").write_bytes(os.urandom(3 * 1024 * 1024))
-    steps = readme_block("### From your laptop")
-    assert steps[0].startswith("pip install llmgw") and steps[-1] == "llmgw logout"
+    steps = docs_block("fleet.md", "## From your laptop")
+    # the install is the wheel built from the checkout (as node_env installs it): llmgw is on no package index
+    assert re.fullmatch(r"pip install llmgw-[\w.]+-py3-none-any\.whl", steps[0]) and steps[-1] == "llmgw logout"
     outputs, ca = {}, {"LLMGW_CA_CERT": str(ca_file)}
     for step in steps[1:]:
         args = shlex.split(step.replace("https://llmgw.example.com", url))[1:]

@@ -47,7 +47,7 @@ def test_web_workers_share_one_socket_and_come_back_without_refusing_a_connectio
 
     def ask():
         # a new connection each time (a request on a kept-alive connection the stopping process closes at that
-        # moment is the proxy's to retry, README: "Behind a proxy"); no key: the gateway's own 401 says a web
+        # moment is the proxy's to retry, docs/gateway.md: "Behind a proxy"); no key: the gateway's own 401 says a web
         # process answered
         while not stop.is_set():
             try:
