@@ -12,6 +12,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from agents.engines import cores_taken
 from cluster import autoscaler, inflight, notify, planner
 from cluster.events import RECONCILE_QUEUED, record
 from cluster.locks import redis_client
@@ -26,6 +27,23 @@ DIRTY_KEY = "llmgw:reconcile:dirty"
 LAST_RUN_KEY = "llmgw:reconcile:last"
 LOCK_TTL = 60  # seconds; a run takes well under one
 DEFAULT_PORT_RANGE = (20000, 20999)
+
+
+def _int(value) -> int:
+    try:
+        return max(0, int(value or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def replica_threads(snapshot: dict | None) -> int:
+    """The CPU cores a placed replica takes: the threads it was started with (its snapshot), else its engine's
+    default."""
+    snapshot = snapshot if isinstance(snapshot, dict) else {}
+    args = snapshot.get("args") if isinstance(snapshot.get("args"), dict) else {}
+    engine = snapshot.get("engine") if isinstance(snapshot.get("engine"), dict) else {}
+    threads = args.get("threads")
+    return cores_taken(str(engine.get("kind") or ""), _int(threads) if threads is not None else None)
 
 
 def take_snapshot(now=None) -> planner.Snapshot:
@@ -44,6 +62,7 @@ def take_snapshot(now=None) -> planner.Snapshot:
             gpus=tuple(int(g.get("memory_bytes", 0)) for g in (n["facts"] or {}).get("gpus") or []),
             drain_force=n["drain_force"],
             drain_note=n["drain_note"],
+            cpus=_int((n["facts"] or {}).get("cpu_count")),
         )
         for n in Node.objects.values(
             "id", "name", "connected", "last_seen", "schedulable", "draining", "facts", "memory_bytes",
@@ -69,6 +88,7 @@ def take_snapshot(now=None) -> planner.Snapshot:
             scaling=None if m["min_replicas"] is None else Scaling(
                 min=m["min_replicas"], max=max(m["max_replicas"] or 0, m["min_replicas"]), target=m["target_inflight"],
                 idle_after=m["idle_after_seconds"], scale_down_delay=m["scale_down_delay_seconds"]),
+            threads=cores_taken(m["engine__kind"], m["profile__threads"]),
         )
         for m in Model.objects.values(
             "id",
@@ -78,6 +98,7 @@ def take_snapshot(now=None) -> planner.Snapshot:
             "file__size",
             "file__gguf",
             "profile__context_size",
+            "profile__threads",
             "engine__kind",
             "engine__device",
             "nodes",
@@ -106,10 +127,11 @@ def take_snapshot(now=None) -> planner.Snapshot:
             state_changed_at=r["state_changed_at"].timestamp(),
             reason=r["reason"],
             waiting_for_room=r["waiting_for_room"],
+            threads=replica_threads(r["snapshot"]) if r["node_id"] is not None else 0,
         )
         for r in Replica.objects.exclude(state__in=Replica.TERMINAL).values(
             "id", "name", "model_id", "node_id", "state", "restart", "memory_bytes", "gpu_index",
-            "state_changed_at", "reason", "waiting_for_room",
+            "state_changed_at", "reason", "waiting_for_room", "snapshot",
         )
     )
     return planner.Snapshot(

@@ -93,7 +93,7 @@ def _clean_facts(facts: dict) -> dict:
         port_range = facts.get("port_range") or [20000, 20999]
         clean = {
             "hostname": str(facts.get("hostname", "")),
-            "cpu_count": int(facts.get("cpu_count") or 0),
+            "cpu_count": max(0, int(facts.get("cpu_count") or 0)),
             "memory_bytes": max(0, int(facts.get("memory_bytes") or 0)),
             "memory_total_bytes": max(0, int(facts.get("memory_total_bytes") or 0)),
             "gpus": gpus,
@@ -105,6 +105,11 @@ def _clean_facts(facts: dict) -> dict:
         raise ValueError(f"malformed facts: {exc}") from None
     if not 1 <= clean["port_range"][0] <= clean["port_range"][1] <= 65535:
         raise ValueError(f"port_range {clean['port_range']} is not LOW <= HIGH within 1-65535")
+    if facts.get("cpu_total_count") is not None:  # an agent of before --cpus does not say it
+        try:
+            clean["cpu_total_count"] = max(0, int(facts["cpu_total_count"]))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"malformed facts: cpu_total_count: {exc}") from None
     address = str(facts.get("advertise_address") or "").strip()
     if address:
         if not protocol.is_address(address):
