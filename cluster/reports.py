@@ -1,4 +1,8 @@
-"""The server's side of the agent stream: what an agent reports changes replicas; what it is told to run."""
+"""The server's side of the agent stream: what an agent reports changes replicas; what it is told to run.
+
+Each write an agent's word makes is tried again, whole, while SQLite says the database is locked
+(cluster.dblock): a lock held long elsewhere delays a report, never loses it, and so never gets its node marked
+lost."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from agents import protocol
+from cluster.dblock import retry_on_lock
 from cluster.events import kick_reconciler, record
 from cluster.models import ClusterSettings, Event, Model, Node, Replica
 
@@ -25,6 +30,7 @@ def node_for_token(token: str) -> Node | None:
     return Node.objects.filter(token_hash=Node.hash_token(token)).first()
 
 
+@retry_on_lock
 def connected(node: Node, address: str) -> None:
     """The node's agent stream is up, from `address`. `node` is the row its token was just read as: where it was
     last seen decides whether the gateways reload (a newer stream of the same node racing this one at most
@@ -43,6 +49,7 @@ def _has_replicas(node_pk: int) -> bool:
     return Replica.objects.filter(node_id=node_pk).exclude(state__in=Replica.TERMINAL).exists()
 
 
+@retry_on_lock
 def disconnected(node_pk: int) -> None:
     with transaction.atomic():
         node = Node.objects.filter(pk=node_pk).first()
@@ -52,6 +59,7 @@ def disconnected(node_pk: int) -> None:
         kick_reconciler(routing=False)  # its engines go on serving: no route moves until the reconciler moves one
 
 
+@retry_on_lock
 def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus]) -> None:
     now = timezone.now()
     facts = _clean_facts(facts)
@@ -121,11 +129,13 @@ def _clean_facts(facts: dict) -> dict:
     return clean
 
 
+@retry_on_lock
 def seen(node_pk: int) -> None:
     """A report that says what the last one did: the node is alive, nothing else changed."""
     Node.objects.filter(pk=node_pk).update(last_seen=timezone.now(), connected=True)
 
 
+@retry_on_lock
 def report(node_pk: int, statuses: list[protocol.ReplicaStatus], full: bool) -> bool:
     """Apply an agent's report. Returns True when a replica left the node's desired list (send it again)."""
     now = timezone.now()
@@ -254,6 +264,7 @@ def _back_off(model_id: int, now) -> None:
     model.save(update_fields=["failures", "backoff_until"])
 
 
+@retry_on_lock
 def progress(node_pk: int, name: str, done: int, total: int) -> None:
     """Download progress; the first word of it moves a pending replica to downloading, however fast the rest is."""
     if not (0 <= int(done) < 2**63 and 0 <= int(total) < 2**63):
