@@ -6,10 +6,12 @@ import dataclasses
 import logging
 import random
 import time
+from datetime import timedelta
 
 import redis
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from agents.engines import cores_taken
@@ -220,7 +222,11 @@ class _Applier:
         getattr(self, "on_" + type(action).__name__)(action)
 
     def on_MarkNodeDisconnected(self, a: planner.MarkNodeDisconnected):
-        Node.objects.filter(pk=a.node_id).update(connected=False)
+        # conditional on the silence the plan saw: a report that came meanwhile (a newer last_seen) keeps it
+        silent_since = self.now - timedelta(seconds=self.snapshot.node_tolerance)
+        still_silent = Q(last_seen__isnull=True) | Q(last_seen__lt=silent_since)
+        if not Node.objects.filter(still_silent, pk=a.node_id, connected=True).update(connected=False):
+            return
         name = self.nodes[a.node_id].name
         record("node.disconnected", ACTOR, f"node {name} disconnected: {a.reason}", subject=name)
 

@@ -10,7 +10,7 @@ from asgiref.sync import async_to_sync
 from channels.layers import DEFAULT_CHANNEL_LAYER, channel_layers
 from django.utils import timezone
 
-from cluster import notify, operations, reconciler, reports
+from cluster import notify, operations, planner, reconciler, reports
 from cluster.locks import redis_client
 from cluster.models import ClusterSettings, EngineVersion, Event, Model, Node, Replica
 from tests.factories import make_agent_node, make_model, make_profile, make_replica
@@ -248,6 +248,19 @@ def test_a_silent_node_is_marked_disconnected(db):
 
 
 # Scaling down and removing
+
+
+def test_a_node_that_reports_while_the_plan_is_made_is_not_marked_disconnected(db):
+    node = make_agent_node("gpu-1")
+    Node.objects.filter(pk=node.pk).update(last_seen=timezone.now() - timedelta(seconds=30))
+    now = timezone.now()
+    snapshot = reconciler.take_snapshot(now)
+    [mark] = [a for a in planner.plan(snapshot) if isinstance(a, planner.MarkNodeDisconnected)]
+    reports.seen(node.pk)  # its report lands after the snapshot was taken
+    reconciler._Applier(snapshot, now).apply(mark)
+    node.refresh_from_db()
+    assert node.connected
+    assert not Event.objects.filter(kind="node.disconnected").exists()
 
 
 def test_scaling_down_drains_the_surplus_then_stops_it(nodes):
