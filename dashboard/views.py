@@ -225,11 +225,14 @@ def action(page: str):
                 messages.success(request, said)
             except OperationError as exc:
                 messages.error(request, str(exc))
+            except ConfirmFirst as exc:
+                messages.warning(request, str(exc))
+                extra = {"confirm": exc.form}
             except FormError as exc:
                 messages.error(request, str(exc))
             if request.htmx:
                 return _render(request, page, extra)
-            if extra.get("once"):  # a secret shown once: render, do not redirect
+            if extra.get("once") or extra.get("confirm"):  # a secret shown once, a form to confirm: render
                 return _render(request, page, extra)
             return redirect(reverse("dashboard:" + page))
 
@@ -240,6 +243,22 @@ def action(page: str):
 
 class FormError(ValueError):
     """A form field the operator got wrong: shown as the message; nothing changed."""
+
+
+class ConfirmFirst(FormError):
+    """A change to confirm before it is made (cluster.confirmation): nothing changed yet; the message comes with a
+    button that sends the same form again, confirmed."""
+
+    def __init__(self, why: str, request):
+        super().__init__(f"{why}: confirm to go ahead")
+        values = [(k, v) for k, vs in request.POST.lists() if k not in ("csrfmiddlewaretoken", "confirm") for v in vs]
+        self.form = {"url": request.path, "values": values}
+
+
+def _confirmed(request, name: str | None, values: dict) -> None:
+    why = operations.confirmation_needed(name, values)
+    if why and request.POST.get("confirm") != "yes":
+        raise ConfirmFirst(why, request)
 
 
 def _int(request, field: str, label: str, default=None, blank_ok: bool = False):
@@ -361,6 +380,7 @@ def _model_fields(request) -> dict:
 def model_add(request):
     values = _model_fields(request)
     name = request.POST.get("name", "").strip()
+    _confirmed(request, None, values)
     model = operations.add_model(name, _actor(request), file=request.POST.get("file", "").strip(),
                                  engine=values.pop("engine", ""), **values)
     return f"model {model.name} added: {model.scaling_text()}"
@@ -371,6 +391,7 @@ def model_set(request, name: str):
     values = _model_fields(request)
     if not values:
         raise FormError("nothing to change")
+    _confirmed(request, name, values)
     operations.set_model(name, _actor(request), **values)
     return f"model {name} changed"
 

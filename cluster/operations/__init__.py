@@ -8,7 +8,15 @@ importable from here. Client keys and usage are the gateway's (gateway.operation
 from cluster.errors import Conflict, NotFound, OperationError, Unavailable
 from cluster.operations.engines import add_engine
 from cluster.operations.files import import_model_file, import_uploaded_file, resolve_file
-from cluster.operations.models import DEFAULT_MAX_TOKENS, GGUF_ENGINES, ROUTINGS, add_model, remove_model, set_model
+from cluster.operations.models import (
+    DEFAULT_MAX_TOKENS,
+    GGUF_ENGINES,
+    ROUTINGS,
+    add_model,
+    confirmation_needed,
+    remove_model,
+    set_model,
+)
 from cluster.operations.nodes import add_node, agent_command, remove_node, replicas_stopped_on_purpose, reset_node_token
 from cluster.operations.profiles import (
     DEFAULT_PROFILE,
@@ -43,6 +51,7 @@ __all__ = [
     "add_model",
     "add_node",
     "agent_command",
+    "confirmation_needed",
     "add_profile",
     "add_user",
     "api_token",
