@@ -3,13 +3,17 @@ dashboard show the same figures because they ask here."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+import logging
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
 from cluster.models import ClusterSettings, Demand, Model, Node, Replica
 from cluster.planner.capacity import HOLDS_MEMORY, MemoryInUse
+
+log = logging.getLogger("llmgw.queries")
 
 
 def nodes_with_counts() -> QuerySet[Node]:
@@ -31,22 +35,49 @@ def models_with_counts() -> QuerySet[Model]:
     )
 
 
-def scaling_shown(model: Model) -> dict:
-    """How a model scales and where it stands, as `ctl models`, `GET /api/v1/models/` and the Models page show it:
-    its mode (fixed, autoscaled, on-demand), the replicas it wants now, its range and knobs, its last request and,
-    on demand and loaded, when it goes idle."""
-    demand = _demand(model)
-    shown = {"mode": model.mode, "wanted": model.replicas, "min_replicas": model.min_replicas,
-             "max_replicas": model.max_replicas, "target_inflight": None, "idle_after_seconds": None,
-             "scale_down_delay_seconds": None, "last_request_at": None, "idle_at": None}
+def last_requests() -> dict[str, datetime]:
+    """When each model was last asked for through the gateway (every web process sets it: cluster.inflight), fixed
+    or autoscaled; {} when Redis cannot be read (the doors then show no last request, not an error)."""
+    from cluster.inflight import last_requests as read
+    from cluster.locks import redis_client
+
+    try:
+        return {name: datetime.fromtimestamp(t, tz=dt_timezone.utc) for name, t in read(redis_client()).items()}
+    except Exception as exc:  # Redis away
+        log.warning("could not read the models' last requests (%s)", exc)
+        return {}
+
+
+def scaling_shown(model: Model, asked: dict[str, datetime] | None = None) -> dict:
+    """A model's figures as every door shows them (`status`, `ctl models`, the Overview and Models pages, the REST
+    API): its mode (fixed, autoscaled, on-demand), its ready replicas, the replicas it wants now (its fixed count,
+    or the autoscaler's number; what the planner places), its range and knobs, `replicas_text` (READY/WANT, with
+    the range when autoscaled), its last request (one the gateway saw, whatever its mode; `asked`: the
+    models' last requests already read, else read) and, on demand and loaded, when it goes idle."""
+    demand = _demand(model) if model.autoscaled else None
+    asked = last_requests() if asked is None else asked
+    ready = getattr(model, "n_ready", None)
+    if ready is None:
+        ready = model.replica_set.filter(state=Replica.State.READY).count()
+    wanted = model.replicas
+    if model.autoscaled:
+        wanted = demand.replicas if demand else model.min_replicas
+    text = f"{ready}/{wanted}" + (f" ({model.min_replicas}-{model.max_replicas})" if model.autoscaled else "")
+    shown = {"mode": model.mode, "ready": ready, "wanted": wanted, "replicas_text": text,
+             "min_replicas": model.min_replicas, "max_replicas": model.max_replicas, "target_inflight": None,
+             "idle_after_seconds": None, "scale_down_delay_seconds": None,
+             "last_request_at": asked.get(model.name), "idle_at": None}
     if not model.autoscaled:
         return shown
-    last = demand.last_request_at if demand else None
-    wanted = demand.replicas if demand else model.min_replicas
-    shown.update(wanted=wanted, target_inflight=model.target_inflight, idle_after_seconds=model.idle_after_seconds,
-                 scale_down_delay_seconds=model.scale_down_delay_seconds, last_request_at=last)
-    if model.on_demand and wanted and last:
-        shown["idle_at"] = last + timedelta(seconds=model.idle_after_seconds)
+    shown.update(target_inflight=model.target_inflight, idle_after_seconds=model.idle_after_seconds,
+                 scale_down_delay_seconds=model.scale_down_delay_seconds)
+    if demand and demand.last_request_at:  # the autoscaler keeps the last it saw (Redis may have restarted since)
+        seen = shown["last_request_at"]
+        shown["last_request_at"] = max(seen, demand.last_request_at) if seen else demand.last_request_at
+    # the autoscaler's idle clock: its last request, else when it last scaled (cluster.planner.scaling)
+    idle_from = (demand.last_request_at or demand.last_scaled_at) if demand else None
+    if model.on_demand and wanted and idle_from:
+        shown["idle_at"] = idle_from + timedelta(seconds=model.idle_after_seconds)
     return shown
 
 

@@ -111,9 +111,10 @@ def _models(request) -> dict:
     replicas: dict[int, list[Replica]] = {}
     for r in Replica.objects.exclude(state__in=Replica.TERMINAL).select_related("node").defer("log_tail").order_by("name"):
         replicas.setdefault(r.model_id, []).append(r)
+    asked = queries.last_requests()
     for m in models:
         m.live = replicas.get(m.pk, [])
-        m.scaling = queries.scaling_shown(m)
+        m.scaling = queries.scaling_shown(m, asked)
     return {
         "models": models,
         "files": ModelFile.objects.order_by("name"),

@@ -144,13 +144,16 @@ STATES = Replica.State.values
 
 class ScalingShownSerializer(serializers.Serializer):
     mode = serializers.ChoiceField(choices=["fixed", "autoscaled", "on-demand"])
+    ready = serializers.IntegerField(help_text="its ready replicas")
     wanted = serializers.IntegerField(help_text="the replicas it wants now (the autoscaler's number when autoscaled)")
+    replicas_text = serializers.CharField(help_text="READY/WANT, with the range when autoscaled: 2/2 (1-3)")
     min_replicas = serializers.IntegerField(allow_null=True)
     max_replicas = serializers.IntegerField(allow_null=True)
     target_inflight = serializers.IntegerField(allow_null=True)
     idle_after_seconds = serializers.IntegerField(allow_null=True)
     scale_down_delay_seconds = serializers.IntegerField(allow_null=True)
-    last_request_at = serializers.DateTimeField(allow_null=True)
+    last_request_at = serializers.DateTimeField(allow_null=True, help_text="the last request the gateway saw for it "
+                                                "(fixed or autoscaled); null: none yet")
     idle_at = serializers.DateTimeField(allow_null=True, help_text="on demand and loaded: when it goes to zero if "
                                         "no request comes")
 
@@ -208,7 +211,10 @@ class ServedModelSerializer(serializers.ModelSerializer):
 
     @extend_schema_field(ScalingShownSerializer)
     def get_scaling(self, model: Model) -> dict:
-        return ScalingShownSerializer(queries.scaling_shown(model)).data
+        asked = self.context.get("last_requests")
+        if asked is None:  # read once for a page of models
+            asked = self.context["last_requests"] = queries.last_requests()
+        return ScalingShownSerializer(queries.scaling_shown(model, asked)).data
 
     @extend_schema_field(OpenApiTypes.INT64)
     def get_memory_bytes(self, model: Model) -> int:
@@ -449,8 +455,14 @@ class StatusNodesSerializer(serializers.Serializer):
 
 class StatusModelSerializer(serializers.Serializer):
     name = serializers.CharField()
-    replicas = serializers.IntegerField()
+    mode = serializers.ChoiceField(choices=["fixed", "autoscaled", "on-demand"])
     ready = serializers.IntegerField()
+    wanted = serializers.IntegerField(help_text="the replicas it wants now (the autoscaler's number when autoscaled)")
+    replicas = serializers.IntegerField(help_text="the same as wanted (kept for older clients)")
+    min_replicas = serializers.IntegerField(allow_null=True)
+    max_replicas = serializers.IntegerField(allow_null=True)
+    replicas_text = serializers.CharField(help_text="READY/WANT, with the range when autoscaled: 2/2 (1-3)")
+    last_request_at = serializers.DateTimeField(allow_null=True)
     removing = serializers.BooleanField()
     placement_note = serializers.CharField()
 

@@ -100,10 +100,10 @@ def _scaling(current: Model | None, given: dict) -> dict:
 
 def _start_demand(model: Model, replicas: int) -> None:
     """An autoscaled model's state begins: at `replicas` (its minimum when new, what it ran when it was fixed),
-    its last request now, so an idle one is not unloaded before its idle time."""
+    scaled now, so an idle one is not unloaded before its idle time (counted from then: no request is made up)."""
     Demand.objects.update_or_create(model=model, defaults={
         "replicas": min(max(replicas, model.min_replicas), model.max_replicas), "samples": [], "below_since": None,
-        "last_request_at": timezone.now(), "last_scaled_at": None,
+        "last_request_at": None, "last_scaled_at": timezone.now(),
     })
 
 

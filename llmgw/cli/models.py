@@ -16,11 +16,7 @@ def models_list(o, out):
     rows = []
     for m in models:
         scaling = m["scaling"]
-        ready = m["replica_states"].get("ready", 0)
-        if scaling["mode"] == "fixed":
-            replicas = f"{ready}/{m['replicas']}"
-        else:
-            replicas = f"{ready}/{scaling['wanted']} ({m['min_replicas']}-{m['max_replicas']})"
+        replicas = scaling["replicas_text"]  # the domain's one figure (cluster.queries.scaling_shown)
         idle = moment(scaling["idle_at"])
         rows.append(
             [m["name"], m["engine"], m["profile"], ",".join(m["capabilities"]), m["routing"], scaling["mode"],

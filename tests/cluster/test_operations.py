@@ -433,7 +433,9 @@ def test_cluster_status(db):
     status = operations.cluster_status()
     assert status["serving"] == "serving"
     assert status["nodes"] == {"total": 2, "connected": 1}
-    assert status["models"] == [{"name": "m1", "replicas": 2, "ready": 1, "removing": False, "placement_note": ""}]
+    assert status["models"] == [{"name": "m1", "mode": "fixed", "ready": 1, "wanted": 2, "replicas": 2,
+                                 "min_replicas": None, "max_replicas": None, "replicas_text": "1/2",
+                                 "last_request_at": None, "removing": False, "placement_note": ""}]
     assert status["replicas"] == {"ready": 1, "starting": 1}
 
 
