@@ -124,3 +124,34 @@ def cluster_settings_shown(cluster: ClusterSettings | None = None) -> dict:
         "serving_stopped": cluster.serving_stopped,
         "engine_key_fingerprint": ClusterSettings.fingerprint(cluster.engine_key),
     }
+
+
+def cluster_status() -> dict:
+    """The cluster in brief, as `status`, `GET /api/v1/status/` and the Overview show it: serving or stopped, the
+    nodes connected, each model's figures (scaling_shown) and the replicas by state."""
+    settings_row = ClusterSettings.load()
+    now = timezone.now()
+    nodes = list(Node.objects.all())
+    alive = [n for n in nodes if n.is_alive(now)]
+    counted = dict(
+        Replica.objects.exclude(state__in=Replica.TERMINAL)
+        .values_list("state")
+        .annotate(n=Count("id"))
+        .values_list("state", "n")
+    )
+    by_state = {state: counted[state] for state in Replica.State.values if state in counted}  # in the states' order
+    asked = last_requests()
+    models = []
+    for m in models_with_counts():
+        shown = scaling_shown(m, asked)
+        # `replicas`: the replicas it wants now (as `wanted`), kept for clients of before `wanted`
+        models.append({"name": m.name, "mode": shown["mode"], "ready": shown["ready"], "wanted": shown["wanted"],
+                       "replicas": shown["wanted"], "min_replicas": m.min_replicas, "max_replicas": m.max_replicas,
+                       "replicas_text": shown["replicas_text"], "last_request_at": shown["last_request_at"],
+                       "removing": m.removing, "placement_note": m.placement_note})
+    return {
+        "serving": "stopped" if settings_row.serving_stopped else "serving",
+        "nodes": {"total": len(nodes), "connected": len(alive)},
+        "models": list(models),
+        "replicas": by_state,
+    }

@@ -52,7 +52,7 @@ def _overview(request) -> dict:
         first_chunk = first_chunk_percentiles(redis)
     except Exception:  # Redis away: the page still shows the cluster
         charts, first_chunk = [], None
-    status = operations.cluster_status()
+    status = queries.cluster_status()
     counts = status["replicas"]  # running replicas by state
     states = [(s, counts.get(s, 0)) for s in (Replica.State.PENDING, Replica.State.DOWNLOADING, Replica.State.STARTING,
                                                  Replica.State.READY, Replica.State.DRAINING, Replica.State.STOPPING)]
@@ -247,7 +247,7 @@ class FormError(ValueError):
 
 
 class ConfirmFirst(FormError):
-    """A change to confirm before it is made (cluster.confirmation): nothing changed yet; the message comes with a
+    """A change to confirm before it is made (agents.confirmation): nothing changed yet; the message comes with a
     button that sends the same form again, confirmed."""
 
     def __init__(self, why: str, request):

@@ -27,7 +27,7 @@ from cluster.operations.profiles import (
     set_profile,
 )
 from cluster.operations.restart import RestartQueued, drain_node, restart_replicas, staleness, undrain_node
-from cluster.operations.serving import cluster_status, rotate_engine_key, set_settings, start_serving, stop_serving
+from cluster.operations.serving import rotate_engine_key, set_settings, start_serving, stop_serving
 from cluster.operations.users import add_user, api_token
 from cluster.operations.validation import MAX_MEMORY, MAX_REPLICAS
 from cluster.roles import ROLES
@@ -55,7 +55,6 @@ __all__ = [
     "add_profile",
     "add_user",
     "api_token",
-    "cluster_status",
     "drain_node",
     "import_model_file",
     "import_uploaded_file",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db import transaction
 from django.utils import timezone
 
-from cluster.confirmation import needs_confirmation
+from agents.confirmation import needs_confirmation
 from cluster.errors import Conflict, OperationError
 from cluster.events import kick_reconciler, record
 from agents.units import MAX_DURATION
@@ -176,7 +176,7 @@ def add_model(
 
 def confirmation_needed(name: str | None, values: dict) -> str:
     """'' when adding the model `name` (None) or changing it so may go ahead at once; else why the change is
-    confirmed first (cluster.confirmation: it adds many replicas at once). A model that does not exist is the
+    confirmed first (agents.confirmation: it adds many replicas at once). A model that does not exist is the
     operation's to refuse."""
     current = None
     if name is not None:

@@ -3,43 +3,11 @@
 from __future__ import annotations
 
 from django.db import transaction
-from django.db.models import Count
-from django.utils import timezone
 
-from cluster import queries
 from cluster.errors import Conflict, OperationError
 from cluster.events import kick_reconciler, record
-from cluster.models import ClusterSettings, Node, Replica
+from cluster.models import ClusterSettings, Replica
 from cluster.operations.validation import check_count
-
-
-def cluster_status() -> dict:
-    settings_row = ClusterSettings.load()
-    now = timezone.now()
-    nodes = list(Node.objects.all())
-    alive = [n for n in nodes if n.is_alive(now)]
-    counted = dict(
-        Replica.objects.exclude(state__in=Replica.TERMINAL)
-        .values_list("state")
-        .annotate(n=Count("id"))
-        .values_list("state", "n")
-    )
-    by_state = {state: counted[state] for state in Replica.State.values if state in counted}  # in the states' order
-    asked = queries.last_requests()
-    models = []
-    for m in queries.models_with_counts():
-        shown = queries.scaling_shown(m, asked)
-        # `replicas`: the replicas it wants now (as `wanted`), kept for clients of before `wanted`
-        models.append({"name": m.name, "mode": shown["mode"], "ready": shown["ready"], "wanted": shown["wanted"],
-                       "replicas": shown["wanted"], "min_replicas": m.min_replicas, "max_replicas": m.max_replicas,
-                       "replicas_text": shown["replicas_text"], "last_request_at": shown["last_request_at"],
-                       "removing": m.removing, "placement_note": m.placement_note})
-    return {
-        "serving": "stopped" if settings_row.serving_stopped else "serving",
-        "nodes": {"total": len(nodes), "connected": len(alive)},
-        "models": list(models),
-        "replicas": by_state,
-    }
 
 
 def stop_serving(actor: str) -> ClusterSettings:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.confirmation import CONFIRM_ABOVE
+from agents.confirmation import CONFIRM_ABOVE
 from llmgw.cli.agent import add_arguments as agent_arguments, agent as agent_cmd
 from llmgw.cli.args import DEFAULT_MAX_TOKENS, ROLES, ROUTINGS, UNSET, OneLineParser, duration_arg, max_tokens_arg
 from llmgw.cli.completion import add_completion

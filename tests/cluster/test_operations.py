@@ -430,7 +430,7 @@ def test_cluster_status(db):
     make_replica(model, node, state=Replica.State.READY)
     make_replica(model, node, state=Replica.State.STARTING)
     make_replica(model, node, state=Replica.State.STOPPED)
-    status = operations.cluster_status()
+    status = queries.cluster_status()
     assert status["serving"] == "serving"
     assert status["nodes"] == {"total": 2, "connected": 1}
     assert status["models"] == [{"name": "m1", "mode": "fixed", "ready": 1, "wanted": 2, "replicas": 2,

@@ -6,7 +6,8 @@ change (adding a model, or setting its replicas or range) that raises the ceilin
 asks to be confirmed: `--yes` on the CLI, a second click on the dashboard. The REST API takes what it is sent
 as meant (a program asked for it).
 
-Django-free: the CLI, an HTTP client, applies the same rule to what it is about to send.
+A leaf, Django-free: the CLI (an HTTP client, installed on laptops without the server) applies the same rule
+to what it is about to send as the dashboard (cluster.operations.confirmation_needed) does.
 """
 
 from __future__ import annotations
