@@ -335,12 +335,25 @@ class _Applier:
         if self.set_state(a.replica_id, state, a.reason):
             record(f"replica.{state}", ACTOR, f"replica {replica.name} {state}: {a.reason}", subject=replica.name)
 
+    def still_lost(self, replica_id: int) -> bool:
+        """Is the replica's node still gone (removed, or silent past the lost grace) as the plan saw it? A report
+        that landed meanwhile (one that waited on a lock) keeps its node, and its replicas, as they are."""
+        node_id = self.replicas[replica_id].node_id
+        if node_id is None:
+            return True
+        lost_since = self.now - timedelta(seconds=self.snapshot.node_lost_grace)
+        return not Node.objects.filter(pk=node_id, connected=True, last_seen__gte=lost_since).exists()
+
     def on_Fail(self, a: planner.Fail):
+        if not self.still_lost(a.replica_id):
+            return
         replica = self.set_state(a.replica_id, Replica.State.FAILED, a.reason)
         if replica:
             record("replica.failed", ACTOR, f"replica {replica.name} failed: {a.reason}", subject=replica.name)
 
     def on_MarkStopped(self, a: planner.MarkStopped):
+        if not self.still_lost(a.replica_id):
+            return
         replica = self.set_state(a.replica_id, Replica.State.STOPPED, a.reason)
         if replica:
             record("replica.stopped", ACTOR, f"replica {replica.name} stopped: {a.reason}", subject=replica.name)

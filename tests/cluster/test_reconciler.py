@@ -263,6 +263,27 @@ def test_a_node_that_reports_while_the_plan_is_made_is_not_marked_disconnected(d
     assert not Event.objects.filter(kind="node.disconnected").exists()
 
 
+def test_a_node_whose_report_waited_on_a_lock_past_the_lost_grace_keeps_its_replicas(db):
+    """A database lock never marks a node lost: its report, delayed past the grace, lands while the plan that
+    saw it lost is made; the plan's Fail is not applied."""
+    node = make_agent_node("gpu-1")
+    replica = make_replica(make_model("m1", replicas=1, memory_bytes=GIB), node, S.READY)
+    Node.objects.filter(pk=node.pk).update(last_seen=timezone.now() - timedelta(minutes=3))
+    now = timezone.now()
+    snapshot = reconciler.take_snapshot(now)
+    actions = planner.plan(snapshot)
+    [fail] = [a for a in actions if isinstance(a, planner.Fail)]
+    reports.report(node.pk, [{"name": replica.name, "state": "ready"}], full=True)  # it lands now
+    applier = reconciler._Applier(snapshot, now)
+    for action in actions:
+        if isinstance(action, (planner.Fail, planner.MarkNodeDisconnected)):
+            applier.apply(action)
+    replica.refresh_from_db()
+    node.refresh_from_db()
+    assert replica.state == S.READY and node.connected
+    assert not Event.objects.filter(kind__in=("replica.failed", "node.disconnected")).exists()
+
+
 def test_scaling_down_drains_the_surplus_then_stops_it(nodes):
     model = make_model("m1", replicas=2, memory_bytes=GIB)
     reconciler.reconcile_once()
