@@ -60,6 +60,14 @@ class Node(models.Model):
         return list(self.facts.get("gpus") or [])
 
     @property
+    def cpus(self) -> int:
+        """CPU cores its agent offers (0: not said; placement then does not count them)."""
+        try:
+            return max(0, int(self.facts.get("cpu_count") or 0))
+        except (TypeError, ValueError):
+            return 0
+
+    @property
     def engines(self) -> dict:
         return dict(self.facts.get("engines") or {})
 

@@ -10,6 +10,7 @@ from datetime import timezone as dt_timezone
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
+from cluster.memory import replica_threads
 from cluster.models import ClusterSettings, Demand, Model, Node, Replica
 from cluster.planner.capacity import HOLDS_MEMORY, MemoryInUse
 
@@ -89,14 +90,15 @@ def _demand(model: Model) -> Demand | None:
 
 
 def memory_in_use(nodes=None) -> MemoryInUse:
-    """Memory the replicas hold on each node (RAM, and each GPU's by index), counted by the rule placement
-    counts it with (cluster.planner.capacity). `nodes`: the Node rows already at hand (else read)."""
+    """Memory the replicas hold on each node (RAM, and each GPU's by index) and the CPU cores their threads take,
+    counted by the rule placement counts them with (cluster.planner.capacity). `nodes`: the Node rows already at hand (else read)."""
     rows = nodes if nodes is not None else Node.objects.only("pk", "facts")
     gpu_counts = {n.pk: len(n.gpus) for n in rows}
     used = MemoryInUse()
     held = Replica.objects.filter(node__isnull=False, state__in=HOLDS_MEMORY)
-    for node_id, state, gpu_index, memory_bytes in held.values_list("node_id", "state", "gpu_index", "memory_bytes"):
-        used.add(node_id, gpu_counts.get(node_id, 0), state, gpu_index, memory_bytes)
+    for node_id, state, gpu_index, memory_bytes, snapshot in held.values_list(
+            "node_id", "state", "gpu_index", "memory_bytes", "snapshot"):
+        used.add(node_id, gpu_counts.get(node_id, 0), state, gpu_index, memory_bytes, replica_threads(snapshot))
     return used
 
 

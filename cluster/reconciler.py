@@ -14,11 +14,11 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from agents.engines import cores_taken
 from cluster import autoscaler, inflight, notify, planner
 from cluster.events import RECONCILE_QUEUED, record
 from cluster.locks import redis_client
-from cluster.memory import estimate
+from agents.engines import cores_taken
+from cluster.memory import estimate, replica_threads
 from cluster.models import ClusterSettings, Model, Node, Replica
 from cluster.planner.scaling import Scaling
 
@@ -36,16 +36,6 @@ def _int(value) -> int:
         return max(0, int(value or 0))
     except (TypeError, ValueError):
         return 0
-
-
-def replica_threads(snapshot: dict | None) -> int:
-    """The CPU cores a placed replica takes: the threads it was started with (its snapshot), else its engine's
-    default."""
-    snapshot = snapshot if isinstance(snapshot, dict) else {}
-    args = snapshot.get("args") if isinstance(snapshot.get("args"), dict) else {}
-    engine = snapshot.get("engine") if isinstance(snapshot.get("engine"), dict) else {}
-    threads = args.get("threads")
-    return cores_taken(str(engine.get("kind") or ""), _int(threads) if threads is not None else None)
 
 
 def take_snapshot(now=None) -> planner.Snapshot:

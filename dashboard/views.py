@@ -101,6 +101,7 @@ def _nodes(request) -> dict:
         rows.append({
             "node": node, "alive": node.is_alive(now), "drain": node.drain_state(node.replica_count) or "",
             "memory": Bar(total, used.ram(node.pk), max(total - offered, 0)), "gpus": gpus,
+            "cpus": node.cpus, "cpus_used": used.cores(node.pk),
         })
     server = agents_url(request)
     return {"rows": rows, "server": server}

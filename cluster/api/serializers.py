@@ -39,6 +39,10 @@ class NodeSerializer(serializers.ModelSerializer):
         help_text="RAM its replicas hold (placed until their engine has stopped), as placement counts it"
     )
     gpu_memory_used_bytes = serializers.SerializerMethodField(help_text="memory its replicas hold on each GPU, by index")
+    cpus = serializers.SerializerMethodField(help_text="CPU cores its agent offers (--cpus may lower its count); 0: "
+                                             "not said, not counted")
+    cpus_used = serializers.SerializerMethodField(help_text="CPU cores its replicas' engine threads take, as placement "
+                                                  "counts them")
 
     class Meta:
         model = Node
@@ -56,6 +60,8 @@ class NodeSerializer(serializers.ModelSerializer):
             "memory_bytes",
             "memory_used_bytes",
             "gpu_memory_used_bytes",
+            "cpus",
+            "cpus_used",
             "facts",
             "replica_count",
             "created_at",
@@ -85,6 +91,14 @@ class NodeSerializer(serializers.ModelSerializer):
     @extend_schema_field(serializers.ListField(child=serializers.IntegerField()))
     def get_gpu_memory_used_bytes(self, node: Node) -> list[int]:
         return self._memory(node).gpus(node.pk, len(node.gpus))
+
+    @extend_schema_field(OpenApiTypes.INT)
+    def get_cpus(self, node: Node) -> int:
+        return node.cpus
+
+    @extend_schema_field(OpenApiTypes.INT)
+    def get_cpus_used(self, node: Node) -> int:
+        return self._memory(node).cores(node.pk)
 
 
 AGENT_URL = r"^https?://[^\x00-\x20\x7f/?#]+(/[^\x00-\x20\x7f?#]*)?$"  # the same to Python and to the schema

@@ -316,3 +316,27 @@ def test_every_door_shows_a_models_ready_wanted_range_and_last_request_alike(db)
     fixed_card = page[page.index('id="model-fixed"'):]
     assert '<span class="n">2</span>/2 ready' in auto_card and "last request" not in auto_card
     assert '<span class="n">1</span>/2 ready' in fixed_card and "last request 2m ago" in fixed_card
+
+
+def test_cpu_cores_in_use_are_shown_as_placement_counts_them(db):
+    from tests.factories import make_agent_node, make_profile
+
+    node = make_agent_node("n1", cpu_count=4)
+    wide = make_model("wide", profile=make_profile("wide", threads=2).name)
+    make_replica(wide, node, S.READY, snapshot={"args": wide.profile.args(), "engine": wide.engine.spec()})
+    make_replica(make_model("one"), node, S.STARTING, snapshot={"engine": {"kind": "llama.cpp"}})  # the default: 1
+    make_replica(make_model("gone"), node, S.STOPPED, snapshot={"engine": {"kind": "llama.cpp"}})  # over: none
+    assert queries.memory_in_use().cores(node.pk) == 3
+    snapshot = reconciler.take_snapshot()
+    fleet = planner.Planner(snapshot)
+    fleet._nodes()
+    fleet._replicas()
+    assert fleet.fleet.by_id[node.pk].free_cpu == 1  # placement sees the same
+
+    out = io.StringIO()
+    call_command("llmgw", "ctl", "nodes", stdout=out)
+    header, row = out.getvalue().splitlines()[:2]
+    assert row[header.index("CPUS USED"):].startswith("3 / 4")
+    shown = session_for("viewer").get("/api/v1/nodes/n1/").json()
+    assert (shown["cpus"], shown["cpus_used"]) == (4, 3)
+    assert "CPU cores 3 / 4 used" in session_for("viewer").get("/nodes/").content.decode()
