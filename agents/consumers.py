@@ -91,7 +91,7 @@ class AgentConsumer(notify.EndsWhenTheLayerIsAway, notify.StopsCleanly, AsyncJso
         def connect() -> Node | None:  # one trip to the database threads: hundreds of agents connect at once
             node = reports.node_for_token(token)
             if node is not None:
-                reports.connected(node, self.address)
+                reports.connected(node, self.address, self.stream)
             return node
 
         node = await database_sync_to_async(connect)()
@@ -112,6 +112,12 @@ class AgentConsumer(notify.EndsWhenTheLayerIsAway, notify.StopsCleanly, AsyncJso
         self._waiting = asyncio.Event()
         self._worker = asyncio.get_running_loop().create_task(self._handle_pending())
 
+    @property
+    def stream(self) -> str:
+        """This stream's identity on the node's row (cluster.reports): only the stream that connected last moves
+        the node's `connected` and `last_seen`."""
+        return getattr(self, "channel_name", "") or f"stream-{id(self)}"
+
     def describe(self) -> str:
         return f"agent stream of node {self.node_name or '?'}"
 
@@ -124,7 +130,7 @@ class AgentConsumer(notify.EndsWhenTheLayerIsAway, notify.StopsCleanly, AsyncJso
             self._worker.cancel()
         if self.node_pk is not None and not getattr(self, "superseded", False):
             try:
-                await database_sync_to_async(reports.disconnected)(self.node_pk)
+                await database_sync_to_async(reports.disconnected)(self.node_pk, self.stream)
             except DatabaseError as exc:  # PostgreSQL away too: the reconciler marks it when it has no word
                 log.warning("node %s: could not record its stream's end (%s)", self.node_name, exc)
 
@@ -159,7 +165,7 @@ class AgentConsumer(notify.EndsWhenTheLayerIsAway, notify.StopsCleanly, AsyncJso
             return
         await self.channel_layer.group_discard(self.group, self.channel_name)
         if not getattr(self, "superseded", False):
-            await database_sync_to_async(reports.disconnected)(self.node_pk)
+            await database_sync_to_async(reports.disconnected)(self.node_pk, self.stream)
         log.info("agent for node %s disconnected (%s)", self.node_name, code)
 
     async def dispatch(self, message):
@@ -224,7 +230,7 @@ class AgentConsumer(notify.EndsWhenTheLayerIsAway, notify.StopsCleanly, AsyncJso
         facts, replicas, base = message["facts"], list(message.get("replicas") or []), self.mirror_base()
 
         def hello() -> dict:  # one trip to the database threads: hundreds of agents say hello at once
-            reports.hello(self.node_pk, facts, replicas)
+            reports.hello(self.node_pk, facts, replicas, self.stream)
             return reports.desired(self.node_pk, base)
 
         await self.send_json(await database_sync_to_async(hello)())
@@ -234,10 +240,10 @@ class AgentConsumer(notify.EndsWhenTheLayerIsAway, notify.StopsCleanly, AsyncJso
         if said == self._applied and time.monotonic() - self._applied_at < REAPPLY_EVERY:
             # the heartbeat of a node where nothing changed: that it was seen, one UPDATE (hundreds of agents
             # report every 5 s; applying each report whole was most of the control plane's steady CPU)
-            await database_sync_to_async(reports.seen)(self.node_pk)
+            await database_sync_to_async(reports.seen)(self.node_pk, self.stream)
             return
         self._applied = None
-        left = await database_sync_to_async(reports.report)(self.node_pk, *said)
+        left = await database_sync_to_async(reports.report)(self.node_pk, *said, self.stream)
         self._applied, self._applied_at = said, time.monotonic()
         if left:
             await self._send_desired()

@@ -52,6 +52,15 @@ def driver_for(kind: str) -> type[EngineDriver]:
         raise ValueError(f"unknown engine kind {kind!r} (known: {', '.join(sorted(DRIVERS))})") from None
 
 
+def cores_taken(kind: str, threads: int | None) -> int:
+    """The CPU cores placement counts for one engine of this kind: its profile's --threads, else the driver's
+    default (0 for an engine llmgw cannot read: not counted)."""
+    if threads is not None:
+        return max(0, int(threads))
+    driver = DRIVERS.get(kind)
+    return driver.default_threads if driver is not None else 1
+
+
 def engine_host() -> str:
     """The address engines listen on: every interface by default, since gateways on other machines call them."""
     return os.environ.get(HOST_ENV, "").strip() or "0.0.0.0"
@@ -69,6 +78,9 @@ class EngineDriver:
     """One engine kind. Methods take a DesiredReplica (the agent stream's dict) and build what the agent runs."""
 
     kind = ""
+    # CPU cores one engine takes when its profile sets no --threads: placement counts a node's cores against its
+    # engines' threads (cluster.planner.placement). At least one: every engine serves on a core of its own.
+    default_threads = 1
     # Answered only with the engine key, so one 200 with the key (and a 401 without) proves it serves and checks.
     health_path = "/v1/models"
 
@@ -294,6 +306,10 @@ class Command(EngineDriver):
     spaces stays one argument. The engine key is in the environment as LLMGW_ENGINE_KEY; `{engine_key}` exists
     for engines that only take it as an argument.
     """
+
+    # An operator's program: what it uses llmgw cannot know, so it counts no cores unless its profile's --threads
+    # says (the template passes {threads} on, or not).
+    default_threads = 0
 
     PLACEHOLDERS = (
         "python",

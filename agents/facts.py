@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -21,6 +22,17 @@ def parse_gpus(text: str) -> list[int]:
     if text.strip().lower() in ("none", ""):
         return []
     return [parse_size(part) for part in text.split(",")]
+
+
+def parse_cpus(text: str) -> int:
+    """CPU cores to offer, from "4"."""
+    try:
+        cpus = int(text.strip())
+    except ValueError:
+        raise ValueError(f"not a number of CPU cores: {text!r} (write a whole number, e.g. 4)") from None
+    if cpus < 1:
+        raise ValueError(f"--cpus must be at least 1, not {cpus}")
+    return cpus
 
 
 def parse_port_range(text: str) -> tuple[int, int]:
@@ -67,16 +79,20 @@ def gather(
     port_range: tuple[int, int] = (20000, 20999),
     engines: dict[str, str] | None = None,
     advertise_address: str = "",
+    cpus: int | None = None,
 ) -> Facts:
-    """This node's facts. `memory` caps what is offered; `gpus` (memory sizes) replaces what nvidia-smi finds."""
+    """This node's facts. `memory` and `cpus` cap what is offered; `gpus` (memory sizes) replaces what nvidia-smi
+    finds."""
     total = psutil.virtual_memory().total
+    cores = os.cpu_count() or 1
     if gpus is None:
         found = nvidia_gpus()
     else:
         found = [{"index": i, "name": "simulated", "memory_bytes": size} for i, size in enumerate(gpus)]
     facts: Facts = {
         "hostname": socket.gethostname(),
-        "cpu_count": psutil.cpu_count() or 1,
+        "cpu_count": min(cores, cpus) if cpus else cores,  # offered to the planner (--cpus may lower it)
+        "cpu_total_count": cores,
         "memory_bytes": min(total, memory) if memory else total,
         "memory_total_bytes": total,
         "gpus": found,

@@ -20,7 +20,8 @@ class Gpu(TypedDict):
 
 class Facts(TypedDict):
     hostname: str
-    cpu_count: int
+    cpu_count: int  # CPU cores offered to the planner (--cpus may lower it)
+    cpu_total_count: NotRequired[int]  # what the machine has
     memory_bytes: int  # advertised to the planner (--memory may lower it)
     memory_total_bytes: int  # what the machine has
     gpus: list[Gpu]

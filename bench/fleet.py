@@ -212,7 +212,7 @@ async def measure(n: int, o) -> dict:
                                     f"{{python}} {TEST_ENGINE} --host {{host}} --port {{port}}")
             added = time.monotonic()
             await asyncio.to_thread(control.cli, "ctl", "model", "add", MODEL, "--file", "sim.bin", "--engine", "sim",
-                                    "--replicas", str(n), "--memory", "1GiB")
+                                    "--replicas", str(n), "--memory", "1GiB", "--yes")
             while True:
                 status = (await client.get("/api/v1/status/")).json()
                 ready = next((m["ready"] for m in status["models"] if m["name"] == MODEL), 0)

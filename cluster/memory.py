@@ -1,4 +1,7 @@
-"""Memory a replica needs: weights + KV cache at the profile's context + a stated overhead."""
+"""What a replica needs: memory (weights + KV cache at the profile's context + a stated overhead), and the CPU
+cores its engine's threads take."""
+
+from agents.engines import cores_taken
 
 MIB = 1024**2
 # llama.cpp's compute buffers, the HTTP server, the runtime: measured ~60-110 MiB for small models on CPU.
@@ -23,3 +26,15 @@ def kv_cache_bytes(gguf: dict, context_size: int) -> int:
 def estimate(file_size: int, gguf: dict, context_size: int) -> int:
     weights = int(file_size)
     return weights + kv_cache_bytes(gguf or {}, context_size) + OVERHEAD_BYTES + int(weights * OVERHEAD_FRACTION)
+
+
+def replica_threads(snapshot: dict | None) -> int:
+    """The CPU cores a placed replica takes: the threads it was started with (its snapshot), else its engine's
+    default."""
+    snapshot = snapshot if isinstance(snapshot, dict) else {}
+    args = snapshot.get("args") if isinstance(snapshot.get("args"), dict) else {}
+    engine = snapshot.get("engine") if isinstance(snapshot.get("engine"), dict) else {}
+    threads = args.get("threads")
+    if threads is not None and not isinstance(threads, int):
+        threads = None  # not a number a profile could hold: the engine's default
+    return cores_taken(str(engine.get("kind") or ""), threads)

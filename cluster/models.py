@@ -43,6 +43,9 @@ class Node(models.Model):
     drain_force = models.BooleanField(default=False)  # a replica with nowhere else to go is stopped anyway
     drain_note = models.CharField(max_length=500, blank=True, default="")  # why the drain is blocked, if it is
     connected = models.BooleanField(default=False)
+    # the agent stream that connected last (its channel name): only it moves `connected` and `last_seen`, so an
+    # old stream's late word (its disconnect, a heartbeat) never undoes a newer stream's
+    stream = models.CharField(max_length=255, blank=True, default="")
     last_seen = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -63,6 +66,14 @@ class Node(models.Model):
     @property
     def gpus(self) -> list[dict]:
         return list(self.facts.get("gpus") or [])
+
+    @property
+    def cpus(self) -> int:
+        """CPU cores its agent offers (0: not said; placement then does not count them)."""
+        try:
+            return max(0, int(self.facts.get("cpu_count") or 0))
+        except (TypeError, ValueError):
+            return 0
 
     @property
     def engines(self) -> dict:

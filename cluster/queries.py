@@ -3,14 +3,19 @@ dashboard show the same figures because they ask here."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
-from datetime import timedelta
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
+from cluster.memory import replica_threads
 from cluster.models import ClusterSettings, Demand, EngineVersion, Model, Node, Replica
 from cluster.planner.capacity import HOLDS_MEMORY, MemoryInUse
+
+log = logging.getLogger("llmgw.queries")
 
 
 def nodes_with_counts() -> QuerySet[Node]:
@@ -53,22 +58,49 @@ def models_with_counts() -> QuerySet[Model]:
     )
 
 
-def scaling_shown(model: Model) -> dict:
-    """How a model scales and where it stands, as `ctl models`, `GET /api/v1/models/` and the Models page show it:
-    its mode (fixed, autoscaled, on-demand), the replicas it wants now, its range and knobs, its last request and,
-    on demand and loaded, when it goes idle."""
-    demand = _demand(model)
-    shown = {"mode": model.mode, "wanted": model.replicas, "min_replicas": model.min_replicas,
-             "max_replicas": model.max_replicas, "target_inflight": None, "idle_after_seconds": None,
-             "scale_down_delay_seconds": None, "last_request_at": None, "idle_at": None}
+def last_requests() -> dict[str, datetime]:
+    """When each model was last asked for through the gateway (every web process sets it: cluster.inflight), fixed
+    or autoscaled; {} when Redis cannot be read (the doors then show no last request, not an error)."""
+    from cluster.inflight import last_requests as read
+    from cluster.locks import redis_client
+
+    try:
+        return {name: datetime.fromtimestamp(t, tz=dt_timezone.utc) for name, t in read(redis_client()).items()}
+    except Exception as exc:  # Redis away
+        log.warning("could not read the models' last requests (%s)", exc)
+        return {}
+
+
+def scaling_shown(model: Model, asked: dict[str, datetime] | None = None) -> dict:
+    """A model's figures as every door shows them (`status`, `ctl models`, the Overview and Models pages, the REST
+    API): its mode (fixed, autoscaled, on-demand), its ready replicas, the replicas it wants now (its fixed count,
+    or the autoscaler's number; what the planner places), its range and knobs, `replicas_text` (READY/WANT, with
+    the range when autoscaled), its last request (one the gateway saw, whatever its mode; `asked`: the
+    models' last requests already read, else read) and, on demand and loaded, when it goes idle."""
+    demand = _demand(model) if model.autoscaled else None
+    asked = last_requests() if asked is None else asked
+    ready = getattr(model, "n_ready", None)
+    if ready is None:
+        ready = model.replica_set.filter(state=Replica.State.READY).count()
+    wanted = model.replicas
+    if model.autoscaled:
+        wanted = demand.replicas if demand else model.min_replicas
+    text = f"{ready}/{wanted}" + (f" ({model.min_replicas}-{model.max_replicas})" if model.autoscaled else "")
+    shown = {"mode": model.mode, "ready": ready, "wanted": wanted, "replicas_text": text,
+             "min_replicas": model.min_replicas, "max_replicas": model.max_replicas, "target_inflight": None,
+             "idle_after_seconds": None, "scale_down_delay_seconds": None,
+             "last_request_at": asked.get(model.name), "idle_at": None}
     if not model.autoscaled:
         return shown
-    last = demand.last_request_at if demand else None
-    wanted = demand.replicas if demand else model.min_replicas
-    shown.update(wanted=wanted, target_inflight=model.target_inflight, idle_after_seconds=model.idle_after_seconds,
-                 scale_down_delay_seconds=model.scale_down_delay_seconds, last_request_at=last)
-    if model.on_demand and wanted and last:
-        shown["idle_at"] = last + timedelta(seconds=model.idle_after_seconds)
+    shown.update(target_inflight=model.target_inflight, idle_after_seconds=model.idle_after_seconds,
+                 scale_down_delay_seconds=model.scale_down_delay_seconds)
+    if demand and demand.last_request_at:  # the autoscaler keeps the last it saw (Redis may have restarted since)
+        seen = shown["last_request_at"]
+        shown["last_request_at"] = max(seen, demand.last_request_at) if seen else demand.last_request_at
+    # the autoscaler's idle clock: its last request, else when it last scaled (cluster.planner.scaling)
+    idle_from = (demand.last_request_at or demand.last_scaled_at) if demand else None
+    if model.on_demand and wanted and idle_from:
+        shown["idle_at"] = idle_from + timedelta(seconds=model.idle_after_seconds)
     return shown
 
 
@@ -80,14 +112,15 @@ def _demand(model: Model) -> Demand | None:
 
 
 def memory_in_use(nodes=None) -> MemoryInUse:
-    """Memory the replicas hold on each node (RAM, and each GPU's by index), counted by the rule placement
-    counts it with (cluster.planner.capacity). `nodes`: the Node rows already at hand (else read)."""
+    """Memory the replicas hold on each node (RAM, and each GPU's by index) and the CPU cores their threads take,
+    counted by the rule placement counts them with (cluster.planner.capacity). `nodes`: the Node rows already at hand (else read)."""
     rows = nodes if nodes is not None else Node.objects.only("pk", "facts")
     gpu_counts = {n.pk: len(n.gpus) for n in rows}
     used = MemoryInUse()
     held = Replica.objects.filter(node__isnull=False, state__in=HOLDS_MEMORY)
-    for node_id, state, gpu_index, memory_bytes in held.values_list("node_id", "state", "gpu_index", "memory_bytes"):
-        used.add(node_id, gpu_counts.get(node_id, 0), state, gpu_index, memory_bytes)
+    for node_id, state, gpu_index, memory_bytes, snapshot in held.values_list(
+            "node_id", "state", "gpu_index", "memory_bytes", "snapshot"):
+        used.add(node_id, gpu_counts.get(node_id, 0), state, gpu_index, memory_bytes, replica_threads(snapshot))
     return used
 
 
@@ -127,3 +160,34 @@ def users_listed() -> list[dict]:
     return [{"name": u.username, "role": role_of(u), "password": u.has_usable_password(), "active": u.is_active,
              "joined_at": u.date_joined, "last_login_at": u.last_login}
             for u in User.objects.prefetch_related("groups").order_by("username")]
+
+
+def cluster_status() -> dict:
+    """The cluster in brief, as `status`, `GET /api/v1/status/` and the Overview show it: serving or stopped, the
+    nodes connected, each model's figures (scaling_shown) and the replicas by state."""
+    settings_row = ClusterSettings.load()
+    now = timezone.now()
+    nodes = list(Node.objects.all())
+    alive = [n for n in nodes if n.is_alive(now)]
+    counted = dict(
+        Replica.objects.exclude(state__in=Replica.TERMINAL)
+        .values_list("state")
+        .annotate(n=Count("id"))
+        .values_list("state", "n")
+    )
+    by_state = {state: counted[state] for state in Replica.State.values if state in counted}  # in the states' order
+    asked = last_requests()
+    models = []
+    for m in models_with_counts():
+        shown = scaling_shown(m, asked)
+        # `replicas`: the replicas it wants now (as `wanted`), kept for clients of before `wanted`
+        models.append({"name": m.name, "mode": shown["mode"], "ready": shown["ready"], "wanted": shown["wanted"],
+                       "replicas": shown["wanted"], "min_replicas": m.min_replicas, "max_replicas": m.max_replicas,
+                       "replicas_text": shown["replicas_text"], "last_request_at": shown["last_request_at"],
+                       "removing": m.removing, "placement_note": m.placement_note})
+    return {
+        "serving": "stopped" if settings_row.serving_stopped else "serving",
+        "nodes": {"total": len(nodes), "connected": len(alive)},
+        "models": list(models),
+        "replicas": by_state,
+    }

@@ -6,16 +6,19 @@ import dataclasses
 import logging
 import random
 import time
+from datetime import timedelta
 
 import redis
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
+from agents.engines import cores_taken
 from cluster import autoscaler, inflight, notify, planner
 from cluster.events import RECONCILE_QUEUED, record
 from cluster.locks import redis_client
-from cluster.memory import estimate
+from cluster.memory import estimate, replica_threads
 from cluster.models import ClusterSettings, Model, Node, Replica
 from cluster.planner.scaling import Scaling
 
@@ -26,6 +29,13 @@ DIRTY_KEY = "llmgw:reconcile:dirty"
 LAST_RUN_KEY = "llmgw:reconcile:last"
 LOCK_TTL = 60  # seconds; a run takes well under one
 DEFAULT_PORT_RANGE = (20000, 20999)
+
+
+def _int(value) -> int:
+    try:
+        return max(0, int(value or 0))
+    except (TypeError, ValueError):
+        return 0
 
 
 def take_snapshot(now=None) -> planner.Snapshot:
@@ -44,6 +54,7 @@ def take_snapshot(now=None) -> planner.Snapshot:
             gpus=tuple(int(g.get("memory_bytes", 0)) for g in (n["facts"] or {}).get("gpus") or []),
             drain_force=n["drain_force"],
             drain_note=n["drain_note"],
+            cpus=_int((n["facts"] or {}).get("cpu_count")),
         )
         for n in Node.objects.values(
             "id", "name", "connected", "last_seen", "schedulable", "draining", "facts", "memory_bytes",
@@ -69,6 +80,7 @@ def take_snapshot(now=None) -> planner.Snapshot:
             scaling=None if m["min_replicas"] is None else Scaling(
                 min=m["min_replicas"], max=max(m["max_replicas"] or 0, m["min_replicas"]), target=m["target_inflight"],
                 idle_after=m["idle_after_seconds"], scale_down_delay=m["scale_down_delay_seconds"]),
+            threads=cores_taken(m["engine__kind"], m["profile__threads"]),
         )
         for m in Model.objects.values(
             "id",
@@ -78,6 +90,7 @@ def take_snapshot(now=None) -> planner.Snapshot:
             "file__size",
             "file__gguf",
             "profile__context_size",
+            "profile__threads",
             "engine__kind",
             "engine__device",
             "nodes",
@@ -106,10 +119,11 @@ def take_snapshot(now=None) -> planner.Snapshot:
             state_changed_at=r["state_changed_at"].timestamp(),
             reason=r["reason"],
             waiting_for_room=r["waiting_for_room"],
+            threads=replica_threads(r["snapshot"]) if r["node_id"] is not None else 0,
         )
         for r in Replica.objects.exclude(state__in=Replica.TERMINAL).values(
             "id", "name", "model_id", "node_id", "state", "restart", "memory_bytes", "gpu_index",
-            "state_changed_at", "reason", "waiting_for_room",
+            "state_changed_at", "reason", "waiting_for_room", "snapshot",
         )
     )
     return planner.Snapshot(
@@ -198,7 +212,11 @@ class _Applier:
         getattr(self, "on_" + type(action).__name__)(action)
 
     def on_MarkNodeDisconnected(self, a: planner.MarkNodeDisconnected):
-        Node.objects.filter(pk=a.node_id).update(connected=False)
+        # conditional on the silence the plan saw: a report that came meanwhile (a newer last_seen) keeps it
+        silent_since = self.now - timedelta(seconds=self.snapshot.node_tolerance)
+        still_silent = Q(last_seen__isnull=True) | Q(last_seen__lt=silent_since)
+        if not Node.objects.filter(still_silent, pk=a.node_id, connected=True).update(connected=False):
+            return
         name = self.nodes[a.node_id].name
         record("node.disconnected", ACTOR, f"node {name} disconnected: {a.reason}", subject=name)
 
@@ -307,12 +325,25 @@ class _Applier:
         if self.set_state(a.replica_id, state, a.reason):
             record(f"replica.{state}", ACTOR, f"replica {replica.name} {state}: {a.reason}", subject=replica.name)
 
+    def still_lost(self, replica_id: int) -> bool:
+        """Is the replica's node still gone (removed, or silent past the lost grace) as the plan saw it? A report
+        that landed meanwhile (one that waited on a lock) keeps its node, and its replicas, as they are."""
+        node_id = self.replicas[replica_id].node_id
+        if node_id is None:
+            return True
+        lost_since = self.now - timedelta(seconds=self.snapshot.node_lost_grace)
+        return not Node.objects.filter(pk=node_id, connected=True, last_seen__gte=lost_since).exists()
+
     def on_Fail(self, a: planner.Fail):
+        if not self.still_lost(a.replica_id):
+            return
         replica = self.set_state(a.replica_id, Replica.State.FAILED, a.reason)
         if replica:
             record("replica.failed", ACTOR, f"replica {replica.name} failed: {a.reason}", subject=replica.name)
 
     def on_MarkStopped(self, a: planner.MarkStopped):
+        if not self.still_lost(a.replica_id):
+            return
         replica = self.set_state(a.replica_id, Replica.State.STOPPED, a.reason)
         if replica:
             record("replica.stopped", ACTOR, f"replica {replica.name} stopped: {a.reason}", subject=replica.name)

@@ -1,4 +1,8 @@
-"""The server's side of the agent stream: what an agent reports changes replicas; what it is told to run."""
+"""The server's side of the agent stream: what an agent reports changes replicas; what it is told to run.
+
+Each write an agent's word makes is tried again, whole, while SQLite says the database is locked
+(cluster.dblock): a lock held long elsewhere delays a report, never loses it, and so never gets its node marked
+lost."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from agents import protocol
+from cluster.dblock import retry_on_lock
 from cluster.events import kick_reconciler, record
 from cluster.models import ClusterSettings, Event, Model, Node, Replica
 
@@ -25,34 +30,58 @@ def node_for_token(token: str) -> Node | None:
     return Node.objects.filter(token_hash=Node.hash_token(token)).first()
 
 
-def connected(node: Node, address: str) -> None:
-    """The node's agent stream is up, from `address`. `node` is the row its token was just read as: where it was
-    last seen decides whether the gateways reload (a newer stream of the same node racing this one at most
-    reloads them once more)."""
+@retry_on_lock
+def connected(node: Node, address: str, stream: str = "") -> None:
+    """The node's agent stream `stream` (its channel name) is up, from `address`: it takes the node over from any
+    older stream. `node` is the row its token was just read as: where it was last seen decides whether the
+    gateways reload (a newer stream of the same node racing this one at most reloads them once more)."""
     with transaction.atomic():
-        if not Node.objects.filter(pk=node.pk).update(connected=True, last_seen=timezone.now(), address=address):
+        if not Node.objects.filter(pk=node.pk).update(connected=True, last_seen=timezone.now(), address=address,
+                                                      stream=stream):
             return  # removed meanwhile: its stream is closed by the removal
         # where gateways dial its engines (unless it advertises an address): a route moves only if it has replicas
         moved = node.address != address and _has_replicas(node.pk)
         record("node.connected", f"agent:{node.name}", f"node {node.name} connected from {address}", subject=node.name)
         kick_reconciler(routing=moved)
-    node.connected, node.address = True, address
+    node.connected, node.address, node.stream = True, address, stream
 
 
 def _has_replicas(node_pk: int) -> bool:
     return Replica.objects.filter(node_id=node_pk).exclude(state__in=Replica.TERMINAL).exists()
 
 
-def disconnected(node_pk: int) -> None:
+def _of_stream(node_pk: int, stream: str | None):
+    """The node's row, if `stream` is the stream that connected last (None: whichever it is)."""
+    rows = Node.objects.filter(pk=node_pk)
+    return rows if stream is None else rows.filter(stream=stream)
+
+
+def _alive(node_pk: int, stream: str | None, now, name: str = "") -> None:
+    """The node's stream said something: the node is seen now, and connected again (an Event) if it had been
+    marked disconnected for its silence. An older stream's word changes neither: a newer one speaks for the
+    node. In the caller's transaction."""
+    rows = _of_stream(node_pk, stream)
+    if rows.filter(connected=True).update(last_seen=now):
+        return
+    if rows.filter(connected=False).update(connected=True, last_seen=now):
+        name = name or Node.objects.filter(pk=node_pk).values_list("name", flat=True).first() or f"#{node_pk}"
+        record("node.connected", f"agent:{name}", f"node {name} connected again: its agent reports", subject=name)
+        kick_reconciler(routing=False)
+
+
+@retry_on_lock
+def disconnected(node_pk: int, stream: str | None = None) -> None:
+    """The node's stream `stream` closed: the node is disconnected, unless a newer stream has taken it over."""
     with transaction.atomic():
         node = Node.objects.filter(pk=node_pk).first()
-        if node is None or not Node.objects.filter(pk=node_pk, connected=True).update(connected=False):
+        if node is None or not _of_stream(node_pk, stream).filter(connected=True).update(connected=False):
             return
         record("node.disconnected", f"agent:{node.name}", f"node {node.name}: agent stream closed", subject=node.name)
         kick_reconciler(routing=False)  # its engines go on serving: no route moves until the reconciler moves one
 
 
-def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus]) -> None:
+@retry_on_lock
+def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus], stream: str | None = None) -> None:
     now = timezone.now()
     facts = _clean_facts(facts)
     with transaction.atomic():
@@ -61,8 +90,8 @@ def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus]) -> 
         moved = (node.facts or {}).get("advertise_address") != facts.get("advertise_address") and _has_replicas(node.pk)
         node.facts = facts
         node.memory_bytes = facts["memory_bytes"]
-        node.last_seen, node.connected = now, True
-        node.save(update_fields=["facts", "memory_bytes", "last_seen", "connected"])
+        node.save(update_fields=["facts", "memory_bytes"])
+        _alive(node.pk, stream, now, node.name)
         if changed:
             # At most one Event per node and interval: an agent saying hello with new facts again and again
             # (a bug, or a stolen token) must not flood the log. The facts themselves are always kept.
@@ -93,7 +122,7 @@ def _clean_facts(facts: dict) -> dict:
         port_range = facts.get("port_range") or [20000, 20999]
         clean = {
             "hostname": str(facts.get("hostname", "")),
-            "cpu_count": int(facts.get("cpu_count") or 0),
+            "cpu_count": max(0, int(facts.get("cpu_count") or 0)),
             "memory_bytes": max(0, int(facts.get("memory_bytes") or 0)),
             "memory_total_bytes": max(0, int(facts.get("memory_total_bytes") or 0)),
             "gpus": gpus,
@@ -105,6 +134,11 @@ def _clean_facts(facts: dict) -> dict:
         raise ValueError(f"malformed facts: {exc}") from None
     if not 1 <= clean["port_range"][0] <= clean["port_range"][1] <= 65535:
         raise ValueError(f"port_range {clean['port_range']} is not LOW <= HIGH within 1-65535")
+    if facts.get("cpu_total_count") is not None:  # an agent of before --cpus does not say it
+        try:
+            clean["cpu_total_count"] = max(0, int(facts["cpu_total_count"]))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"malformed facts: cpu_total_count: {exc}") from None
     address = str(facts.get("advertise_address") or "").strip()
     if address:
         if not protocol.is_address(address):
@@ -116,19 +150,23 @@ def _clean_facts(facts: dict) -> dict:
     return clean
 
 
-def seen(node_pk: int) -> None:
+@retry_on_lock
+def seen(node_pk: int, stream: str | None = None) -> None:
     """A report that says what the last one did: the node is alive, nothing else changed."""
-    Node.objects.filter(pk=node_pk).update(last_seen=timezone.now(), connected=True)
+    with transaction.atomic():
+        _alive(node_pk, stream, timezone.now())
 
 
-def report(node_pk: int, statuses: list[protocol.ReplicaStatus], full: bool) -> bool:
-    """Apply an agent's report. Returns True when a replica left the node's desired list (send it again)."""
+@retry_on_lock
+def report(node_pk: int, statuses: list[protocol.ReplicaStatus], full: bool, stream: str | None = None) -> bool:
+    """Apply an agent's report (from its stream `stream`). Returns True when a replica left the node's desired
+    list (send it again)."""
     now = timezone.now()
     with transaction.atomic():
         node = Node.objects.filter(pk=node_pk).first()
         if node is None:
             return False
-        Node.objects.filter(pk=node_pk).update(last_seen=now, connected=True)
+        _alive(node_pk, stream, now, node.name)
         return _statuses(node, statuses, full, now)
 
 
@@ -249,6 +287,7 @@ def _back_off(model_id: int, now) -> None:
     model.save(update_fields=["failures", "backoff_until"])
 
 
+@retry_on_lock
 def progress(node_pk: int, name: str, done: int, total: int) -> None:
     """Download progress; the first word of it moves a pending replica to downloading, however fast the rest is."""
     if not (0 <= int(done) < 2**63 and 0 <= int(total) < 2**63):

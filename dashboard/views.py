@@ -54,7 +54,7 @@ def _overview(request) -> dict:
         first_chunk = first_chunk_percentiles(redis)
     except Exception:  # Redis away: the page still shows the cluster
         charts, first_chunk = [], None
-    status = operations.cluster_status()
+    status = queries.cluster_status()
     counts = status["replicas"]  # running replicas by state
     states = [(s, counts.get(s, 0)) for s in (Replica.State.PENDING, Replica.State.DOWNLOADING, Replica.State.STARTING,
                                                  Replica.State.READY, Replica.State.DRAINING, Replica.State.STOPPING)]
@@ -103,6 +103,7 @@ def _nodes(request) -> dict:
         rows.append({
             "node": node, "alive": node.is_alive(now), "drain": node.drain_state(node.replica_count) or "",
             "memory": Bar(total, used.ram(node.pk), max(total - offered, 0)), "gpus": gpus,
+            "cpus": node.cpus, "cpus_used": used.cores(node.pk),
         })
     server = agents_url(request)
     return {"rows": rows, "server": server}
@@ -113,9 +114,10 @@ def _models(request) -> dict:
     replicas: dict[int, list[Replica]] = {}
     for r in Replica.objects.exclude(state__in=Replica.TERMINAL).select_related("node").defer("log_tail").order_by("name"):
         replicas.setdefault(r.model_id, []).append(r)
+    asked = queries.last_requests()
     for m in models:
         m.live = replicas.get(m.pk, [])
-        m.scaling = queries.scaling_shown(m)
+        m.scaling = queries.scaling_shown(m, asked)
     return {
         "models": models,
         "files": ModelFile.objects.order_by("name"),
@@ -238,11 +240,14 @@ def action(page: str, admin: bool = False):
                 messages.success(request, said)
             except OperationError as exc:
                 messages.error(request, str(exc))
+            except ConfirmFirst as exc:
+                messages.warning(request, str(exc))
+                extra = {"confirm": exc.form}
             except FormError as exc:
                 messages.error(request, str(exc))
             if request.htmx:
                 return _render(request, page, extra)
-            if extra.get("once"):  # a secret shown once: render, do not redirect
+            if extra.get("once") or extra.get("confirm"):  # a secret shown once, a form to confirm: render
                 return _render(request, page, extra)
             return redirect(reverse("dashboard:" + page))
 
@@ -253,6 +258,22 @@ def action(page: str, admin: bool = False):
 
 class FormError(ValueError):
     """A form field the operator got wrong: shown as the message; nothing changed."""
+
+
+class ConfirmFirst(FormError):
+    """A change to confirm before it is made (agents.confirmation): nothing changed yet; the message comes with a
+    button that sends the same form again, confirmed."""
+
+    def __init__(self, why: str, request):
+        super().__init__(f"{why}: confirm to go ahead")
+        values = [(k, v) for k, vs in request.POST.lists() if k not in ("csrfmiddlewaretoken", "confirm") for v in vs]
+        self.form = {"url": request.path, "values": values}
+
+
+def _confirmed(request, name: str | None, values: dict) -> None:
+    why = operations.confirmation_needed(name, values)
+    if why and request.POST.get("confirm") != "yes":
+        raise ConfirmFirst(why, request)
 
 
 def _int(request, field: str, label: str, default=None, blank_ok: bool = False):
@@ -374,6 +395,7 @@ def _model_fields(request) -> dict:
 def model_add(request):
     values = _model_fields(request)
     name = request.POST.get("name", "").strip()
+    _confirmed(request, None, values)
     model = operations.add_model(name, _actor(request), file=request.POST.get("file", "").strip(),
                                  engine=values.pop("engine", ""), **values)
     return f"model {model.name} added: {model.scaling_text()}"
@@ -384,6 +406,7 @@ def model_set(request, name: str):
     values = _model_fields(request)
     if not values:
         raise FormError("nothing to change")
+    _confirmed(request, name, values)
     operations.set_model(name, _actor(request), **values)
     return f"model {name} changed"
 

@@ -73,8 +73,11 @@ def revoke_key(name: str, actor: str) -> ApiKey:
         key = get_named(ApiKey, "key", name)
         if key.revoked_at is not None:
             raise Conflict(f"key {name} is already revoked")
-        key.revoked_at = timezone.now()
-        key.save(update_fields=["revoked_at"])
+        now = timezone.now()
+        # conditional: of two revocations at once, one revokes and the other is told it is already revoked
+        if not ApiKey.objects.filter(pk=key.pk, revoked_at__isnull=True).update(revoked_at=now):
+            raise Conflict(f"key {name} is already revoked")
+        key.revoked_at = now
         record("key.revoked", actor, f"key {name} ({key.prefix}…) revoked", subject=name)
         notify.routing_changed()
     return key

@@ -297,3 +297,32 @@ def test_what_works_on_this_machine_says_so_when_a_server_is_configured(monkeypa
     assert err.getvalue() == ("note: `llmgw service` works on this machine, not on the server at "
                               "https://llmgw.example.com (LLMGW_SERVER)\n")
     assert seen and "api" not in seen[0]
+
+
+def test_a_change_that_adds_many_replicas_at_once_needs_yes(cluster):
+    """The typo that took a cluster down: `ctl model set chat --replicas 1000`. More than 8 replicas added at
+    once is refused without --yes, in one line, changing nothing; the REST API takes it as given."""
+    events = Event.objects.count()
+    for where in (run, lambda *a: remote(cluster, *a)):
+        with pytest.raises(CommandError) as refused:
+            where("ctl", "model", "set", "smol", "--replicas", "1000")
+        assert str(refused.value) == ("this adds up to 998 replicas at once (to 1000); more than 8 at once is "
+                                      "confirmed first: pass --yes if you mean it")
+        with pytest.raises(CommandError, match="adds up to 18 replicas at once .*pass --yes"):
+            where("ctl", "model", "set", "smol", "--min-replicas", "1", "--max-replicas", "20")
+        with pytest.raises(CommandError, match="adds up to 9 replicas at once .*pass --yes"):
+            where("ctl", "model", "add", "big", "--file", "smol.gguf", "--engine", "llama.cpp", "--replicas", "9")
+    assert Model.objects.get(name="smol").replicas == 2 and not Model.objects.filter(name="big").exists()
+    assert Event.objects.count() == events
+
+    assert "model smol: 10 replica(s)" in remote(cluster, "ctl", "model", "set", "smol", "--replicas", "10")  # 8 more
+    assert "model smol: 100 replica(s)" in remote(cluster, "ctl", "model", "set", "smol", "--replicas", "100", "--yes")
+    assert "model smol: 1 replica(s)" in run("ctl", "model", "set", "smol", "--replicas", "1")  # fewer: no question
+    assert "model big added" in run("ctl", "model", "add", "big", "--file", "smol.gguf", "--engine", "llama.cpp",
+                                    "--replicas", "9", "--yes")
+    url, token = cluster
+    import httpx
+
+    answer = httpx.patch(f"{url}/api/v1/models/smol/", json={"replicas": 1000},
+                         headers={"Authorization": f"Bearer {token}"})
+    assert answer.status_code == 200 and Model.objects.get(name="smol").replicas == 1000

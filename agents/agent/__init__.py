@@ -1,6 +1,6 @@
 """The agent: one per node. Keeps the node's engine processes as the server's desired list says.
 
-    python -m agents.agent --server URL --token TOKEN [--state-dir D] [--memory 2GiB] [--gpus 24GiB,24GiB|none]
+    python -m agents.agent --server URL --token TOKEN [--state-dir D] [--memory 2GiB] [--cpus 2] [--gpus 24GiB,24GiB|none]
                            [--port-range 20000-20999] [--stop-timeout S] [--start-timeout S] [--report-interval S]
 
 It dials `ws(s)://SERVER/ws/agent/`, says hello, converges to every `desired` it receives and reports replica

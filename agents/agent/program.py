@@ -45,6 +45,7 @@ def run(
     report_interval: float = 5.0,
     start_timeout: float = 600.0,
     advertise_address: str = "",
+    cpus: int | None = None,
 ) -> None:
     """Runs the agent until SIGTERM/SIGINT; re-executes this process when the server asks for a restart."""
     if not token:
@@ -55,7 +56,8 @@ def run(
     state_dir = Path(state_dir).resolve()
     if logging.getLogger("httpx").level == logging.NOTSET:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check
-    facts = node_facts.gather(memory=memory, gpus=gpus, port_range=port_range, advertise_address=advertise_address)
+    facts = node_facts.gather(memory=memory, gpus=gpus, port_range=port_range, advertise_address=advertise_address,
+                              cpus=cpus)
     engines = ", ".join(f"{k} {v}".strip() for k, v in facts["engines"].items()) or "none"
     log.info(
         "agent %s on %s: %d CPUs, %.1f GiB offered, %d GPU(s), engines: %s; state in %s",
@@ -93,6 +95,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=token, help="the node token (or LLMGW_AGENT_TOKEN, which keeps it out of ps)")
     p.add_argument("--state-dir", type=Path, default=Path(".llmgw/agent"), help="engine records, logs, model cache")
     p.add_argument("--memory", type=_arg(node_facts.parse_size), help="offer at most this much RAM, e.g. 8GiB")
+    p.add_argument("--cpus", type=_arg(node_facts.parse_cpus), help="offer at most this many CPU cores, e.g. 2")
     p.add_argument("--gpus", type=_arg(node_facts.parse_gpus), help="simulated GPUs' memory, e.g. 24GiB,24GiB, or none")
     p.add_argument("--port-range", type=_arg(node_facts.parse_port_range), default=(20000, 20999), help="LOW-HIGH")
     p.add_argument("--stop-timeout", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL")
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             report_interval=args.report_interval,
             start_timeout=args.start_timeout,
             advertise_address=args.advertise_address,
+            cpus=args.cpus,
         )
     except (ValueError, OSError) as exc:
         print(f"llmgw agent: {exc}", file=sys.stderr)

@@ -39,6 +39,10 @@ class NodeSerializer(serializers.ModelSerializer):
         help_text="RAM its replicas hold (placed until their engine has stopped), as placement counts it"
     )
     gpu_memory_used_bytes = serializers.SerializerMethodField(help_text="memory its replicas hold on each GPU, by index")
+    cpus = serializers.SerializerMethodField(help_text="CPU cores its agent offers (--cpus may lower its count); 0: "
+                                             "not said, not counted")
+    cpus_used = serializers.SerializerMethodField(help_text="CPU cores its replicas' engine threads take, as placement "
+                                                  "counts them")
 
     class Meta:
         model = Node
@@ -56,6 +60,8 @@ class NodeSerializer(serializers.ModelSerializer):
             "memory_bytes",
             "memory_used_bytes",
             "gpu_memory_used_bytes",
+            "cpus",
+            "cpus_used",
             "facts",
             "replica_count",
             "created_at",
@@ -85,6 +91,14 @@ class NodeSerializer(serializers.ModelSerializer):
     @extend_schema_field(serializers.ListField(child=serializers.IntegerField()))
     def get_gpu_memory_used_bytes(self, node: Node) -> list[int]:
         return self._memory(node).gpus(node.pk, len(node.gpus))
+
+    @extend_schema_field(OpenApiTypes.INT)
+    def get_cpus(self, node: Node) -> int:
+        return node.cpus
+
+    @extend_schema_field(OpenApiTypes.INT)
+    def get_cpus_used(self, node: Node) -> int:
+        return self._memory(node).cores(node.pk)
 
 
 AGENT_URL = r"^https?://[^\x00-\x20\x7f/?#]+(/[^\x00-\x20\x7f?#]*)?$"  # the same to Python and to the schema
@@ -144,13 +158,16 @@ STATES = Replica.State.values
 
 class ScalingShownSerializer(serializers.Serializer):
     mode = serializers.ChoiceField(choices=["fixed", "autoscaled", "on-demand"])
+    ready = serializers.IntegerField(help_text="its ready replicas")
     wanted = serializers.IntegerField(help_text="the replicas it wants now (the autoscaler's number when autoscaled)")
+    replicas_text = serializers.CharField(help_text="READY/WANT, with the range when autoscaled: 2/2 (1-3)")
     min_replicas = serializers.IntegerField(allow_null=True)
     max_replicas = serializers.IntegerField(allow_null=True)
     target_inflight = serializers.IntegerField(allow_null=True)
     idle_after_seconds = serializers.IntegerField(allow_null=True)
     scale_down_delay_seconds = serializers.IntegerField(allow_null=True)
-    last_request_at = serializers.DateTimeField(allow_null=True)
+    last_request_at = serializers.DateTimeField(allow_null=True, help_text="the last request the gateway saw for it "
+                                                "(fixed or autoscaled); null: none yet")
     idle_at = serializers.DateTimeField(allow_null=True, help_text="on demand and loaded: when it goes to zero if "
                                         "no request comes")
 
@@ -208,7 +225,10 @@ class ServedModelSerializer(serializers.ModelSerializer):
 
     @extend_schema_field(ScalingShownSerializer)
     def get_scaling(self, model: Model) -> dict:
-        return ScalingShownSerializer(queries.scaling_shown(model)).data
+        asked = self.context.get("last_requests")
+        if asked is None:  # read once for a page of models
+            asked = self.context["last_requests"] = queries.last_requests()
+        return ScalingShownSerializer(queries.scaling_shown(model, asked)).data
 
     @extend_schema_field(OpenApiTypes.INT64)
     def get_memory_bytes(self, model: Model) -> int:
@@ -449,8 +469,14 @@ class StatusNodesSerializer(serializers.Serializer):
 
 class StatusModelSerializer(serializers.Serializer):
     name = serializers.CharField()
-    replicas = serializers.IntegerField()
+    mode = serializers.ChoiceField(choices=["fixed", "autoscaled", "on-demand"])
     ready = serializers.IntegerField()
+    wanted = serializers.IntegerField(help_text="the replicas it wants now (the autoscaler's number when autoscaled)")
+    replicas = serializers.IntegerField(help_text="the same as wanted (kept for older clients)")
+    min_replicas = serializers.IntegerField(allow_null=True)
+    max_replicas = serializers.IntegerField(allow_null=True)
+    replicas_text = serializers.CharField(help_text="READY/WANT, with the range when autoscaled: 2/2 (1-3)")
+    last_request_at = serializers.DateTimeField(allow_null=True)
     removing = serializers.BooleanField()
     placement_note = serializers.CharField()
 

@@ -332,7 +332,7 @@ class StatusView(APIView):
 
     @extend_schema(responses=StatusSerializer)
     def get(self, request):
-        return Response(operations.cluster_status())
+        return Response(queries.cluster_status())
 
 
 class LoginView(APIView):
@@ -415,7 +415,7 @@ class SystemViewSet(NamedViewSet):
         """Every model goes to zero replicas, freeing every GPU; /v1/ answers 503 `system_stopped` until start."""
         with refused():
             operations.stop_serving(self.actor)
-        return Response(operations.cluster_status())
+        return Response(queries.cluster_status())
 
     @extend_schema(request=None, responses={200: StatusSerializer})
     @action(detail=False, methods=["post"])
@@ -423,7 +423,7 @@ class SystemViewSet(NamedViewSet):
         """Every model is placed again as it asks; /v1/ answers again."""
         with refused():
             operations.start_serving(self.actor)
-        return Response(operations.cluster_status())
+        return Response(queries.cluster_status())
 
     @extend_schema(
         request=SystemRestartRequestSerializer,
@@ -448,7 +448,7 @@ class SystemViewSet(NamedViewSet):
     @action(detail=False, methods=["get"])
     def status(self, request):
         """The cluster's summary, saying when serving is stopped (the same as /api/v1/status/)."""
-        return Response(operations.cluster_status())
+        return Response(queries.cluster_status())
 
 
 # Restart and drain (node drains are actions on NodeViewSet)

@@ -8,7 +8,15 @@ importable from here. Client keys and usage are the gateway's (gateway.operation
 from cluster.errors import Conflict, NotFound, OperationError, Unavailable
 from cluster.operations.engines import add_engine
 from cluster.operations.files import import_model_file, import_uploaded_file, resolve_file
-from cluster.operations.models import DEFAULT_MAX_TOKENS, GGUF_ENGINES, ROUTINGS, add_model, remove_model, set_model
+from cluster.operations.models import (
+    DEFAULT_MAX_TOKENS,
+    GGUF_ENGINES,
+    ROUTINGS,
+    add_model,
+    confirmation_needed,
+    remove_model,
+    set_model,
+)
 from cluster.operations.nodes import add_node, agent_command, remove_node, replicas_stopped_on_purpose, reset_node_token
 from cluster.operations.profiles import (
     DEFAULT_PROFILE,
@@ -19,7 +27,7 @@ from cluster.operations.profiles import (
     set_profile,
 )
 from cluster.operations.restart import RestartQueued, drain_node, restart_replicas, staleness, undrain_node
-from cluster.operations.serving import cluster_status, rotate_engine_key, set_settings, start_serving, stop_serving
+from cluster.operations.serving import rotate_engine_key, set_settings, start_serving, stop_serving
 from cluster.operations.users import add_user, api_token
 from cluster.operations.validation import MAX_MEMORY, MAX_REPLICAS
 from cluster.roles import ROLES
@@ -43,10 +51,10 @@ __all__ = [
     "add_model",
     "add_node",
     "agent_command",
+    "confirmation_needed",
     "add_profile",
     "add_user",
     "api_token",
-    "cluster_status",
     "drain_node",
     "import_model_file",
     "import_uploaded_file",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.db import transaction
 from django.utils import timezone
 
+from agents.confirmation import needs_confirmation
 from cluster.errors import Conflict, OperationError
 from cluster.events import kick_reconciler, record
 from agents.units import MAX_DURATION
@@ -99,10 +100,10 @@ def _scaling(current: Model | None, given: dict) -> dict:
 
 def _start_demand(model: Model, replicas: int) -> None:
     """An autoscaled model's state begins: at `replicas` (its minimum when new, what it ran when it was fixed),
-    its last request now, so an idle one is not unloaded before its idle time."""
+    scaled now, so an idle one is not unloaded before its idle time (counted from then: no request is made up)."""
     Demand.objects.update_or_create(model=model, defaults={
         "replicas": min(max(replicas, model.min_replicas), model.max_replicas), "samples": [], "below_since": None,
-        "last_request_at": timezone.now(), "last_scaled_at": None,
+        "last_request_at": None, "last_scaled_at": timezone.now(),
     })
 
 
@@ -171,6 +172,18 @@ def add_model(
         )
         kick_reconciler()
     return model
+
+
+def confirmation_needed(name: str | None, values: dict) -> str:
+    """'' when adding the model `name` (None) or changing it so may go ahead at once; else why the change is
+    confirmed first (agents.confirmation: it adds many replicas at once). A model that does not exist is the
+    operation's to refuse."""
+    current = None
+    if name is not None:
+        current = Model.objects.filter(name=name).values("replicas", "min_replicas", "max_replicas").first()
+        if current is None:
+            return ""
+    return needs_confirmation(current, values)
 
 
 def set_model(name: str, actor: str, **values) -> Model:

@@ -44,22 +44,27 @@ def reset_node_token(name: str, actor: str) -> tuple[Node, str]:
 
 
 def remove_node(name: str, actor: str, force: bool = False) -> None:
+    now = timezone.now()
     with transaction.atomic():
         node = get_named(Node, "node", name)
-        running = list(node.replicas.exclude(state__in=Replica.TERMINAL).values_list("name", flat=True))
+        running = list(node.replicas.exclude(state__in=Replica.TERMINAL).values_list("name", "state"))
         if running and not force:
             raise Conflict(
-                f"node {name} still has {len(running)} replica(s) ({', '.join(running[:5])}); "
+                f"node {name} still has {len(running)} replica(s) ({', '.join(n for n, _ in running[:5])}); "
                 "scale them away first or use --force"
             )
-        for replica_name in running:
-            record("replica.failed", actor, f"replica {replica_name} lost: node {name} removed", subject=replica_name)
-        node.replicas.exclude(state__in=Replica.TERMINAL).update(
-            state=Replica.State.FAILED, reason=f"node {name} removed"
-        )
+        failed = []
+        for replica_name, state in running:  # each from the state it was read in: one that ended meanwhile stays so
+            if Replica.objects.filter(name=replica_name, node=node, state=state).update(
+                state=Replica.State.FAILED, reason=f"node {name} removed", state_changed_at=now
+            ):
+                record("replica.failed", actor, f"replica {replica_name} lost: node {name} removed",
+                       subject=replica_name)
+                failed.append(replica_name)
         node_pk = node.pk
-        node.delete()
-        record("node.removed", actor, f"node {name} removed", subject=name, replicas=running)
+        if not Node.objects.filter(pk=node_pk, name=name).delete()[0]:
+            raise Conflict(f"node {name} was removed meanwhile")
+        record("node.removed", actor, f"node {name} removed", subject=name, replicas=failed)
         kick_reconciler()
     notify.close_agent_streams([node_pk])
 

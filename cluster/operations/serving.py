@@ -3,36 +3,11 @@
 from __future__ import annotations
 
 from django.db import transaction
-from django.db.models import Count, Q
-from django.utils import timezone
 
 from cluster.errors import Conflict, OperationError
 from cluster.events import kick_reconciler, record
-from cluster.models import ClusterSettings, Model, Node, Replica
+from cluster.models import ClusterSettings, Replica
 from cluster.operations.validation import check_count
-
-
-def cluster_status() -> dict:
-    settings_row = ClusterSettings.load()
-    now = timezone.now()
-    nodes = list(Node.objects.all())
-    alive = [n for n in nodes if n.is_alive(now)]
-    counted = dict(
-        Replica.objects.exclude(state__in=Replica.TERMINAL)
-        .values_list("state")
-        .annotate(n=Count("id"))
-        .values_list("state", "n")
-    )
-    by_state = {state: counted[state] for state in Replica.State.values if state in counted}  # in the states' order
-    models = Model.objects.annotate(
-        ready=Count("replica_set", filter=Q(replica_set__state=Replica.State.READY)),
-    ).values("name", "replicas", "ready", "removing", "placement_note")
-    return {
-        "serving": "stopped" if settings_row.serving_stopped else "serving",
-        "nodes": {"total": len(nodes), "connected": len(alive)},
-        "models": list(models),
-        "replicas": by_state,
-    }
 
 
 def stop_serving(actor: str) -> ClusterSettings:

@@ -101,6 +101,8 @@ class HandOver:
         ns = self.fleet.by_id.get(r.node_id)  # only an open node: not draining, schedulable, alive
         if ns is None or m.engine_kind not in ns.node.engines or (m.nodes and ns.name not in m.nodes):
             return False
+        if not ns.cpu_fits(m.threads - r.threads):  # the cores `r` frees count
+            return False
         if m.uses_gpu:
             fits = [
                 i
@@ -117,8 +119,9 @@ class HandOver:
             gpu = None
         # What the new one needs beyond what `r` frees is promised: later placements in this run must not take it.
         extra = m.memory_bytes - (r.memory_bytes if gpu == r.gpu_index else 0)
-        if extra > 0:
-            self.fleet.commit(ns, gpu, extra)
+        cores = max(0, m.threads - r.threads)
+        if extra > 0 or cores:
+            self.fleet.commit(ns, gpu, max(0, extra), cores)
         return True
 
     def _node_notes(self) -> None:

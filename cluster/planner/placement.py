@@ -9,16 +9,21 @@ from cluster.planner.snapshot import ModelView, NodeView
 
 
 class NodeState:
-    """A candidate node (alive, schedulable, not draining) and what is free on it, updated as we place."""
+    """A candidate node (alive, schedulable, not draining) and what is free on it, updated as we place: memory,
+    and CPU cores (its cores less its engines' threads; None when the node did not say how many it has)."""
 
-    __slots__ = ("node", "id", "name", "free_ram", "free_gpu")
+    __slots__ = ("node", "id", "name", "free_ram", "free_gpu", "free_cpu")
 
-    def __init__(self, node: NodeView, used_ram: int, used_gpu: list[int] | None):
+    def __init__(self, node: NodeView, used_ram: int, used_gpu: list[int] | None, used_cores: int = 0):
         self.node = node
         self.id = node.id
         self.name = node.name
         self.free_ram = node.memory_bytes - used_ram
         self.free_gpu = [mem - (used_gpu[i] if used_gpu else 0) for i, mem in enumerate(node.gpus)]
+        self.free_cpu = node.cpus - used_cores if node.cpus > 0 else None
+
+    def cpu_fits(self, threads: int) -> bool:
+        return self.free_cpu is None or threads <= 0 or self.free_cpu >= threads
 
 
 class Fleet:
@@ -55,8 +60,11 @@ class Fleet:
             self._gpu[kind] = idx
         return idx
 
-    def commit(self, ns: NodeState, gpu: int | None, memory: int) -> None:
-        """Account a placement: the node (or its GPU) has `memory` less free, in every built index."""
+    def commit(self, ns: NodeState, gpu: int | None, memory: int, threads: int = 0) -> None:
+        """Account a placement: the node (or its GPU) has `memory` less free, in every built index, and the node
+        `threads` CPU cores less."""
+        if ns.free_cpu is not None:
+            ns.free_cpu -= threads
         if gpu is None:
             old = (ns.free_ram, ns.name, ns.id)
             ns.free_ram -= memory
@@ -91,6 +99,7 @@ def best_gpu(ns: NodeState, memory: int) -> tuple[int, int] | None:
 class ModelPlacer:
     """Places replicas of one model, one at a time, and says why when it cannot.
 
+    A node fits when it has the memory (on one GPU for GPU engines) and the CPU cores the model's threads take.
     Choice among the nodes that fit: fewest running replicas of this model (spread before stacking),
     then least memory left after placing (on the chosen GPU for GPU engines), then name.
 
@@ -111,6 +120,7 @@ class ModelPlacer:
         self.model = model
         self.counts = counts  # node id -> running replicas of this model; updated as we place
         self.memory = model.memory_bytes
+        self.threads = model.threads
         self.gpu = model.uses_gpu
         self.allowed = model.nodes
         kind = model.engine_kind
@@ -147,12 +157,15 @@ class ModelPlacer:
 
     def _place_private(self) -> tuple[NodeState, int | None] | None:
         key = (self.memory,)
+        by_id, threads = self.fleet.by_id, self.threads
         for level in sorted(self.levels):
             entries = self.levels[level]
             i = bisect_left(entries, key)
+            while i < len(entries) and not by_id[entries[i][3]].cpu_fits(threads):
+                i += 1
             if i < len(entries):
                 _, _, gpu, node_id = entries[i]
-                ns = self.fleet.by_id[node_id]
+                ns = by_id[node_id]
                 for entry in self._entries(ns):  # the node moves up a level, with its new free memory
                     del entries[bisect_left(entries, entry)]
                 if not entries:
@@ -171,17 +184,19 @@ class ModelPlacer:
         fleet, counts, memory = self.fleet, self.counts, self.memory
         kind = self.model.engine_kind
         idx = fleet.gpu_index(kind) if self.gpu else fleet.cpu_index(kind)
-        allowed = self.allowed
+        allowed, threads = self.allowed, self.threads
         for j in range(bisect_left(idx, (memory,)), len(idx)):
             entry = idx[j]
             node_id = entry[-1]
-            if node_id not in counts and (not allowed or entry[1] in allowed):
+            if node_id not in counts and (not allowed or entry[1] in allowed) and fleet.by_id[node_id].cpu_fits(threads):
                 return fleet.by_id[node_id], (entry[2] if self.gpu else None)
         # Every node that fits holds some already: the fewest, then the fullest that fits, then name.
         best = None
         for node_id, count in counts.items():
             ns = fleet.by_id.get(node_id)
             if ns is None or kind not in ns.node.engines or (allowed and ns.name not in allowed):
+                continue
+            if not ns.cpu_fits(threads):
                 continue
             if self.gpu:
                 fit = best_gpu(ns, memory)
@@ -203,7 +218,7 @@ class ModelPlacer:
         if found is None:
             return None
         ns, gpu = found
-        self.fleet.commit(ns, gpu, self.memory)
+        self.fleet.commit(ns, gpu, self.memory, self.threads)
         self.counts[ns.id] = self.counts.get(ns.id, 0) + 1
         if self.levels is not None:
             self._after_private(ns)

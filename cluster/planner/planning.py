@@ -110,7 +110,7 @@ class Planner(HandOver, Reasons, Evictions):
                         self.actions.append(MarkStopped(r.id, why))
                         continue
                 else:
-                    used.add(node_id, len(node.gpus), r.state, r.gpu_index, r.memory_bytes)
+                    used.add(node_id, len(node.gpus), r.state, r.gpu_index, r.memory_bytes, r.threads)
                 if r.state in COUNTING and r.restart != RESTART_REPLACING:
                     held = self.holders.setdefault(r.model_id, {})
                     held[node_id] = held.get(node_id, 0) + 1
@@ -125,7 +125,7 @@ class Planner(HandOver, Reasons, Evictions):
             used = self._used
             self._fleet = Fleet(
                 [
-                    NodeState(n, used.ram(n.id), used.gpus(n.id, len(n.gpus)))
+                    NodeState(n, used.ram(n.id), used.gpus(n.id, len(n.gpus)), used.cores(n.id))
                     for n in self.s.nodes
                     if n.id in self.alive and n.schedulable and not n.draining
                 ]

@@ -45,6 +45,8 @@ class Reasons:
         if not idx:
             return f"no connected, schedulable node with engine {kind} has a GPU"
         top = idx[bisect_left(idx, (idx[-1][0],))]
+        if top[0] >= m.memory_bytes:  # the memory is there: the cores are not
+            return self._cores(m, self.fleet.by_engine[kind])
         return self._need(m, top[0], top[1], top[2] if m.uses_gpu else None)
 
     def _memory_reason(self, m: ModelView, nodes: list[NodeState], none_of: str) -> str:
@@ -58,7 +60,23 @@ class Reasons:
                 best = (-ns.free_ram, ns.name, None)
         if best is None:
             return f"{none_of} with engine {m.engine_kind} has a GPU"
+        if -best[0] >= m.memory_bytes:  # the memory is there: the cores are not
+            return self._cores(m, nodes)
         return self._need(m, -best[0], best[1], best[2])
+
+    @staticmethod
+    def _cores(m: ModelView, nodes: list[NodeState]) -> str:
+        """Why a model whose memory some node has fits on none of them: the CPU cores its threads take."""
+        def has_memory(ns: NodeState) -> bool:
+            return any(f >= m.memory_bytes for f in ns.free_gpu) if m.uses_gpu else ns.free_ram >= m.memory_bytes
+
+        roomy = [ns for ns in nodes if has_memory(ns) and ns.free_cpu is not None]
+        if not roomy:
+            return f"needs {m.threads} CPU cores (its threads)"
+        best = min(roomy, key=lambda ns: (-ns.free_cpu, ns.name))
+        cores = "core" if m.threads == 1 else "cores"
+        return (f"needs {m.threads} CPU {cores} (its threads); the most free is {max(0, best.free_cpu)} "
+                f"of {best.node.cpus} on {best.name}")
 
     @staticmethod
     def _need(m: ModelView, free: int, name: str, gpu: int | None) -> str:

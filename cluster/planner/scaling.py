@@ -108,8 +108,13 @@ def decide(cfg: Scaling, state: DemandState, seen: Seen, now: float, window: flo
     if cfg.min == 0 and not load and last_request is not None and now - last_request >= cfg.idle_after:
         return to(0, f"idle: no request for {format_age(now - last_request)}", idle_seconds=round(now - last_request))
     if cfg.min == 0 and last_request is None and not load:
-        # never asked for since it was made on demand: nothing to keep loaded
-        return to(0, "idle: no request yet")
+        # never asked for: idle from when it last scaled (a fixed model made on demand keeps what it ran for its idle
+        # time from then); never scaled either, nothing to keep loaded
+        if state.last_scaled is None:
+            return to(0, "idle: no request yet")
+        if now - state.last_scaled >= cfg.idle_after:
+            return to(0, f"idle: no request since it was last scaled, {format_age(now - state.last_scaled)} ago",
+                      idle_seconds=round(now - state.last_scaled))
 
     mean = average(samples, now, window)
     per = mean / before

@@ -31,6 +31,7 @@ class NodeView:
     gpus: tuple[int, ...] = ()  # memory of each GPU, by index
     drain_force: bool = False  # draining with --force: a replica with nowhere else to go is stopped anyway
     drain_note: str = ""  # why the drain is blocked, as last written
+    cpus: int = 0  # CPU cores offered for engines (the agent's count, --cpus may lower it); 0: unknown, not counted
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class ModelView:
     last_request: float | None = None  # epoch seconds: least recently used on-demand models are evicted first
     waiting: int = 0  # requests waiting for a replica: an on-demand model asked for may evict an idle one
     waiting_since: float | None = None  # when the oldest of them began
+    threads: int = 0  # CPU cores each replica takes (its profile's --threads, else its engine's default)
 
     @property
     def evictable(self) -> bool:
@@ -70,6 +72,7 @@ class ReplicaView:
     state_changed_at: float = 0.0
     reason: str = ""
     waiting_for_room: bool = False
+    threads: int = 0  # CPU cores it takes on its node (as it was started)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", default=None, help="where engines are recorded and files cached "
                                                      "(default: LLMGW_HOME/agent)")
     p.add_argument("--memory", default=None, help="RAM to offer, e.g. 8GiB (default: all of it)")
+    p.add_argument("--cpus", default=None, help="CPU cores to offer, e.g. 2 (default: all of them); placement counts "
+                                                "them against its engines' threads")
     p.add_argument("--gpus", default=None, help="GPUs to offer: sizes like 24GiB,24GiB, or none (default: nvidia-smi)")
     p.add_argument("--port-range", default="20000-20999", help="ports engines may listen on (default 20000-20999)")
     p.add_argument("--stop-timeout", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL (default 10)")
@@ -60,6 +62,7 @@ def agent(o: dict, out) -> None:
     token = _token(o)
     try:
         memory = facts.parse_size(o["memory"]) if o.get("memory") else None
+        cpus = facts.parse_cpus(o["cpus"]) if o.get("cpus") else None
         gpus = facts.parse_gpus(o["gpus"]) if o.get("gpus") else None
         port_range = facts.parse_port_range(o.get("port_range") or "20000-20999")
         agent_program.run(
@@ -72,6 +75,7 @@ def agent(o: dict, out) -> None:
             stop_timeout=o.get("stop_timeout", 10.0),
             report_interval=_report_interval(),
             advertise_address=o.get("advertise_address") or os.environ.get(ADDRESS_ENV, ""),
+            cpus=cpus,
         )
     except ValueError as exc:
         raise AgentError(str(exc)) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from agents.units import format_age
+from agents.confirmation import needs_confirmation
 from llmgw.cli.args import UNSET, parse_size_arg
 from llmgw.cli.client import CliError
 from llmgw.cli.output import age, as_json, moment, now, size, table
@@ -15,11 +16,7 @@ def models_list(o, out):
     rows = []
     for m in models:
         scaling = m["scaling"]
-        ready = m["replica_states"].get("ready", 0)
-        if scaling["mode"] == "fixed":
-            replicas = f"{ready}/{m['replicas']}"
-        else:
-            replicas = f"{ready}/{scaling['wanted']} ({m['min_replicas']}-{m['max_replicas']})"
+        replicas = scaling["replicas_text"]  # the domain's one figure (cluster.queries.scaling_shown)
         idle = moment(scaling["idle_at"])
         rows.append(
             [m["name"], m["engine"], m["profile"], ",".join(m["capabilities"]), m["routing"], scaling["mode"],
@@ -39,6 +36,13 @@ def _scaling_values(o) -> dict:
     return {field: o[option] for option, field in SCALING_OPTIONS.items() if o.get(option) is not None}
 
 
+def _confirmed(o, current: dict | None, values: dict) -> None:
+    """A change that adds many replicas at once (agents.confirmation) goes ahead only with --yes."""
+    why = needs_confirmation(current, values)
+    if why and not o.get("yes"):
+        raise CliError(f"{why}: pass --yes if you mean it")
+
+
 def model_add(o, out):
     body = {
         "name": o["name"], "file": o["file"], "engine": o["engine"], "profile": o["profile"],
@@ -47,6 +51,7 @@ def model_add(o, out):
     }
     if o["memory"]:
         body["memory_bytes"] = parse_size_arg(o["memory"])
+    _confirmed(o, None, body)
     model = o["api"].post("models/", body, doing="add models")
     out.write(
         f"model {model['name']} added: {model['scaling_text']} of {model['file']['name']} on {model['engine']}, "
@@ -70,6 +75,8 @@ def model_set(o, out):
             "nothing to change: give --replicas, --min-replicas, --max-replicas, --target-inflight, --idle-after, "
             "--scale-down-delay, --profile, --engine, --file, --memory, --nodes, --wait, --max-tokens or --routing"
         )
+    if any(values.get(k) is not None for k in ("replicas", "min_replicas", "max_replicas")) and not o.get("yes"):
+        _confirmed(o, o["api"].get(f"models/{o['name']}/"), values)
     model = o["api"].patch(f"models/{o['name']}/", values, doing="change models")
     out.write(f"model {model['name']}: {model['scaling_text']}, profile {model['profile']}, engine {model['engine']}, "
               f"routing {model['routing']}\n")

@@ -49,9 +49,10 @@ def nodes_list(o, out):
                                for u, g in zip(n["gpu_memory_used_bytes"], gpus)) or "-"
         engines = ", ".join(sorted((n["facts"] or {}).get("engines") or {})) or "-"
         memory = f"{size(n['memory_used_bytes'])} / {size(n['memory_bytes'])}"
-        rows.append([n["name"], status, age(n["last_seen"], at), memory, shown_gpus, n["replica_count"], engines,
-                     " ".join(flags)])
-    table(["NAME", "STATUS", "SEEN", "MEMORY USED", "GPUS", "REPLICAS", "ENGINES", "FLAGS"], rows, out)
+        cpus = f"{n.get('cpus_used', 0)} / {n['cpus']}" if n.get("cpus") else "-"  # (a server of before cpus: -)
+        rows.append([n["name"], status, age(n["last_seen"], at), memory, cpus, shown_gpus, n["replica_count"],
+                     engines, " ".join(flags)])
+    table(["NAME", "STATUS", "SEEN", "MEMORY USED", "CPUS USED", "GPUS", "REPLICAS", "ENGINES", "FLAGS"], rows, out)
 
 
 def drain(o, out):

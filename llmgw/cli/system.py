@@ -28,7 +28,8 @@ def status(o, out):
     out.write(f"models: {len(s['models'])}\n")
     for m in s["models"]:
         note = " (removing)" if m["removing"] else (f" - {m['placement_note']}" if m["placement_note"] else "")
-        out.write(f"  {m['name']}: {m['ready']}/{m['replicas']} ready{note}\n")
+        shown = m.get("replicas_text") or f"{m['ready']}/{m['replicas']}"  # (a server of before replicas_text)
+        out.write(f"  {m['name']}: {shown} ready{note}\n")
 
 
 def system_stop(o, out):

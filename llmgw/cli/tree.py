@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from agents.confirmation import CONFIRM_ABOVE
 from llmgw.cli.agent import add_arguments as agent_arguments, agent as agent_cmd
 from llmgw.cli.args import DEFAULT_MAX_TOKENS, ROLES, ROUTINGS, UNSET, OneLineParser, duration_arg, max_tokens_arg
 from llmgw.cli.completion import add_completion
@@ -29,6 +30,8 @@ from llmgw.cli.users import user_add, users_list
 up = "llmgw.cli.up:up"
 service_cmd = "llmgw.cli.service:service"
 # commands that do not talk to a server: they run on this machine, or keep the login
+YES_HELP = (f"go ahead with a change that adds more than {CONFIRM_ABOVE} replicas at once (without it, such a change "
+            "is refused: a typo must not start hundreds of engines)")
 LOCAL = ("up", "agent", "service", "completion", "login", "logout")
 ON_THIS_MACHINE = ("up", "agent", "service")
 OWN_SERVER = ("node add", "node token")  # `--server` is the URL their printed agent command dials
@@ -222,6 +225,7 @@ def build(parser) -> None:
     p.add_argument("--routing", choices=ROUTINGS, default=ROUTINGS[0],
                    help="prefix: a conversation's turns to the replica holding its prompt in cache (default); "
                         "least-inflight: the replica with the fewest requests in flight")
+    p.add_argument("--yes", action="store_true", help=YES_HELP)
     p.set_defaults(func=model_add)
     p = model.add_parser("set", help="change a model")
     p.add_argument("name")
@@ -236,6 +240,7 @@ def build(parser) -> None:
     p.add_argument("--max-tokens", type=max_tokens_arg, default=UNSET, metavar="N|none",
                    help="most tokens a completion may generate; none: no cap")
     p.add_argument("--routing", choices=ROUTINGS, help="how the gateway picks a replica: prefix or least-inflight")
+    p.add_argument("--yes", action="store_true", help=YES_HELP)
     p.set_defaults(func=model_set)
     p = model.add_parser("remove", help="stop all its replicas and remove it")
     p.add_argument("name")

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from agents import facts
+from agents.agent import parser as agent_parser
 from agents.engines import DRIVERS, SLOT_PROMPT_SIMILARITY, Command, driver_for, engine_host
 
 KEY = "lek_secret-engine-key"
@@ -296,6 +297,17 @@ def test_gather_facts():
     assert found["engines"]["command"] == "" and "xllamacpp" in found["engines"]
     assert found["cpu_count"] >= 1 and found["hostname"] and found["agent_version"]
     assert facts.gather(gpus=[], engines={})["memory_bytes"] == found["memory_total_bytes"]
+
+
+def test_the_agent_offers_its_cores_or_fewer_with_cpus():
+    assert facts.gather(gpus=[], engines={})["cpu_count"] == os.cpu_count()
+    found = facts.gather(gpus=[], engines={}, cpus=1)
+    assert (found["cpu_count"], found["cpu_total_count"]) == (1, os.cpu_count())
+    assert facts.gather(gpus=[], engines={}, cpus=10_000)["cpu_count"] == os.cpu_count()  # fewer, never more
+    assert agent_parser().parse_args(["--cpus", "2"]).cpus == 2
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(ValueError, match="--cpus must be at least 1|not a number of CPU cores"):
+            facts.parse_cpus(bad)
 
 
 @pytest.mark.integration

@@ -2,13 +2,15 @@
 
 import hashlib
 import importlib.util
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
-from cluster import mirror, operations
+from cluster import mirror, operations, queries
 from cluster.models import Event, Model, ModelFile, Node, Profile, Replica
 from cluster.operations import NotFound, OperationError
 from tests.factories import make_file, make_model, make_node, make_replica, row_counts
@@ -104,6 +106,15 @@ def test_remove_node_with_replicas_needs_force(db):
     assert not Node.objects.filter(name="gpu-1").exists()
     assert Event.objects.filter(kind="replica.failed", subject=replica.name).exists()
     assert Event.objects.filter(kind="node.removed", subject="gpu-1").exists()
+
+
+def test_removing_a_node_fails_its_replicas_now_so_they_stay_in_the_list(db):
+    node = make_node("gpu-1")
+    replica = make_replica(make_model("m1"), node, state_changed_at=timezone.now() - timedelta(days=2))
+    operations.remove_node("gpu-1", ACTOR, force=True)
+    replica.refresh_from_db()
+    assert timezone.now() - replica.state_changed_at < timedelta(seconds=5)
+    assert replica.name in [r.name for r in queries.replicas_listed()]  # `ctl replicas` shows what failed
 
 
 def test_remove_unknown_node(db):
@@ -419,10 +430,12 @@ def test_cluster_status(db):
     make_replica(model, node, state=Replica.State.READY)
     make_replica(model, node, state=Replica.State.STARTING)
     make_replica(model, node, state=Replica.State.STOPPED)
-    status = operations.cluster_status()
+    status = queries.cluster_status()
     assert status["serving"] == "serving"
     assert status["nodes"] == {"total": 2, "connected": 1}
-    assert status["models"] == [{"name": "m1", "replicas": 2, "ready": 1, "removing": False, "placement_note": ""}]
+    assert status["models"] == [{"name": "m1", "mode": "fixed", "ready": 1, "wanted": 2, "replicas": 2,
+                                 "min_replicas": None, "max_replicas": None, "replicas_text": "1/2",
+                                 "last_request_at": None, "removing": False, "placement_note": ""}]
     assert status["replicas"] == {"ready": 1, "starting": 1}
 
 

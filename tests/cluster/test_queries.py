@@ -290,3 +290,86 @@ def test_the_default_engine_without_nodes_is_still_one():
     assert queries.default_engine() is not None
     EngineVersion.objects.all().delete()
     assert queries.default_engine() is None
+
+
+def test_every_door_shows_a_models_ready_wanted_range_and_last_request_alike(db):
+    """`status` said `1/0 ready` for an autoscaled model, the Overview WANTED 0, `ctl models` `2/2 (1-3)`; LAST
+    REQUEST showed a time for a model never called and "-" for a fixed one that served requests."""
+    import time
+
+    from cluster import inflight, operations
+    from cluster.locks import redis_client
+    from cluster.models import Demand
+    from tests.factories import make_file
+
+    node = make_node("n1")
+    file = make_file("smol.gguf")
+    auto = operations.add_model("auto", "test", file=file.sha256, engine="llama.cpp", min_replicas=1, max_replicas=3)
+    Demand.objects.filter(model=auto).update(replicas=2)  # what its autoscaler wants now
+    for _ in range(2):
+        make_replica(auto, node, S.READY)
+    fixed = operations.add_model("fixed", "test", file=file.sha256, engine="llama.cpp", replicas=2)
+    make_replica(fixed, node, S.READY)
+    asked = time.time() - 120  # the gateway served `fixed` two minutes ago; nobody asked for `auto`
+    redis = redis_client()
+    redis.delete(inflight.LAST_REQUEST)
+    redis.hset(inflight.LAST_REQUEST, mapping={"fixed": f"{asked:.3f}"})
+
+    def cli(*args):
+        out = io.StringIO()
+        call_command("llmgw", *args, stdout=out)
+        return out.getvalue()
+
+    # the CLI: status and ctl models
+    status = cli("status")
+    assert "  auto: 2/2 (1-3) ready" in status and "  fixed: 1/2 ready" in status
+    rows = {line.split()[0]: line for line in cli("ctl", "models").splitlines()[1:]}
+    assert "2/2 (1-3)" in rows["auto"] and "1/2" in rows["fixed"]
+    last_request = cli("ctl", "models").splitlines()[0].index("LAST REQUEST")
+    assert rows["auto"][last_request:].split()[0] == "-"
+    assert rows["fixed"][last_request:].startswith("2m ago")
+
+    # the REST API: status and models
+    viewer = session_for("viewer")
+    by_name = {m["name"]: m for m in viewer.get("/api/v1/status/").json()["models"]}
+    assert [(by_name[n]["ready"], by_name[n]["wanted"], by_name[n]["replicas_text"]) for n in ("auto", "fixed")] == [
+        (2, 2, "2/2 (1-3)"), (1, 2, "1/2")]
+    assert by_name["auto"]["last_request_at"] is None and by_name["fixed"]["last_request_at"]
+    models = {m["name"]: m["scaling"] for m in viewer.get("/api/v1/models/").json()["results"]}
+    assert (models["auto"]["wanted"], models["auto"]["last_request_at"]) == (2, None)
+    assert models["fixed"]["last_request_at"] == by_name["fixed"]["last_request_at"]
+
+    # the dashboard: the Overview's WANTED and READY, the Models page's ready/wanted and last request
+    overview = viewer.get("/").content.decode()
+    cells = {name: re.sub(r"<[^>]+>", " ", row).split()
+             for name, row in re.findall(r'#model-(\w+)">.*?</a>(.*?)</tr>', overview, re.S)}
+    assert cells["auto"][:3] == ["2", "(1-3)", "2"] and cells["fixed"][:2] == ["2", "1"]
+    page = viewer.get("/models/").content.decode()
+    auto_card = page[page.index('id="model-auto"'):page.index('id="model-fixed"')]
+    fixed_card = page[page.index('id="model-fixed"'):]
+    assert '<span class="n">2</span>/2 ready' in auto_card and "last request" not in auto_card
+    assert '<span class="n">1</span>/2 ready' in fixed_card and "last request 2m ago" in fixed_card
+
+
+def test_cpu_cores_in_use_are_shown_as_placement_counts_them(db):
+    from tests.factories import make_agent_node, make_profile
+
+    node = make_agent_node("n1", cpu_count=4)
+    wide = make_model("wide", profile=make_profile("wide", threads=2).name)
+    make_replica(wide, node, S.READY, snapshot={"args": wide.profile.args(), "engine": wide.engine.spec()})
+    make_replica(make_model("one"), node, S.STARTING, snapshot={"engine": {"kind": "llama.cpp"}})  # the default: 1
+    make_replica(make_model("gone"), node, S.STOPPED, snapshot={"engine": {"kind": "llama.cpp"}})  # over: none
+    assert queries.memory_in_use().cores(node.pk) == 3
+    snapshot = reconciler.take_snapshot()
+    fleet = planner.Planner(snapshot)
+    fleet._nodes()
+    fleet._replicas()
+    assert fleet.fleet.by_id[node.pk].free_cpu == 1  # placement sees the same
+
+    out = io.StringIO()
+    call_command("llmgw", "ctl", "nodes", stdout=out)
+    header, row = out.getvalue().splitlines()[:2]
+    assert row[header.index("CPUS USED"):].startswith("3 / 4")
+    shown = session_for("viewer").get("/api/v1/nodes/n1/").json()
+    assert (shown["cpus"], shown["cpus_used"]) == (4, 3)
+    assert "CPU cores 3 / 4 used" in session_for("viewer").get("/nodes/").content.decode()

@@ -140,3 +140,31 @@ def test_the_engine_key_is_made_once_whoever_asks_first():
     join()
     assert keys[0] == keys[1] == ClusterSettings.objects.get().engine_key
     assert Event.objects.filter(kind="engine_key.created").count() == made_before + 1
+
+
+def test_two_revocations_of_one_key_at_once_revoke_it_once():
+    gateway_operations.create_key("twice", "test")
+    start, join = holding(lambda: gateway_operations.revoke_key("twice", "test"))
+    start()  # one revocation is written and not committed
+    with pytest.raises(OperationError, match="already revoked"):
+        gateway_operations.revoke_key("twice", "test")  # read it unrevoked, waits on the row, then finds it revoked
+    join()
+    assert Event.objects.filter(kind="key.revoked", subject="twice").count() == 1
+
+
+def test_a_node_that_reports_while_the_reconciler_marks_it_silent_stays_connected():
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from cluster.models import Node
+
+    node = make_agent_node("n1")
+    Node.objects.filter(pk=node.pk).update(last_seen=timezone.now() - timedelta(seconds=30))
+    start, join = holding(lambda: reports.seen(node.pk))
+    start()  # its heartbeat is written and not committed
+    reconciler.reconcile_once()  # saw it silent; waits on the row, then finds it seen
+    join()
+    node.refresh_from_db()
+    assert node.connected
+    assert not Event.objects.filter(kind="node.disconnected").exists()

@@ -10,10 +10,10 @@ from asgiref.sync import async_to_sync
 from channels.layers import DEFAULT_CHANNEL_LAYER, channel_layers
 from django.utils import timezone
 
-from cluster import notify, operations, reconciler, reports
+from cluster import notify, operations, planner, reconciler, reports
 from cluster.locks import redis_client
-from cluster.models import ClusterSettings, Event, Model, Node, Replica
-from tests.factories import make_agent_node, make_model, make_replica
+from cluster.models import ClusterSettings, EngineVersion, Event, Model, Node, Replica
+from tests.factories import make_agent_node, make_model, make_profile, make_replica
 
 S = Replica.State
 GIB = 1024**3
@@ -187,6 +187,38 @@ def test_without_nodes_the_reason_says_so_and_a_new_node_takes_the_replica(db):
     assert Replica.objects.filter(model=model).count() == 1
 
 
+def test_placement_counts_a_nodes_cores_against_its_engines_threads(db):
+    """The typo that took a cluster down: `--replicas 1000` on a 2-core node with the memory for hundreds."""
+    node = make_agent_node("small", memory_bytes=1000 * GIB, cpu_count=2, port_range=(21000, 21999))
+    model = make_model("chat", replicas=1000, memory_bytes=GIB)  # llama.cpp, no --threads: one core each
+    reconciler.reconcile_once()
+    placed = Replica.objects.filter(model=model, node=node)
+    assert placed.count() == 2
+    reason = "needs 1 CPU core (its threads); the most free is 0 of 2 on small"
+    assert Model.objects.get(pk=model.pk).placement_note == reason  # `ctl models` "why not placed"
+    assert Replica.objects.filter(model=model, node__isnull=True, reason=reason).count() == 998
+
+    # the profile's --threads is what a replica takes; a running replica keeps the threads it started with
+    model.replicas = 2
+    model.save()
+    reconciler.reconcile_once()
+    wide = make_model("wide", replicas=1, memory_bytes=GIB, profile=make_profile("wide", threads=2).name)
+    reconciler.reconcile_once()
+    assert Replica.objects.filter(model=wide, node__isnull=True).get().reason == (
+        "needs 2 CPU cores (its threads); the most free is 0 of 2 on small")
+
+
+def test_an_operators_command_engine_counts_cores_only_when_its_profile_sets_threads(db):
+    make_agent_node("small", memory_bytes=100 * GIB, cpu_count=1, engines={"command": ""})
+    EngineVersion.objects.create(name="cmd", kind="command", command="{python} -m server --port {port}")
+    free = make_model("free", engine="cmd", replicas=3, memory_bytes=GIB)
+    counted = make_model("counted", engine="cmd", replicas=2, memory_bytes=GIB,
+                         profile=make_profile("one", threads=1).name)
+    reconciler.reconcile_once()
+    assert Replica.objects.filter(model=free, node__isnull=False).count() == 3
+    assert Replica.objects.filter(model=counted, node__isnull=False).count() == 1
+
+
 def test_a_node_without_the_engine_takes_nothing(db):
     make_agent_node("gpu-1", engines={"vllm": "0.6"})
     model = make_model("m1", replicas=1, memory_bytes=GIB)
@@ -216,6 +248,40 @@ def test_a_silent_node_is_marked_disconnected(db):
 
 
 # Scaling down and removing
+
+
+def test_a_node_that_reports_while_the_plan_is_made_is_not_marked_disconnected(db):
+    node = make_agent_node("gpu-1")
+    Node.objects.filter(pk=node.pk).update(last_seen=timezone.now() - timedelta(seconds=30))
+    now = timezone.now()
+    snapshot = reconciler.take_snapshot(now)
+    [mark] = [a for a in planner.plan(snapshot) if isinstance(a, planner.MarkNodeDisconnected)]
+    reports.seen(node.pk)  # its report lands after the snapshot was taken
+    reconciler._Applier(snapshot, now).apply(mark)
+    node.refresh_from_db()
+    assert node.connected
+    assert not Event.objects.filter(kind="node.disconnected").exists()
+
+
+def test_a_node_whose_report_waited_on_a_lock_past_the_lost_grace_keeps_its_replicas(db):
+    """A database lock never marks a node lost: its report, delayed past the grace, lands while the plan that
+    saw it lost is made; the plan's Fail is not applied."""
+    node = make_agent_node("gpu-1")
+    replica = make_replica(make_model("m1", replicas=1, memory_bytes=GIB), node, S.READY)
+    Node.objects.filter(pk=node.pk).update(last_seen=timezone.now() - timedelta(minutes=3))
+    now = timezone.now()
+    snapshot = reconciler.take_snapshot(now)
+    actions = planner.plan(snapshot)
+    [fail] = [a for a in actions if isinstance(a, planner.Fail)]
+    reports.report(node.pk, [{"name": replica.name, "state": "ready"}], full=True)  # it lands now
+    applier = reconciler._Applier(snapshot, now)
+    for action in actions:
+        if isinstance(action, (planner.Fail, planner.MarkNodeDisconnected)):
+            applier.apply(action)
+    replica.refresh_from_db()
+    node.refresh_from_db()
+    assert replica.state == S.READY and node.connected
+    assert not Event.objects.filter(kind__in=("replica.failed", "node.disconnected")).exists()
 
 
 def test_scaling_down_drains_the_surplus_then_stops_it(nodes):

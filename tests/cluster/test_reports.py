@@ -310,6 +310,48 @@ def test_a_report_marks_the_node_seen(node):
     assert node.connected and timezone.now() - node.last_seen < timedelta(seconds=5)
 
 
+# the node's stream: only the one that connected last moves `connected` and `last_seen`
+
+
+def test_an_old_streams_late_disconnect_after_a_reconnect_leaves_the_node_connected(node):
+    reports.connected(node, "10.0.0.1", "stream-old")
+    reports.connected(node, "10.0.0.1", "stream-new")  # the agent reconnected before its old socket died
+    reports.disconnected(node.pk, "stream-old")  # the old socket's close comes late
+    node.refresh_from_db()
+    assert node.connected
+    assert events("node.disconnected", "gpu-1") == 0
+
+    reports.disconnected(node.pk, "stream-new")
+    node.refresh_from_db()
+    assert not node.connected
+    assert events("node.disconnected", "gpu-1") == 1
+
+
+def test_an_old_streams_report_and_heartbeat_change_nothing_of_the_node(node):
+    reports.connected(node, "10.0.0.1", "stream-old")
+    reports.connected(node, "10.0.0.1", "stream-new")
+    reports.disconnected(node.pk, "stream-new")
+    node.refresh_from_db()
+    gone_at = node.last_seen
+    reports.seen(node.pk, "stream-old")
+    reports.report(node.pk, [], False, "stream-old")
+    reports.hello(node.pk, node_facts(), [], "stream-old")
+    node.refresh_from_db()
+    assert (node.connected, node.last_seen) == (False, gone_at)
+
+
+def test_a_heartbeat_that_connects_a_silent_node_again_says_so(node):
+    reports.connected(node, "10.0.0.1", "stream-1")
+    Node.objects.filter(pk=node.pk).update(connected=False)  # the reconciler had marked it, for its silence
+    before = events("node.connected", "gpu-1")
+    reports.seen(node.pk, "stream-1")
+    node.refresh_from_db()
+    assert node.connected
+    assert events("node.connected", "gpu-1") == before + 1
+    reports.seen(node.pk, "stream-1")  # connected already: only seen
+    assert events("node.connected", "gpu-1") == before + 1
+
+
 def test_a_report_for_a_removed_node_does_nothing(db):
     assert reports.report(999_999, [{"name": "x", "state": "ready"}], full=True) is False
 

@@ -158,6 +158,33 @@ def test_add_edit_restart_and_remove_a_model(op):
     assert "removing" in body and Model.objects.get(name="chat").removing
 
 
+def test_a_change_that_adds_many_replicas_at_once_is_confirmed_first(op):
+    f = make_file(name="tiny.gguf")
+    make_model(name="chat", replicas=2)
+    before = row_counts()
+    body = op.post("/models/chat/set/", {"replicas": "1000", "wait_seconds": "45"}, **HTMX).content.decode()
+    assert "this adds up to 998 replicas at once (to 1000); more than 8 at once is confirmed first: confirm to go " \
+           "ahead" in body
+    assert row_counts() == before and Model.objects.get(name="chat").replicas == 2
+    # the same form again, confirmed
+    form = re.search(r'<form class="msg confirm"[^>]*hx-post="([^"]+)".*?</form>', body, re.S)
+    assert form and form.group(1) == "/models/chat/set/"
+    sent = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', form.group(0)))
+    assert sent.pop("csrfmiddlewaretoken")  # (the form works without JavaScript too)
+    assert sent == {"replicas": "1000", "wait_seconds": "45", "confirm": "yes"}
+    body = op.post(form.group(1), sent, **HTMX).content.decode()
+    assert "model chat changed" in body and Model.objects.get(name="chat").replicas == 1000
+
+    form = {"name": "big", "file": f.sha256, "engine": "llama.cpp", "min_replicas": "0", "max_replicas": "50"}
+    assert "confirm to go ahead" in op.post("/models/add/", form, **HTMX).content.decode()
+    assert not Model.objects.filter(name="big").exists()
+    # without JavaScript too: the page with the question, not a redirect
+    page = op.post("/models/add/", form)
+    assert page.status_code == 200 and 'name="confirm" value="yes"' in page.content.decode()
+    assert "model big added" in op.post("/models/add/", {**form, "confirm": "yes"}, **HTMX).content.decode()
+    assert "model chat changed" in op.post("/models/chat/set/", {"replicas": "3"}, **HTMX).content.decode()  # fewer
+
+
 def test_an_on_demand_model_from_the_form(op):
     f = make_file(name="tiny.gguf")
     body = op.post("/models/add/", {"name": "lazy", "file": f.sha256, "engine": "llama.cpp", "replicas": "",

@@ -61,7 +61,9 @@ def test_status(cluster, viewer):
     assert body == {
         "serving": "serving",
         "nodes": {"total": 1, "connected": 1},
-        "models": [{"name": "qwen2.5-7b", "replicas": 1, "ready": 1, "removing": False, "placement_note": ""}],
+        "models": [{"name": "qwen2.5-7b", "mode": "fixed", "ready": 1, "wanted": 1, "replicas": 1, "min_replicas": None,
+                    "max_replicas": None, "replicas_text": "1/1", "last_request_at": None, "removing": False,
+                    "placement_note": ""}],
         "replicas": {"ready": 1},
     }
 

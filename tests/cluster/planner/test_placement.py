@@ -135,3 +135,50 @@ def test_allowed_nodes_constrain_placement():
     nodes = [node(1, "a", ram=8 * GiB), node(2, "b", ram=64 * GiB), node(3, "c", ram=5 * GiB)]
     actions = plan(snap(nodes, [model(1, replicas=2, nodes=frozenset({"a", "b"}))]))
     assert creates(actions) == [(1, 1, None), (1, 2, None)]
+
+
+# --- CPU cores: a node's cores against its engines' threads ----------------------------------------------------
+
+
+def test_a_thousand_replicas_fit_only_as_many_as_the_cores_hold():
+    # the typo that took a cluster down: memory for hundreds, two cores
+    s = snap([node(1, ram=1000 * GiB, cpus=2)], [model(1, replicas=1000, mem=1 * GiB, threads=1)])
+    actions = plan(s)
+    assert len(creates(actions)) == 2
+    refused = of(actions, Unplaceable)
+    assert len(refused) == 998
+    assert refused[0].reason == "needs 1 CPU core (its threads); the most free is 0 of 2 on n1"
+
+
+def test_threads_count_against_the_cores_left_by_running_replicas():
+    nodes = [node(1, ram=64 * GiB, cpus=8), node(2, ram=64 * GiB, cpus=8)]
+    running = [rep(1, 2, 1, threads=6), rep(2, 2, 2, threads=4)]  # n1 has 2 cores left, n2 4
+    s = snap(nodes, [model(1, replicas=2, threads=4), model(2, replicas=2)], running)
+    actions = plan(s)
+    assert creates(actions) == [(1, 2, None)]  # n2 only, and once: 4 threads fill it
+    assert of(actions, Unplaceable)[0].reason == "needs 4 CPU cores (its threads); the most free is 2 of 8 on n1"
+
+
+def test_many_replicas_placed_at_once_count_cores_too():
+    # more than SHARED_MAX_BATCH: the placer's private lists
+    nodes = [node(i, ram=1000 * GiB, cpus=4) for i in (1, 2, 3)]
+    actions = plan(snap(nodes, [model(1, replicas=40, mem=GiB, threads=2)]))
+    placed = [c[1] for c in creates(actions)]
+    assert sorted(placed) == [1, 1, 2, 2, 3, 3]
+
+
+def test_gpu_engines_count_cores_too():
+    nodes = [node(1, engines=("vllm",), gpus=(80 * GiB,), cpus=1)]
+    actions = plan(snap(nodes, [model(1, replicas=3, mem=GiB, engine="vllm", gpu=True, threads=1)]))
+    assert creates(actions) == [(1, 1, 0)]
+    assert of(actions, Unplaceable)[0].reason.startswith("needs 1 CPU core (its threads)")
+
+
+def test_memory_short_is_said_before_cores():
+    s = snap([node(1, ram=2 * GiB, cpus=1)], [model(1, mem=4 * GiB, threads=2)])
+    assert of(plan(s), Unplaceable)[0].reason.startswith("needs 4.0 GiB RAM")
+
+
+def test_a_node_that_did_not_say_its_cores_is_not_counted():
+    actions = plan(snap([node(1, ram=64 * GiB)], [model(1, replicas=10, mem=GiB, threads=4)]))
+    assert len(creates(actions)) == 10

@@ -83,6 +83,14 @@ def test_never_asked_for_on_demand_model_stays_unloaded():
     assert state.replicas == 0 and decision.why == "idle: no request yet"
 
 
+def test_a_model_made_on_demand_keeps_what_it_ran_for_its_idle_time_without_a_made_up_request():
+    made_on_demand = DemandState(replicas=2, last_scaled=NOW - 60)  # no request: none is recorded
+    state, decision = decide(cfg(), made_on_demand, Seen(ready=2), NOW, WINDOW)
+    assert (state.replicas, decision, state.last_request) == (2, None, None)
+    state, decision = decide(cfg(), DemandState(replicas=2, last_scaled=NOW - 901), Seen(ready=2), NOW, WINDOW)
+    assert state.replicas == 0 and decision.why == "idle: no request since it was last scaled, 15m ago"
+
+
 @pytest.mark.parametrize("samples, expected", [
     ((), 0.0),
     (((NOW - 10, 4.0),), 4.0),
