@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from cluster import planner, reconciler, reports
 from cluster.models import Node, Replica
-from tests.factories import make_agent_node, make_model, make_replica
+from tests.factories import make_agent_node, make_model, make_replica, seed_defaults
 
 NODES = 100
 THREADS = 6  # the agent streams' database threads (agents.consumers.STREAM_THREADS)
@@ -29,6 +29,7 @@ def test_a_hundred_nodes_reports_survive_a_writer_holding_the_lock(monkeypatch):
     with connection.cursor() as cursor:
         cursor.execute("PRAGMA journal_mode")
         assert cursor.fetchone()[0] == "wal"
+    seed_defaults()  # a transactional test before this one on its worker emptied the migrations' rows
     model = make_model("chat", replicas=NODES, memory_bytes=1024**3)
     nodes = [make_agent_node(f"n{i:03}") for i in range(NODES)]
     replicas = {n.pk: make_replica(model, n, Replica.State.READY) for n in nodes}
