@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import httpx
 import openai
@@ -68,9 +67,9 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         pasted = subprocess.run(["bash", "-c", next(line for line in lines if line.startswith("curl "))],
                                 capture_output=True, text=True, timeout=120)
         assert json.loads(pasted.stdout)["choices"][0]["message"]["content"], pasted
-        pasted = subprocess.run(["bash", "-c", next(line for line in lines if line.startswith("python -c "))],
-                                env={**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"},
-                                capture_output=True, text=True, timeout=120)
+        # (this interpreter has `openai`, so `up` prints its line too, naming the interpreter by its path)
+        pasted = subprocess.run(["bash", "-c", next(line for line in lines if "from openai import" in line)],
+                                env=env, capture_output=True, text=True, timeout=120)
         assert pasted.returncode == 0 and pasted.stdout.strip(), pasted
         key = cli("ctl", "engine-key", "show").strip()
         chat = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
