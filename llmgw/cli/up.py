@@ -98,7 +98,7 @@ def try_it(base: str, secret: str) -> str:
                   f"'Say hello in five words.'}}], max_tokens=32).choices[0].message.content)")
         lines.append(f"{shlex.quote(sys.executable)} -c {shlex.quote(client)}")
     return (
-        f"  a client key for {DEMO_MODEL} (shown once; `llmgw keys create NAME` makes more): {secret}\n"
+        f"  a client key for {DEMO_MODEL} (shown once; `llmgw ctl keys create NAME` makes more): {secret}\n"
         f"  try it (the first answer waits for the model to load):\n"
         + "".join(f"    {line}\n" for line in lines)
     )
