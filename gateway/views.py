@@ -104,7 +104,7 @@ class Call:
         self.status = status
         seconds = time.monotonic() - self.started
         series = metrics.of(self.label)
-        series.requests(status, self.replica).inc()
+        series.requests(status).inc()
         series.latency.observe(seconds)
         if self.attempts:
             series.attempts.observe(self.attempts)
