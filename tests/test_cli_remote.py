@@ -176,6 +176,17 @@ def test_a_viewer_may_look_and_not_change(cluster, args, doing):
     assert Event.objects.count() == events
 
 
+def test_a_key_for_a_model_that_does_not_exist_is_refused_in_one_line(cluster):
+    from gateway.models import ApiKey
+
+    keys, events = ApiKey.objects.count(), Event.objects.count()
+    for command in (run, lambda *args: remote(cluster, *args)):
+        with pytest.raises(CommandError) as refused:
+            command("ctl", "keys", "create", "k", "--models", "smol", "nosuch")
+        assert str(refused.value) == "no model named 'nosuch'"
+    assert (ApiKey.objects.count(), Event.objects.count()) == (keys, events)
+
+
 def test_an_operator_changes_the_cluster_and_only_an_admin_adds_users_or_sees_the_engine_key(cluster):
     _, operator = make_user("operator", "otto")
     assert remote(cluster, "stop", token=operator).startswith("llmgw stopped")

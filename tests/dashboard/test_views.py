@@ -9,6 +9,7 @@ from django.test import Client
 from cluster import operations
 from cluster.models import ClusterSettings, Event, Model, Node, Replica
 from dashboard.views import PAGES
+from gateway.models import ApiKey
 from tests.factories import make_file, make_model, make_node, make_replica, row_counts, session_for
 
 HTMX = {"HTTP_HX_REQUEST": "true"}
@@ -214,6 +215,9 @@ def test_keys_create_once_list_and_revoke(op):
     listing = op.get("/keys/").content.decode()
     assert "team-a" in listing and secret not in listing
     assert "already" in op.post("/keys/create/", {"name": "team-a"}, **HTMX).content.decode()
+    assert "no model named &#x27;nosuch&#x27;" in op.post("/keys/create/", {"name": "team-b", "models": "nosuch"},
+                                                          **HTMX).content.decode()
+    assert not ApiKey.objects.filter(name="team-b").exists()
     body = op.post("/keys/team-a/revoke/", **HTMX).content.decode()
     assert "key team-a revoked" in body and "revoked" in body
 
