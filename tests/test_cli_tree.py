@@ -3,12 +3,14 @@ prints as a hint is one its own tree parses."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
 import shlex
 from pathlib import Path
 
 import pytest
+from django.core.management.base import CommandError
 
 from llmgw.cli.args import OneLineParser
 from llmgw.cli.client import CliError
@@ -121,7 +123,76 @@ def test_every_command_the_program_prints_as_a_hint_parses(where, hint):
 
 
 @pytest.mark.parametrize("hint", ["llmgw keys create NAME", "llmgw ctl model set chat --replicas",
-                                  "llmgw ctl keys create NAME --model-names X", "llmgw nodes", "llmgw node …"[:9] + "s …"])
+                                  "llmgw ctl model set chat --replica 2", "llmgw ctl keys create NAME --model X",
+                                  "llmgw nodes", "llmgw nodes …"])
 def test_a_wrong_hint_is_caught(hint):
     with pytest.raises(AssertionError):
         check(hint)
+
+
+# Abbreviations: argparse takes `--replica` for `--replicas` (any unambiguous prefix) unless told not to; a typo
+# must be refused, not read as another option
+
+
+REFUSED = (CliError, CommandError)  # the program's one-line error; manage.py's, as Django's commands raise
+
+
+def django_tree():
+    from llmgw.management.commands.llmgw import Command
+
+    command = Command()
+    command.program = True
+    return command.create_parser("llmgw", "llmgw")
+
+
+def parsers(parser, path=("llmgw",)):
+    yield " ".join(path), parser
+    for name, child in _subcommands(parser).items():
+        yield from parsers(child, (*path, name))
+    for action in parser._actions:  # `agent`'s own actions (`agent stop-engines`)
+        if hasattr(action, "_name_parser_map") and action.choices is not _subcommands(parser):
+            for name, child in action.choices.items():
+                yield from parsers(child, (*path, name))
+
+
+@pytest.mark.parametrize("tree", [the_tree, django_tree], ids=["program", "manage.py"])
+def test_no_parser_in_the_tree_takes_an_abbreviation(tree):
+    found = dict(parsers(tree()))
+    assert len(found) >= 50 and "llmgw ctl model set" in found and "llmgw agent stop-engines" in found, sorted(found)
+    taking = [path for path, parser in found.items() if parser.allow_abbrev]
+    assert not taking, taking
+    # each long option of each command, one letter short, is refused where the option itself is taken
+    checked = 0
+    for path, parser in found.items():
+        if _subcommands(parser) and path != "llmgw agent":
+            continue
+        given = [_value(a) for a in parser._actions if not a.option_strings and a.nargs in (None, "+")]
+        options = {o: a for a in parser._actions for o in a.option_strings if o.startswith("--")}
+        for option, action in options.items():
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                continue
+            short = option[:-1]
+            if len(short) < 4 or any(o.startswith(short) and o != option for o in options):
+                continue  # ambiguous: argparse refuses it anyway
+            value = [] if action.nargs == 0 else [_value(action)]
+            required = [w for a in parser._actions if a.required and a.option_strings and a is not action
+                        for w in (a.option_strings[0], _value(a))]
+            parser.parse_args([*given, *required, option, *value])  # the option itself, so the test can fail
+            with pytest.raises(REFUSED):  # (with abbreviations, parsed as the option itself was)
+                parser.parse_args([*given, *required, short, *value])
+            checked += 1
+    assert checked >= 100, checked
+
+
+def _value(action) -> str:
+    if action.choices:
+        return next(iter(action.choices))
+    return "1m" if "DURATION" in (action.metavar or "") else "2"
+
+
+@pytest.mark.parametrize("tree", [the_tree, django_tree], ids=["program", "manage.py"])
+def test_replica_is_not_replicas(tree):
+    parser = tree()
+    assert parser.parse_args(["ctl", "model", "set", "chat", "--replicas", "2"]).replicas == 2
+    with pytest.raises(REFUSED, match="unrecognized arguments: --replica 2"):
+        parser.parse_args(["ctl", "model", "set", "chat", "--replica", "2"])
