@@ -38,11 +38,19 @@ def envfloat(name: str, default: float, low: float, high: float) -> float:
     return number
 
 
+_true, _false = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def envbool(name: str, default: bool) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
+    """Unset or empty: the default. A word it does not know is refused, naming the variable: a typo read as
+    false would quietly turn a setting off."""
+    value = os.environ.get(name, "")
+    word = value.strip().lower()
+    if not word:
         return default
-    return value in ("1", "true", "yes", "on")
+    if word in _true or word in _false:
+        return word in _true
+    raise ImproperlyConfigured(f"{name} must be true or false (1/0, yes/no, on/off), not {value!r}")
 
 
 LLMGW_HOME = home()  # LLMGW_HOME, else a default found the same from any directory (llmgw/home.py)

@@ -55,3 +55,29 @@ def test_the_operators_hosts_are_allowed_too(monkeypatch):
     monkeypatch.setenv("LLMGW_ALLOWED_HOSTS", "llmgw.example.org, proxy.example.org")
     hosts = import_settings().ALLOWED_HOSTS
     assert "llmgw.example.org" in hosts and "proxy.example.org" in hosts and "127.0.0.1" in hosts
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("1", True), ("true", True), ("Yes", True), ("ON", True), (" true ", True),
+    ("0", False), ("false", False), ("No", False), ("off", False),
+])
+def test_a_boolean_variable_reads_the_usual_words(monkeypatch, value, expected):
+    monkeypatch.setenv("LLMGW_DEBUG", value)
+    assert llmgw.settings.envbool("LLMGW_DEBUG", not expected) is expected
+
+
+def test_a_boolean_variable_unset_or_empty_is_its_default(monkeypatch):
+    monkeypatch.delenv("LLMGW_DEBUG", raising=False)
+    assert llmgw.settings.envbool("LLMGW_DEBUG", True) is True
+    monkeypatch.setenv("LLMGW_DEBUG", " ")
+    assert llmgw.settings.envbool("LLMGW_DEBUG", False) is False
+
+
+@pytest.mark.parametrize("value", ["ture", "flase", "2", "enabled", "y"])
+def test_a_boolean_variable_with_a_typo_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("LLMGW_CONTROL", value)
+    with pytest.raises(ImproperlyConfigured) as refused:
+        llmgw.settings.envbool("LLMGW_CONTROL", True)
+    assert str(refused.value) == (f"LLMGW_CONTROL must be true or false (1/0, yes/no, on/off), not {value!r}")
+    with pytest.raises(ImproperlyConfigured, match="^LLMGW_CONTROL must be true or false"):
+        import_settings()
