@@ -164,7 +164,8 @@ def test_an_on_demand_model_from_the_form(op):
     body = op.post("/models/add/", {"name": "lazy", "file": f.sha256, "engine": "llama.cpp", "replicas": "",
                                     "min_replicas": "0", "max_replicas": "2", "idle_after": "10m",
                                     "scale_down_delay": "90s", "target_inflight": "3"}, **HTMX).content.decode()
-    assert "model lazy added: 0 to 2 replicas at 3 requests in flight each, to zero after 10m idle" in body
+    assert ("model lazy added: 0 to 2 replicas at 3 requests in flight each (one replica fewer after 90s below that, "
+            "none after 10m idle)") in body
     model = Model.objects.get(name="lazy")
     assert (model.mode, model.idle_after_seconds, model.scale_down_delay_seconds) == ("on-demand", 600, 90)
     page = op.get("/models/").content.decode()
