@@ -24,7 +24,7 @@ from cluster import operations
 from gateway.models import ApiKey
 from gateway.operations import create_key
 from llmgw.home import secret_key
-from llmgw.processes import Child, Supervisor
+from llmgw.processes import Child, Supervisor, exit_said
 from llmgw.valkey import EmbeddedValkey, use
 from llmgw.web import web_argv
 
@@ -185,8 +185,7 @@ def up(o, out):
             if agent_memory:
                 argv += ["--memory", agent_memory]
             children.append(Child("agent", argv, logs / "agent.log", agent_env))
-        supervisor = Supervisor(on_exit=lambda child, code, delay: _said(
-            out, f"{child.name} exited (code {code}); starting it again in {delay:.1f}s; see {child.log_path}"))
+        supervisor = Supervisor(on_exit=lambda child, code, delay: _said(out, exit_said(child, code, delay)))
         for child in children:
             supervisor.watch(child.start())
         out.write(
