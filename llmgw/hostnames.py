@@ -44,6 +44,9 @@ class HostNames(list):
         self._found = False
         self._lock = threading.Lock()
 
+    def __reduce__(self):  # copied or pickled as what finds the names
+        return HostNames, (self.public_url, self.bind_host, self.extra)
+
     def with_names(self, *names: str) -> HostNames:
         """These names too (still found when first read)."""
         return HostNames(self.public_url, self.bind_host, [*self.extra, *names])
