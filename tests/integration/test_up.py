@@ -73,12 +73,12 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         assert pasted.returncode == 0 and pasted.stdout.strip(), pasted
         key = cli("ctl", "engine-key", "show").strip()
         chat = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
-        url = f"http://127.0.0.1:{replica['port']}/v1/chat/completions"
-        answer = httpx.post(url, json=chat, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        engine = f"http://127.0.0.1:{replica['port']}/v1/chat/completions"
+        answer = httpx.post(engine, json=chat, headers={"Authorization": f"Bearer {key}"}, timeout=60)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["content"]
-        assert httpx.post(url, json=chat, timeout=60).status_code == 401
-        assert httpx.post(url, json=chat, headers={"Authorization": "Bearer wrong"}, timeout=60).status_code == 401
+        assert httpx.post(engine, json=chat, timeout=60).status_code == 401
+        assert httpx.post(engine, json=chat, headers={"Authorization": "Bearer wrong"}, timeout=60).status_code == 401
 
         # `llmgw restart` under steady load through the gateway: the agent, then web, beat and worker restart;
         # the engine keeps serving (same pid) and no request fails
@@ -140,6 +140,10 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         assert len(re.findall(r"web web@\S+: back as web@\S+", said)) == 2, said  # each web process, in turn
         failed = [o for o in outcomes if o != "ok"]
         assert not failed, f"{len(failed)} of {len(outcomes)} failed: {failed[:3]}"
+        # `up` said of each process the restart stopped that it is restarting, not that it exited with a code
+        said_by_up = out_path.read_text()
+        assert "web is restarting (it stopped as asked)" in said_by_up, said_by_up
+        assert "exited (code" not in said_by_up, said_by_up
         (after,) = smollm2_ready()
         assert (after["name"], after["pid"]) == (replica["name"], replica["pid"])  # the engine was not restarted
 
