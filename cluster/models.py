@@ -236,9 +236,9 @@ class Model(models.Model):
         """How it scales, in an operator's words."""
         if not self.autoscaled:
             return f"{self.replicas} replica(s)"
-        idle = f", to zero after {format_duration(self.idle_after_seconds)} idle" if self.on_demand else ""
+        idle = f", none after {format_duration(self.idle_after_seconds)} idle" if self.on_demand else ""
         return (f"{self.min_replicas} to {self.max_replicas} replicas at {self.target_inflight} requests in flight "
-                f"each{idle}, one fewer after {format_duration(self.scale_down_delay_seconds)} below")
+                f"each (one replica fewer after {format_duration(self.scale_down_delay_seconds)} below that{idle})")
 
     def capabilities(self) -> tuple[str, ...]:
         """What its replicas serve (agents.engines.CAPABILITIES), as its engine's driver reads its profile."""

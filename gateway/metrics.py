@@ -8,7 +8,10 @@ UNKNOWN_MODEL = "unknown"  # the label of every model name llmgw does not serve
 BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600)
 ATTEMPT_BUCKETS = (1, 2, 3, 4, 5, 8)
 
-REQUESTS = Counter("llmgw_requests_total", "Requests through the gateway", ["model", "status", "replica"])
+# Labels with a bounded set of values only (tests/gateway/test_metrics.py): a model llmgw serves (else `unknown`),
+# a status code, a kind of token. Never a replica: each replica ever started would be a series for ever (which
+# replica served a request is in the access log and the X-Llmgw-Replica header).
+REQUESTS = Counter("llmgw_requests_total", "Requests through the gateway", ["model", "status"])
 LATENCY = Histogram("llmgw_request_seconds", "Whole request time", ["model"], buckets=BUCKETS)
 FIRST_TOKEN = Histogram("llmgw_time_to_first_chunk_seconds", "Time to the first streamed chunk", ["model"], buckets=BUCKETS)
 WAITED = Histogram("llmgw_replica_wait_seconds", "Time a request waited for a ready replica (0: one was ready)",
@@ -34,12 +37,12 @@ class ModelMetrics:
         self.inflight = INFLIGHT.labels(model)
         self.prompt = TOKENS.labels(model, "prompt")
         self.completion = TOKENS.labels(model, "completion")
-        self._requests: dict[tuple[int, str], object] = {}
+        self._requests: dict[int, object] = {}
 
-    def requests(self, status: int, replica: str):
-        series = self._requests.get((status, replica))
+    def requests(self, status: int):
+        series = self._requests.get(status)
         if series is None:
-            series = self._requests[(status, replica)] = REQUESTS.labels(self.model, str(status), replica)
+            series = self._requests[status] = REQUESTS.labels(self.model, str(status))
         return series
 
 

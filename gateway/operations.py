@@ -12,6 +12,7 @@ from django.utils import timezone
 from cluster import notify
 from cluster.errors import Conflict, NotFound, OperationError
 from cluster.events import record
+from cluster.models import Model
 from cluster.operations.validation import check_count, check_name, created, get_named
 from gateway.models import ApiKey, Usage
 
@@ -42,6 +43,10 @@ def create_key(
     with transaction.atomic():
         if ApiKey.objects.filter(name=name).exists():
             raise Conflict(f"a key named {name!r} already exists")
+        known = set(Model.objects.filter(name__in=models).values_list("name", flat=True))
+        missing = [m for m in models if m not in known]
+        if missing:  # a typo would make a key for no model at all
+            raise NotFound(f"no model{'s' if len(missing) > 1 else ''} named {', '.join(map(repr, missing))}")
         key = created(f"a key named {name!r} already exists", lambda: ApiKey.objects.create(
             name=name,
             prefix=secret[:14],

@@ -107,7 +107,7 @@ class Call:
         self.status = status
         seconds = time.monotonic() - self.started
         series = metrics.of(self.label)
-        series.requests(status, self.replica).inc()
+        series.requests(status).inc()
         series.latency.observe(seconds)
         if self.attempts:
             series.attempts.observe(self.attempts)
@@ -159,13 +159,13 @@ async def _proxy(call, request, endpoint: str):
         if route is None:
             raise GatewayError(404, "model_not_found", f"no model named {call.model[:64]!r}")
         call.known = True
-        gw.requested(call.model)
         if call.key.models and call.model not in call.key.models:
             raise GatewayError(403, "model_not_allowed", f"this key may not use model {call.model!r}")
         check_capabilities(call.model, route.capabilities, endpoint, body)
         if route.routing == PREFIX:
             call.affinity = affinity.request_key(endpoint, body)
         await check_limits(gw.redis, call.key)
+        gw.requested(call.model)  # demand, once nothing refuses it (a refused request must keep no model loaded)
         stream = bool(body.get("stream"))
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
         changed = endpoint != "embeddings" and cap_tokens(body, (route.max_tokens, call.key.max_tokens))

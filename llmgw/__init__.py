@@ -13,8 +13,11 @@ from pathlib import Path
 _here = Path(__file__).resolve().parent
 for _root in (_here / "apps", _here.parent):  # installed; a checkout (run from any directory)
     if (_root / "cluster" / "__init__.py").is_file():
-        if str(_root) not in sys.path:
-            sys.path.insert(0, str(_root))
+        # first, even where it is on the path already: before the directory a program runs from, which Python
+        # puts there (`python -m …`), and which may hold an `agents.py` of its own
+        while str(_root) in sys.path:
+            sys.path.remove(str(_root))
+        sys.path.insert(0, str(_root))
         break
 
 # The control plane's Celery app, where the control plane is installed (`llmgw[server]`): loaded with Django, so

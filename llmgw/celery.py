@@ -1,11 +1,17 @@
 import os
+import sys
 
 from celery import Celery
 from celery.signals import beat_init, worker_ready
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")
 
+_path = list(sys.path)
 app = Celery("llmgw")
+# Celery's Django fix-up, installed as the app is made, puts the current directory first on the import path (for a
+# project run from its own directory); llmgw's packages are found without it, and a directory holding an
+# `agents.py` (a `cluster.py`, …) must not take their place (tests/test_package.py)
+sys.path[:] = _path
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 

@@ -118,6 +118,21 @@ def group_alive(pgid: int) -> bool:
         return True
 
 
+def clean_exit(code: int | None) -> bool:
+    """A clean exit, or one by the signal that asks a server to stop (uvicorn re-raises it once it has stopped
+    gracefully): told to restart (`llmgw restart`), not a crash."""
+    return code in (0, None, -signal.SIGTERM, -signal.SIGINT)
+
+
+def exit_said(child: Child, code: int | None, delay: float) -> str:
+    """What a supervisor says of a child that exited (an on_exit): a restart as one, a crash with its code and
+    where its log is."""
+    if clean_exit(code):
+        return f"{child.name} is restarting (it stopped as asked); starting it again in {delay:.1f}s"
+    log = f"; see {child.log_path}" if child.log_path is not None else ""
+    return f"{child.name} exited (code {code}); starting it again in {delay:.1f}s{log}"
+
+
 class Supervisor:
     """Keeps its children running: each that exits is started again after a delay (CLEAN_RESTART_DELAY after
     exit code 0, else the crash back-off). `on_exit(child, code, delay)` hears of each exit."""
@@ -153,9 +168,7 @@ class Supervisor:
             if child.next_start == 0.0:
                 code = child.returncode
                 first, cap = CRASH_BACKOFF
-                # a clean exit, or one by the signal that asks a server to stop (uvicorn re-raises it once it
-                # has stopped gracefully): told to restart, not a crash
-                clean = code in (0, None, -signal.SIGTERM, -signal.SIGINT)
+                clean = clean_exit(code)
                 delay = CLEAN_RESTART_DELAY if clean else min(cap, first * 2 ** min(child.crashes, 6))
                 child.crashes = 0 if clean else child.crashes + 1
                 child.next_start = now + delay

@@ -10,6 +10,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from gateway.affinity import LOAD_FACTOR  # pure: the one default of prefix routing's load bound
 from llmgw.home import home, secret_key
+from llmgw.hostnames import HostNames
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -37,11 +38,19 @@ def envfloat(name: str, default: float, low: float, high: float) -> float:
     return number
 
 
+_true, _false = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def envbool(name: str, default: bool) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
+    """Unset or empty: the default. A word it does not know is refused, naming the variable: a typo read as
+    false would quietly turn a setting off."""
+    value = os.environ.get(name, "")
+    word = value.strip().lower()
+    if not word:
         return default
-    return value in ("1", "true", "yes", "on")
+    if word in _true or word in _false:
+        return word in _true
+    raise ImproperlyConfigured(f"{name} must be true or false (1/0, yes/no, on/off), not {value!r}")
 
 
 LLMGW_HOME = home()  # LLMGW_HOME, else a default found the same from any directory (llmgw/home.py)
@@ -67,29 +76,10 @@ DEBUG = envbool("LLMGW_DEBUG", False)
 LLMGW_PUBLIC_URL = envstr("LLMGW_PUBLIC_URL", "")  # what agents on other machines dial; default from the request
 
 
-def _this_machine() -> list[str]:
-    """The names a request to this machine may carry in its Host: loopback, the host name, every interface's
-    address, the public URL's host, and the address `up` or the service binds when it is a particular one."""
-    import socket
-    from urllib.parse import urlsplit
-
-    import psutil
-
-    names = {"localhost", "127.0.0.1", "[::1]", socket.gethostname().lower(), socket.getfqdn().lower()}
-    for addresses in psutil.net_if_addrs().values():
-        for a in addresses:
-            if a.family == socket.AF_INET:
-                names.add(a.address)
-            elif a.family == socket.AF_INET6:
-                names.add(f"[{a.address.split('%')[0]}]")
-    for host in (urlsplit(LLMGW_PUBLIC_URL).hostname or "", envstr("LLMGW_BIND_HOST")):
-        if host and host not in ("0.0.0.0", "::"):
-            names.add(f"[{host}]" if ":" in host else host.lower())
-    return sorted(names)
-
-
-# This machine's names and addresses, and what the operator adds (a proxy's public name; `*` for any Host)
-ALLOWED_HOSTS = _this_machine() + [h.strip() for h in envstr("LLMGW_ALLOWED_HOSTS", "").split(",") if h.strip()]
+# This machine's names and addresses, and what the operator adds (a proxy's public name; `*` for any Host): found
+# when first read (llmgw/hostnames.py), not by every process that imports the settings
+ALLOWED_HOSTS = HostNames(LLMGW_PUBLIC_URL, envstr("LLMGW_BIND_HOST"),
+                          [h.strip() for h in envstr("LLMGW_ALLOWED_HOSTS", "").split(",") if h.strip()])
 CSRF_TRUSTED_ORIGINS = [o for o in envstr("LLMGW_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
 
 INSTALLED_APPS = [

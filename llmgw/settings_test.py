@@ -12,7 +12,7 @@ from llmgw.settings import *  # noqa: E402,F403
 
 LLMGW_CONTROL = False  # the test process is not a control-plane process: it must not register or obey restarts
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast; tests only
-ALLOWED_HOSTS = [*ALLOWED_HOSTS, "testserver"]  # noqa: F405 (the host Django's test client sends)
+ALLOWED_HOSTS = ALLOWED_HOSTS.with_names("testserver")  # noqa: F405 (the host Django's test client sends)
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":  # noqa: F405
     # A file, as an installation's is, not pytest-django's shared in-memory database: threads writing at once
     # there fail at once with "database table is locked" (shared-cache locks know no busy timeout).

@@ -110,7 +110,7 @@ def serve_workers(host: str, port: int, workers: int, server: str | None = None)
     import signal
     import socket
 
-    from llmgw.processes import Child, Supervisor
+    from llmgw.processes import Child, Supervisor, exit_said
 
     listener = socket.create_server((host, port), backlog=1024)
     listener.set_inheritable(True)
@@ -123,8 +123,7 @@ def serve_workers(host: str, port: int, workers: int, server: str | None = None)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     children = [Child(f"web-{i + 1}", web_argv(host, port, server, fd=fd), None, pass_fds=(fd,)) for i in range(workers)]
-    supervisor = Supervisor(on_exit=lambda child, code, delay: print(
-        f"{child.name} exited (code {code}); starting it again in {delay:.1f}s", flush=True))
+    supervisor = Supervisor(on_exit=lambda child, code, delay: print(exit_said(child, code, delay), flush=True))
     for child in children:
         supervisor.watch(child.start())
     print(f"{workers} web process(es) on {host}:{port}", flush=True)

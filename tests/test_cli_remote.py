@@ -178,6 +178,28 @@ def test_a_viewer_may_look_and_not_change(cluster, args, doing):
     assert Event.objects.count() == events
 
 
+def test_adding_a_model_says_how_it_scales_in_plain_words(cluster):
+    sha = Model.objects.get(name="smol").file.sha256
+    said = run("ctl", "model", "add", "lazy", "--file", sha, "--engine", "llama.cpp", "--memory", "1GiB",
+               "--min-replicas", "0", "--max-replicas", "2", "--idle-after", "10m")
+    assert said == ("model lazy added: smol.gguf on llama.cpp, 1.0 GiB each; 0 to 2 replicas at 4 requests in flight "
+                    "each (one replica fewer after 5m below that, none after 10m idle); watch with: "
+                    "llmgw ctl replicas --model lazy\n")
+    said = run("ctl", "model", "add", "fixed", "--file", sha, "--engine", "llama.cpp", "--memory", "1GiB")
+    assert said.startswith("model fixed added: smol.gguf on llama.cpp, 1.0 GiB each; 1 replica(s); watch with: ")
+
+
+def test_a_key_for_a_model_that_does_not_exist_is_refused_in_one_line(cluster):
+    from gateway.models import ApiKey
+
+    keys, events = ApiKey.objects.count(), Event.objects.count()
+    for command in (run, lambda *args: remote(cluster, *args)):
+        with pytest.raises(CommandError) as refused:
+            command("ctl", "keys", "create", "k", "--models", "smol", "nosuch")
+        assert str(refused.value) == "no model named 'nosuch'"
+    assert (ApiKey.objects.count(), Event.objects.count()) == (keys, events)
+
+
 def test_an_operator_changes_the_cluster_and_only_an_admin_adds_users_or_sees_the_engine_key(cluster):
     _, operator = make_user("operator", "otto")
     assert remote(cluster, "stop", token=operator).startswith("llmgw stopped")

@@ -202,3 +202,24 @@ def test_the_program_says_its_own_version():
 
     said = run("--version")
     assert (said.returncode, said.stdout) == (0, f"llmgw {AGENT_VERSION}\n")
+
+
+@pytest.mark.integration  # runs the program
+def test_the_program_runs_from_a_directory_holding_modules_named_as_its_own(tmp_path):
+    """Python puts the directory a program runs from on its import path (Celery's Django fix-up puts it first):
+    a project's `agents.py` there must not take the place of llmgw's own package."""
+    here = tmp_path / "project"
+    here.mkdir()
+    for name in ("agents", "cluster", "gateway", "dashboard"):
+        (here / f"{name}.py").write_text(f"raise SystemExit('the directory\\'s {name}.py was imported')\n")
+    nothing = tmp_path / "nothing"
+    env = {"LLMGW_HOME": str(nothing), "DATABASE_URL": ""}
+    said = run("status", env=env, cwd=here)
+    assert said.stderr.startswith(f"error: no llmgw installation at {nothing}"), said.stderr
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "DJANGO_SETTINGS", "LLMGW_"))}
+    for argv in ([sys.executable, "-m", "llmgw", "status"], [sys.executable, "-m", "celery", "-A", "llmgw", "report"]):
+        said = subprocess.run(argv, env={**base, **env}, cwd=here, capture_output=True, text=True, timeout=120)
+        assert "was imported" not in said.stdout + said.stderr, (argv, said.stdout[-2000:], said.stderr[-2000:])
+    said = subprocess.run([sys.executable, "-m", "celery", "-A", "llmgw", "report"], env={**base, **env}, cwd=here,
+                          capture_output=True, text=True, timeout=120)
+    assert said.returncode == 0 and "llmgw" in said.stdout, said.stderr[-2000:]

@@ -38,3 +38,34 @@ def test_restart_delays_follow_how_a_child_exited(tmp_path):
     assert [code for code, _ in said] == [3, 3, 3, -15, 3, 0]
     supervisor.forget(child)
     child.stop()
+
+
+def test_what_is_said_of_a_child_that_exits_tells_a_restart_from_a_crash(tmp_path):
+    """`llmgw up` (and the web processes' supervisor) print a line per exit: a child that stopped as asked (a
+    server's SIGTERM, exit 0: `llmgw restart`) is restarting, not a crash with a code to look up."""
+    from llmgw.processes import exit_said
+
+    script = tmp_path / "child.py"
+    said: list[str] = []
+    supervisor = Supervisor(on_exit=lambda child, code, delay: said.append(exit_said(child, code, delay)))
+    child = Child("web", [sys.executable, str(script)], tmp_path / "web.log")
+    now = 0.0
+    exits = ["sigterm", "clean", "crash"]
+    script.write_text(EXITS[exits[0]])
+    supervisor.watch(child.start())
+    for after in exits[1:] + [None]:
+        child.popen.wait(30)
+        supervisor.poll(now)
+        if after is None:
+            break
+        script.write_text(EXITS[after])
+        now += 100
+        supervisor.poll(now)
+    supervisor.forget(child)
+    child.stop()
+    first, _ = CRASH_BACKOFF
+    assert said == [
+        f"web is restarting (it stopped as asked); starting it again in {CLEAN_RESTART_DELAY:.1f}s",
+        f"web is restarting (it stopped as asked); starting it again in {CLEAN_RESTART_DELAY:.1f}s",
+        f"web exited (code 3); starting it again in {first:.1f}s; see {tmp_path / 'web.log'}",
+    ]

@@ -88,7 +88,8 @@ def run(
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m agents.agent", description="The llmgw node agent.")
+    p = argparse.ArgumentParser(prog="python -m agents.agent", description="The llmgw node agent.",
+                                allow_abbrev=False)
     p.add_argument("--server", default=os.environ.get("LLMGW_SERVER", ""), help="e.g. https://llmgw.example.com; several control planes separated by commas, dialled in "
                         "order, the next when one does not answer")
     token = os.environ.get("LLMGW_AGENT_TOKEN", "")

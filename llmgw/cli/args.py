@@ -16,7 +16,12 @@ DEFAULT_MAX_TOKENS = 4096
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """Argument errors are one line and exit code 1, like every other error."""
+    """Argument errors are one line and exit code 1, like every other error. No abbreviations: argparse would
+    take a typo (`--replica`) for the option it begins (`--replicas`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise CliError(f"{self.prog}: {message}")

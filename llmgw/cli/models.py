@@ -54,8 +54,8 @@ def model_add(o, out):
     _confirmed(o, None, body)
     model = o["api"].post("models/", body, doing="add models")
     out.write(
-        f"model {model['name']} added: {model['scaling_text']} of {model['file']['name']} on {model['engine']}, "
-        f"{size(model['memory_bytes'])} each; watch with: llmgw ctl replicas --model {model['name']}\n"
+        f"model {model['name']} added: {model['file']['name']} on {model['engine']}, {size(model['memory_bytes'])} "
+        f"each; {model['scaling_text']}; watch with: llmgw ctl replicas --model {model['name']}\n"
     )
 
 

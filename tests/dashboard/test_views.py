@@ -9,6 +9,7 @@ from django.test import Client
 from cluster import operations
 from cluster.models import ClusterSettings, Event, Model, Node, Replica
 from dashboard.views import PAGES
+from gateway.models import ApiKey
 from tests.factories import make_file, make_model, make_node, make_replica, row_counts, session_for
 
 HTMX = {"HTTP_HX_REQUEST": "true"}
@@ -190,7 +191,8 @@ def test_an_on_demand_model_from_the_form(op):
     body = op.post("/models/add/", {"name": "lazy", "file": f.sha256, "engine": "llama.cpp", "replicas": "",
                                     "min_replicas": "0", "max_replicas": "2", "idle_after": "10m",
                                     "scale_down_delay": "90s", "target_inflight": "3"}, **HTMX).content.decode()
-    assert "model lazy added: 0 to 2 replicas at 3 requests in flight each, to zero after 10m idle" in body
+    assert ("model lazy added: 0 to 2 replicas at 3 requests in flight each (one replica fewer after 90s below that, "
+            "none after 10m idle)") in body
     model = Model.objects.get(name="lazy")
     assert (model.mode, model.idle_after_seconds, model.scale_down_delay_seconds) == ("on-demand", 600, 90)
     page = op.get("/models/").content.decode()
@@ -241,6 +243,9 @@ def test_keys_create_once_list_and_revoke(op):
     listing = op.get("/keys/").content.decode()
     assert "team-a" in listing and secret not in listing
     assert "already" in op.post("/keys/create/", {"name": "team-a"}, **HTMX).content.decode()
+    assert "no model named &#x27;nosuch&#x27;" in op.post("/keys/create/", {"name": "team-b", "models": "nosuch"},
+                                                          **HTMX).content.decode()
+    assert not ApiKey.objects.filter(name="team-b").exists()
     body = op.post("/keys/team-a/revoke/", **HTMX).content.decode()
     assert "key team-a revoked" in body and "revoked" in body
 

@@ -11,6 +11,7 @@ from rest_framework.test import APIClient
 from cluster.models import ClusterSettings, Event
 from gateway import operations
 from gateway.models import KEY_PREFIX, ApiKey, Usage
+from tests.factories import make_model
 from tests.rest import API, refused
 
 
@@ -29,6 +30,8 @@ def state() -> dict:
 
 
 def test_create_shows_the_key_once_and_stores_only_its_hash(operator):
+    make_model("qwen2.5-7b")
+    make_model("smollm2")
     expires = (timezone.now() + timedelta(days=30)).replace(microsecond=0)
     body = {"name": "ci", "models": ["qwen2.5-7b", "smollm2"], "rpm": 60, "tpm": 10000, "expires_at": expires}
     response = operator.post(f"{API}/keys/", body, format="json")
@@ -69,6 +72,8 @@ def test_create_with_defaults(operator):
         ({"name": "taken"}, 409, ["already exists"]),
         ({"name": "k", "models": "qwen"}, 400, ["models", "list"]),
         ({"name": "k", "models": ["Not A Model"]}, 400, ["use lower-case letters"]),
+        ({"name": "k", "models": ["nosuch"]}, 422, ["no model named 'nosuch'"]),
+        ({"name": "k", "models": ["qwen", "nosuch", "other"]}, 422, ["no models named 'nosuch', 'other'"]),
         ({"name": "k", "rpm": 0}, 400, ["rpm", "greater than or equal to 1"]),
         ({"name": "k", "rpm": -5}, 400, ["rpm"]),
         ({"name": "k", "rpm": "lots"}, 400, ["rpm", "must be a whole number"]),
@@ -80,6 +85,7 @@ def test_create_with_defaults(operator):
     ],
 )
 def test_create_refusals_change_nothing(operator, body, status, words):
+    make_model("qwen")
     operations.create_key("taken", "test")
     before = state()
     refused(operator.post(f"{API}/keys/", body, format="json"), status, *words)
@@ -93,6 +99,7 @@ def test_create_with_a_body_that_is_not_an_object_is_a_400(operator, body):
 
 
 def test_list_shows_state_and_no_secrets(viewer):
+    make_model("qwen")
     operations.create_key("active", "test", models=["qwen"], rpm=5)
     operations.create_key("revoked", "test")
     operations.revoke_key("revoked", "test")

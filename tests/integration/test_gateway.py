@@ -267,10 +267,12 @@ def test_keys_are_checked_and_limits_enforced(system, gw):
         gw.client.chat.completions.create(model="gw-no-such-model", messages=HELLO)
     assert_raised(missing, openai.NotFoundError, 404, "model_not_found")
 
+    add_model(system, "gw-other", "testengine", replicas=0)  # a key may name only models that exist
     only = client(system, create_key(system, "gw-only-other", "--models", "gw-other"))
     with pytest.raises(openai.PermissionDeniedError) as denied:
         only.chat.completions.create(model=gw.model, messages=HELLO)
     assert_raised(denied, openai.PermissionDeniedError, 403, "model_not_allowed")
+    remove_models(system, "gw-other")
     allowed = client(system, create_key(system, "gw-only-chat", "--models", gw.model))
     assert chat_text(allowed.chat.completions.create(model=gw.model, messages=HELLO)) == ANSWER
 

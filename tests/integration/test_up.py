@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import httpx
 import openai
@@ -68,9 +67,9 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         pasted = subprocess.run(["bash", "-c", next(line for line in lines if line.startswith("curl "))],
                                 capture_output=True, text=True, timeout=120)
         assert json.loads(pasted.stdout)["choices"][0]["message"]["content"], pasted
-        pasted = subprocess.run(["bash", "-c", next(line for line in lines if line.startswith("python -c "))],
-                                env={**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"},
-                                capture_output=True, text=True, timeout=120)
+        # (this interpreter has `openai`, so `up` prints its line too, naming the interpreter by its path)
+        pasted = subprocess.run(["bash", "-c", next(line for line in lines if "from openai import" in line)],
+                                env=env, capture_output=True, text=True, timeout=120)
         assert pasted.returncode == 0 and pasted.stdout.strip(), pasted
         key = cli("ctl", "engine-key", "show").strip()
         chat = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
@@ -141,6 +140,10 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         assert len(re.findall(r"web web@\S+: back as web@\S+", said)) == 2, said  # each web process, in turn
         failed = [o for o in outcomes if o != "ok"]
         assert not failed, f"{len(failed)} of {len(outcomes)} failed: {failed[:3]}"
+        # `up` said of each process the restart stopped that it is restarting, not that it exited with a code
+        said_by_up = out_path.read_text()
+        assert "web is restarting (it stopped as asked)" in said_by_up, said_by_up
+        assert "exited (code" not in said_by_up, said_by_up
         (after,) = smollm2_ready()
         assert (after["name"], after["pid"]) == (replica["name"], replica["pid"])  # the engine was not restarted
 

@@ -34,7 +34,7 @@ class Command(BaseCommand):
     from_command_line = False
 
     def create_parser(self, prog_name, subcommand, **kwargs):
-        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        parser = super().create_parser(prog_name, subcommand, allow_abbrev=False, **kwargs)  # as OneLineParser
         parser.__class__ = _Parser  # one-line errors for the top level too
         return parser
 

@@ -53,11 +53,9 @@ def test_the_allowed_hosts_are_this_machines_names_and_what_the_operator_adds(mo
 
     import psutil
 
-    from llmgw import settings as defaults
+    from llmgw.hostnames import this_machine
 
-    monkeypatch.setattr(defaults, "LLMGW_PUBLIC_URL", "https://LLMGW.example.org:8443/")
-    monkeypatch.setenv("LLMGW_BIND_HOST", "fd00::7")
-    hosts = defaults._this_machine()
+    hosts = this_machine("https://LLMGW.example.org:8443/", "fd00::7")
     assert {"localhost", "127.0.0.1", "[::1]", socket.gethostname().lower(), "llmgw.example.org", "[fd00::7]"} <= set(hosts)
     addresses = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
     assert addresses <= set(hosts)

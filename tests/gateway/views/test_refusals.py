@@ -11,7 +11,7 @@ from agents.ports import free_port
 from cluster.models import ClusterSettings, Profile
 from gateway.runtime import runtime
 from tests.factories import make_model
-from tests.gateway.views.harness import ENGINE_KEY, chat, openai_error, post, ready_replica
+from tests.gateway.views.harness import ENGINE_KEY, add_key, chat, key_client, openai_error, post, ready_replica
 
 # every test here routes to tests/engine.py running as a process
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pytest.mark.integration]
@@ -147,3 +147,26 @@ async def test_no_upstream_error_names_an_engines_host_or_port(cluster, client):
     assert ENGINE_KEY not in json.dumps(refused)
     assert not runtime().local
 
+
+
+async def test_a_refused_request_is_no_demand(cluster):
+    """Only a request the gateway takes asks for its model (what keeps an on-demand model loaded, and wakes one
+    at zero): a key refused the model (403), a request the model cannot serve (400), a key over its limit (429)
+    leave its last request where it was."""
+    await sync_to_async(make_model)("texty")  # chat and completions only: no embeddings
+    secret = await sync_to_async(add_key)("only-qwen", models=["qwen", "texty"], rpm=1)
+    client = key_client(secret)
+    gw = runtime()
+
+    openai_error(await chat(client, "empty"), 403, "model_not_allowed")
+    openai_error(await post(client, "embeddings", {"model": "texty", "input": "hi"}), 400, "not_supported")
+    assert "empty" not in gw.asked and "texty" not in gw.asked, gw.asked
+
+    assert (await chat(client, "qwen")).status_code == 200
+    asked = gw.asked["qwen"]
+    refused = await chat(client, "qwen")
+    if refused.status_code == 200:  # the minute turned between the two: a new window
+        asked = gw.asked["qwen"]
+        refused = await chat(client, "qwen")
+    openai_error(refused, 429, "rate_limited")
+    assert gw.asked["qwen"] == asked
