@@ -220,6 +220,8 @@ def test_real_llama_cpp_server_with_the_real_gguf(system):
     assert httpx.post(url, json=chat, timeout=60).status_code == 401
     system.cli("ctl", "model", "remove", "smol")
     wait_for(lambda: not pid_alive(replica["pid"]), 30, what="engine stopped")
+    wait_for(lambda: "smol" not in [m["name"] for m in system.cli_json("ctl", "models")], 30,
+             what="the model gone (the next test counts the models)")
 
 
 @pytest.mark.parametrize(

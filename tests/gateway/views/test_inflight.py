@@ -145,13 +145,13 @@ async def test_a_client_that_goes_away_once_it_has_the_done_got_a_whole_stream(c
                 gone.set()  # it has what it wants and hangs up, while the engine has not ended the stream yet
 
     caplog.set_level(logging.INFO, logger="llmgw.access")
-    before = metrics.REQUESTS.labels("linger", "200", replica.name)._value.get()
+    before = metrics.REQUESTS.labels("linger", "200")._value.get()
     serving = asyncio.create_task(application()(asgi_scope(body, cluster.secret), hangs_up_after(body, gone), send))
     await asyncio.wait_for(serving, 10)
     assert b"data: [DONE]" in b"".join(chunks)
     [line] = [r.getMessage() for r in caplog.records if r.name == "llmgw.access" and "model=linger" in r.getMessage()]
     assert "status=200" in line and "completion_tokens=0" not in line
-    assert metrics.REQUESTS.labels("linger", "200", replica.name)._value.get() == before + 1
+    assert metrics.REQUESTS.labels("linger", "200")._value.get() == before + 1
     gw = runtime()
     assert not gw.local
     await shared_in_flight_becomes(replica.name, 0)
