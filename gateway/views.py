@@ -147,6 +147,9 @@ async def _proxy(call, request, endpoint: str):
             raise GatewayError(405, "method_not_allowed", f"{request.path} takes POST")
         gw = call.gw = runtime()
         table = await gw.current()
+        if table.serving_stopped and gw.may_reload_for_unknown("stopped"):
+            await gw.refresh()  # `llmgw start` a moment ago, before the change reached this process
+            table = gw.table
         if table.serving_stopped:
             raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)
         call.key = await _authenticate(gw, table, request)

@@ -215,7 +215,11 @@ def test_stop_answers_503_at_once_stops_every_engine_and_start_serves_again(syst
         assert "STOPPED" in system.cli("status").stdout
         models_after = [{k: m.get(k) for k in definition} for m in system.cli_json("ctl", "models")]
         assert models_after == models_before
+        served = load.ok
         system.cli("start")
+        # the start reaches each web process a moment after the command returns (the next request looks again,
+        # gateway.runtime.may_reload_for_unknown): from the first request served on, nothing may fail
+        wait_for(lambda: load.ok > served, 10, interval=0.05, what="the first request served after the start")
         load.expect_stopped = False
         served = load.ok
         system.wait_ready("op-stop", 2)

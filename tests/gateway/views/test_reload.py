@@ -9,6 +9,7 @@ from asgiref.sync import sync_to_async
 from django.db import transaction
 
 from cluster import notify
+from cluster.models import ClusterSettings
 from gateway.runtime import runtime
 from tests.factories import make_model
 from tests.gateway.views.harness import MESSAGES, Client, ready_replica
@@ -61,3 +62,21 @@ async def test_a_model_added_a_moment_ago_is_served_before_the_change_reaches_th
     assert answer.status_code == 200, answer.content
     missing = await ask("no-such-model")
     assert missing.status_code == 404 and json.loads(missing.content)["error"]["code"] == "model_not_found"
+
+
+async def test_a_start_a_moment_ago_is_served_before_the_change_reaches_this_process(cluster):
+    """`llmgw start` returned; the next request comes before this process's listener has heard of it: the gateway
+    looks again before it answers 503 system_stopped."""
+    client = Client(authorization=f"Bearer {cluster.secret}")
+
+    async def ask():
+        return await client.post("/v1/chat/completions", data=json.dumps({"model": "qwen", "messages": MESSAGES}),
+                                 content_type="application/json")
+
+    await sync_to_async(ClusterSettings.objects.filter(pk=1).update)(serving_stopped=True)
+    stopped = await ask()  # the table loads with the system stopped
+    assert stopped.status_code == 503 and json.loads(stopped.content)["error"]["code"] == "system_stopped"
+    await sync_to_async(ClusterSettings.objects.filter(pk=1).update)(serving_stopped=False)  # unheard
+    runtime()._reloaded_for_unknown["stopped"] = 0.0  # a second since the last look
+    answer = await ask()
+    assert answer.status_code == 200, answer.content
