@@ -133,6 +133,10 @@ def _database_kind(item) -> str:
 def pytest_unconfigure(config):
     if _valkey is not None:
         _valkey.stop()
+    if os.environ.get(GROUPS) and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller's groups file
+        import shutil
+
+        shutil.rmtree(Path(os.environ[GROUPS]).parent, ignore_errors=True)
     if os.environ.get("LLMGW_TEST_HOME_IS_TEMPORARY"):
         import shutil
 

@@ -100,7 +100,7 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
         self._spawned: set[asyncio.Task] = set()
         self.ledger = Ledger()
-        self._reloaded_for_unknown = {"key": 0.0, "model": 0.0, "stopped": 0.0}
+        self._looked_again = {"key": 0.0, "model": 0.0, "stopped": 0.0}
 
     def spawn(self, coro) -> None:
         """Run `coro` in the background, holding on to it until it ends (the loop keeps only weak references)."""
@@ -118,14 +118,14 @@ class Gateway:
         await self.engines.aclose()
         await self.redis.aclose()
 
-    def may_reload_for_unknown(self, what: str) -> bool:
+    def may_look_again(self, what: str) -> bool:
         """A key or a model this process has not seen may have been created a moment ago, or the system started a
         moment ago, before the change reached it: a reload answers that, at most once a second for each (not one
         per bad request)."""
         now = time.monotonic()
-        if now - self._reloaded_for_unknown[what] < 1.0:
+        if now - self._looked_again[what] < 1.0:
             return False
-        self._reloaded_for_unknown[what] = now
+        self._looked_again[what] = now
         return True
 
     # the routing table

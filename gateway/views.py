@@ -48,7 +48,7 @@ async def model_detail(request, model: str):
         table = await gw.current()
         await _authenticate(gw, table, request)
         route = table.models.get(model)
-        if route is None and gw.may_reload_for_unknown("model"):
+        if route is None and gw.may_look_again("model"):
             await gw.refresh()
             route = gw.table.models.get(model)
         if route is None:
@@ -147,7 +147,7 @@ async def _proxy(call, request, endpoint: str):
             raise GatewayError(405, "method_not_allowed", f"{request.path} takes POST")
         gw = call.gw = runtime()
         table = await gw.current()
-        if table.serving_stopped and gw.may_reload_for_unknown("stopped"):
+        if table.serving_stopped and gw.may_look_again("stopped"):
             await gw.refresh()  # `llmgw start` a moment ago, before the change reached this process
             table = gw.table
         if table.serving_stopped:
@@ -156,7 +156,7 @@ async def _proxy(call, request, endpoint: str):
         raw, body = _parse(request, endpoint)
         call.model = body["model"]
         route = table.models.get(call.model)
-        if route is None and gw.may_reload_for_unknown("model"):
+        if route is None and gw.may_look_again("model"):
             await gw.refresh()  # a model added a moment ago, before the change reached this process
             route = gw.table.models.get(call.model)
         if route is None:
@@ -203,7 +203,7 @@ async def _authenticate(gw, table, request):
         raise GatewayError(401, "invalid_api_key", "give your API key as `Authorization: Bearer sk-…`")
     key_hash = ApiKey.hash(header[7:].strip())
     key = table.keys.get(key_hash)
-    if key is None and gw.may_reload_for_unknown("key"):
+    if key is None and gw.may_look_again("key"):
         await gw.refresh()  # a key created a moment ago, before the change reached this process
         key = gw.table.keys.get(key_hash)
     if key is None:

@@ -218,7 +218,7 @@ def test_stop_answers_503_at_once_stops_every_engine_and_start_serves_again(syst
         served = load.ok
         system.cli("start")
         # the start reaches each web process a moment after the command returns (the next request looks again,
-        # gateway.runtime.may_reload_for_unknown): from the first request served on, nothing may fail
+        # gateway.runtime.may_look_again): from the first request served on, nothing may fail
         wait_for(lambda: load.ok > served, 10, interval=0.05, what="the first request served after the start")
         load.expect_stopped = False
         served = load.ok

@@ -77,6 +77,6 @@ async def test_a_start_a_moment_ago_is_served_before_the_change_reaches_this_pro
     stopped = await ask()  # the table loads with the system stopped
     assert stopped.status_code == 503 and json.loads(stopped.content)["error"]["code"] == "system_stopped"
     await sync_to_async(ClusterSettings.objects.filter(pk=1).update)(serving_stopped=False)  # unheard
-    runtime()._reloaded_for_unknown["stopped"] = 0.0  # a second since the last look
+    runtime()._looked_again["stopped"] = 0.0  # a second since the last look
     answer = await ask()
     assert answer.status_code == 200, answer.content
