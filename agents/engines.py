@@ -96,6 +96,12 @@ class EngineDriver:
         return CAPABILITIES
 
     @classmethod
+    def context(cls, args: dict) -> int | None:
+        """The tokens of context a replica started with these profile args has, as far as llmgw knows (None: it
+        cannot tell): the gateway refuses a prompt that cannot fit before the engine spends anything on it."""
+        return args.get("context_size") or None
+
+    @classmethod
     def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
         raise NotImplementedError
 
@@ -326,6 +332,10 @@ class Command(EngineDriver):
         "model",
         "gpu_index",
     )
+
+    @classmethod
+    def context(cls, args: dict) -> int | None:
+        return None  # its command may or may not pass {context_size} on: the engine refuses what it cannot fit
 
     @classmethod
     def detect(cls) -> str | None:

@@ -248,6 +248,14 @@ class Model(models.Model):
             return CAPABILITIES
         return driver.capabilities(self.profile.args())
 
+    def context(self) -> int | None:
+        """Its replicas' tokens of context, as its engine's driver reads its profile (None: not known)."""
+        try:
+            driver = driver_for(self.engine.kind)
+        except ValueError:
+            return None
+        return driver.context(self.profile.args())
+
     def memory_estimate(self) -> int:
         if self.memory_bytes:
             return self.memory_bytes

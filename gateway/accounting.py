@@ -1,8 +1,10 @@
 """Rate limits, usage and last use: counted in Redis, never a database write per request.
 
 - Requests per minute: one INCR per request on a per-key, per-minute counter (keys with a limit only).
-- Tokens per minute: the same counter for tokens, added when the engine says how many were used; a request is
-  refused while the key's tokens this minute are at or over its limit.
+- Tokens per minute: the same counter for tokens. A request is refused while the key's tokens this minute are at
+  or over its limit; one admitted reserves at once what it may use (its prompt as estimated and its max tokens),
+  and the engine's count replaces the reservation when it ends (reserve, then settle), so concurrent requests
+  cannot all slip under a limit none had reached yet.
 - Usage per key, model and hour, and each key's last use, gather in this process and go to Redis every second;
   a Celery beat task moves them into the database.
 - Traffic per minute, all keys and web processes together (requests, 5xx answers, tokens, and streamed
@@ -31,34 +33,67 @@ def _minute(now: float) -> int:
     return int(now // 60)
 
 
-async def check_limits(redis, key, now: float | None = None) -> None:
+# one request against a key's limits, atomically, whatever other requests and web processes do at the same time:
+# count it against the requests this minute; then, when the key's tokens this minute (used and reserved) are still
+# under its limit, reserve what the request may use. Returns {0, 0} (admitted), {1, requests} or {2, tokens}.
+ADMIT = """
+if tonumber(ARGV[1]) > 0 then
+  local n = redis.call('INCR', KEYS[1])
+  redis.call('EXPIRE', KEYS[1], 120)
+  if n > tonumber(ARGV[1]) then return {1, n} end
+end
+if tonumber(ARGV[2]) > 0 then
+  local used = tonumber(redis.call('GET', KEYS[2]) or '0')
+  if used >= tonumber(ARGV[2]) then return {2, used} end
+  if tonumber(ARGV[3]) > 0 then
+    redis.call('INCRBY', KEYS[2], ARGV[3])
+    redis.call('EXPIRE', KEYS[2], 120)
+  end
+end
+return {0, 0}
+"""
+
+
+def _tokens_key(key_id: int, minute: int) -> str:
+    return f"llmgw:rl:t:{key_id}:{minute}"
+
+
+async def check_limits(redis, key, reserve: int = 0, now: float | None = None) -> int | None:
+    """Admit a request under its key's rpm and tpm limits, or refuse it (429 with the seconds to the next minute).
+    With a tpm limit, `reserve` tokens (what the request may use at most, as far as the gateway can tell) are
+    counted at once, so that requests arriving together cannot all pass a limit none of them has reached yet;
+    `settle_tokens` puts the difference right once the engine said what it used. Returns the minute the tokens
+    were reserved in (None: no tpm limit)."""
     if not key.rpm and not key.tpm:
-        return
+        return None
     now = now or time.time()
     minute = _minute(now)
     retry = 60 - int(now % 60)
-    async with redis.pipeline(transaction=False) as pipe:
-        if key.rpm:
-            pipe.incr(f"llmgw:rl:r:{key.id}:{minute}")
-            pipe.expire(f"llmgw:rl:r:{key.id}:{minute}", 120)
-        if key.tpm:
-            pipe.get(f"llmgw:rl:t:{key.id}:{minute}")
-        results = await pipe.execute()
-    if key.rpm and int(results[0]) > key.rpm:
+    admit = redis.register_script(ADMIT)
+    refused, _ = await admit(keys=[f"llmgw:rl:r:{key.id}:{minute}", _tokens_key(key.id, minute)],
+                             args=[key.rpm or 0, key.tpm or 0, max(0, int(reserve))])
+    if int(refused) == 1:
         raise GatewayError(429, "rate_limited", f"key {key.name} is limited to {key.rpm} requests per minute", retry)
-    if key.tpm:
-        used = int(results[-1] or 0)
-        if used >= key.tpm:
-            raise GatewayError(429, "rate_limited", f"key {key.name} is limited to {key.tpm} tokens per minute", retry)
+    if int(refused) == 2:
+        raise GatewayError(429, "rate_limited", f"key {key.name} is limited to {key.tpm} tokens per minute", retry)
+    return minute if key.tpm else None
+
+
+async def settle_tokens(redis, key, used: int, reserved: int = 0, minute: int | None = None) -> None:
+    """Count the tokens a request used against its key's tpm limit, in place of what it reserved, in the minute it
+    was admitted in (a reservation is never left standing: a request that failed used what it used, maybe 0)."""
+    change = int(used) - int(reserved)
+    if key.tpm and change:
+        name = _tokens_key(key.id, minute if minute is not None else _minute(time.time()))
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.incrby(name, change)
+            pipe.expire(name, 120)
+            await pipe.execute()
 
 
 async def count_tokens(redis, key, tokens: int, now: float | None = None) -> None:
-    if key.tpm and tokens:
-        name = f"llmgw:rl:t:{key.id}:{_minute(now or time.time())}"
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.incrby(name, tokens)
-            pipe.expire(name, 120)
-            await pipe.execute()
+    """Tokens used with no reservation before them."""
+    await settle_tokens(redis, key, tokens, 0, _minute(now or time.time()))
 
 
 class Ledger:

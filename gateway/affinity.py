@@ -33,20 +33,25 @@ def _hash(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-def _text(value) -> str:
+MAX_DEPTH = 32  # of content walked: a prompt nested deeper (which the gateway refuses first) adds nothing more
+
+
+def _text(value, depth: int = 0) -> str:
     """A message's content, a prompt or an input as text: a string as it is; parts (text, image URLs, token
     ids) joined in order."""
     if isinstance(value, str):
         return value
+    if depth >= MAX_DEPTH:
+        return ""
     if isinstance(value, list):
-        return "\x1e".join(_text(part) for part in value)
+        return "\x1e".join(_text(part, depth + 1) for part in value)
     if isinstance(value, dict):  # a content part: {"type": "text", "text": …}, {"type": "image_url", …}
         inner = value.get("text")
         if inner is None:
             inner = value.get("image_url") or value.get("input_audio") or ""
             if isinstance(inner, dict):
                 inner = inner.get("url") or inner.get("data") or ""
-        return _text(inner)
+        return _text(inner, depth + 1)
     return "" if value is None else str(value)
 
 

@@ -130,11 +130,27 @@ class EngineAnswer:
 
     async def read(self) -> bytes:
         """The whole body."""
-        while not self.complete:
+        body, _ = await self.read_upto(None)
+        return body
+
+    async def read_upto(self, limit: int | None) -> tuple[bytes, bool]:
+        """The body, or its first part once more than `limit` bytes came: (what came, whether that is all of it).
+        What came is taken as it comes, so an answer larger than HIGH_WATER keeps flowing."""
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            if self._parts:
+                part = self._take()
+                parts.append(part)
+                size += len(part)
+            if self.complete and not self._parts:
+                return b"".join(parts), True
+            if limit is not None and size > limit:
+                return b"".join(parts), False
             if self._error is not None:
                 raise self._error
-            await self._wait()
-        return self._take() if self._parts else b""
+            if not self._parts:
+                await self._wait()
 
     async def chunks(self):
         """The body as it comes: whatever has arrived at each step, joined."""

@@ -4,9 +4,10 @@ Django's `ASGIHandler` wraps every request in an asgiref `ThreadSensitiveContext
 sends `request_started` and `request_finished`, runs the middleware, resolves the URL against every pattern,
 builds an HttpRequest (META, a file for the body) and an HttpResponse, and watches for a disconnect with a task
 of its own beside one for the view. For a proxy answering in a fraction of a millisecond that was most of its
-CPU time (bench/gateway.py). This application reads the body into memory (a larger one than
-`LLMGW_MAX_BODY_BYTES` is refused with 413 as soon as it passes the limit), finds the view by its path
-(`gateway.urls`), hands it a `gateway.http.Request` and sends the `Answer` or `Streamed` it returns. The views
+CPU time (bench/gateway.py). This application finds the view by its path (`gateway.urls`), hands it a
+`gateway.http.Request` of the headers and sends the `Answer` or `Streamed` it returns. The view reads the body
+(into memory; a larger one than `LLMGW_MAX_BODY_BYTES` is refused with 413 as soon as it passes the limit) only
+once the client's key is known: a client without one is answered from its headers, its connection closed. The views
 touch the database only through `channels.db.database_sync_to_async`, which closes stale connections itself.
 
 A client that hangs up while its request runs cancels the view (and with it the upstream request, so the engine
@@ -21,8 +22,8 @@ from contextlib import aclosing
 
 from django.conf import settings
 
-from gateway.errors import error_response
-from gateway.http import Request
+from gateway.errors import GatewayError
+from gateway.http import HungUp, Request
 
 GATEWAY_PREFIXES = ("/v1", "/metrics")  # and whatever follows (/v1x, /metrics/): a JSON 404, never a page
 
@@ -33,10 +34,6 @@ class BodyTooLarge(Exception):
     pass
 
 
-class HungUp(Exception):
-    pass
-
-
 class GatewayHandler:
     def __init__(self, resolve: Callable[[str], tuple[View, dict]]):
         self.resolve = resolve
@@ -44,26 +41,37 @@ class GatewayHandler:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             raise ValueError(f"the gateway serves HTTP only, not {scope['type']}")
-        try:
-            body = await read_body(receive)
-        except HungUp:
-            return
-        except BodyTooLarge:
-            limit = settings.LLMGW_MAX_BODY_BYTES
-            await send_answer(error_response(413, "request_too_large", f"the request body is over {limit} bytes"), send)
-            return
         view, kwargs = self.resolve(scope.get("path", ""))
-        request = Request.from_scope(scope, body)
         watch = Watch(receive)
+
+        async def read() -> bytes:
+            try:
+                body = await read_body(receive)
+            except BodyTooLarge:
+                limit = settings.LLMGW_MAX_BODY_BYTES
+                raise GatewayError(413, "request_too_large", f"the request body is over {limit} bytes") from None
+            watch.arm()  # from here on the only message left is the client's hang-up
+            return body
+
+        request = Request.from_scope(scope, read=read)
         try:
             answer = await view(request, **kwargs)
+            if request.body is None and _has_body(request):
+                # answered without reading what the client sends (no key, say): the connection cannot be reused
+                answer["Connection"] = "close"
             await send_answer(answer, send)
+        except HungUp:
+            return
         except asyncio.CancelledError:
             if not watch.hung_up:
                 raise  # the server is stopping this request, not the client
             watch.task.uncancel()  # the client left: its request ends here, and so does the cancellation
         finally:
             watch.stop()
+
+
+def _has_body(request: Request) -> bool:
+    return request.header("content-length") not in ("", "0") or bool(request.header("transfer-encoding"))
 
 
 class Watch:
@@ -79,8 +87,12 @@ class Watch:
         self.task = asyncio.current_task()
         self.hung_up = False
         self.watcher: asyncio.Task | None = None
-        loop = asyncio.get_running_loop()
-        self.timer = loop.call_later(self.WATCH_AFTER, self._start)
+        self.timer: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        """Start watching, once the body is read (before, `receive` is the body's)."""
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.WATCH_AFTER, self._start)
 
     def _start(self) -> None:
         self.watcher = asyncio.get_running_loop().create_task(self._watch())
@@ -94,7 +106,8 @@ class Watch:
                 return
 
     def stop(self) -> None:
-        self.timer.cancel()
+        if self.timer is not None:
+            self.timer.cancel()
         if self.watcher is not None:
             self.watcher.cancel()
 

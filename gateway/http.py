@@ -9,28 +9,43 @@ address and the body it has already read; an answer is its status, headers and b
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+
+class HungUp(Exception):
+    """The client went away before its whole body came."""
 
 
 class Request:
-    __slots__ = ("method", "path", "headers", "client", "body")
+    """A request as its headers came. Its body is read only when the view asks for it (`read_body`), once the
+    client's key has been checked: a client with no key holds no memory of the web process with a body."""
 
-    def __init__(self, method: str, path: str, headers: dict[str, str], client: str, body: bytes):
+    __slots__ = ("method", "path", "headers", "client", "body", "_read")
+
+    def __init__(self, method: str, path: str, headers: dict[str, str], client: str, body: bytes | None = None,
+                 read: Callable[[], Awaitable[bytes]] | None = None):
         self.method = method
         self.path = path
         self.headers = headers  # lower-case names; a repeated header keeps its first value
         self.client = client  # the peer's address, as the ASGI server saw it
-        self.body = body
+        self.body = body  # None until read
+        self._read = read
 
     @classmethod
-    def from_scope(cls, scope, body: bytes) -> Request:
+    def from_scope(cls, scope, body: bytes | None = None, read: Callable[[], Awaitable[bytes]] | None = None) -> Request:
         headers: dict[str, str] = {}
         for name, value in scope.get("headers") or ():
             key = name.decode("latin-1").lower()
             if key not in headers:
                 headers[key] = value.decode("latin-1")
         client = scope.get("client")
-        return cls(scope.get("method", "GET"), scope.get("path", ""), headers, client[0] if client else "", body)
+        return cls(scope.get("method", "GET"), scope.get("path", ""), headers, client[0] if client else "", body, read)
+
+    async def read_body(self) -> bytes:
+        """The whole body (the handler's reader refuses one over the limit as it comes)."""
+        if self.body is None:
+            self.body = await self._read() if self._read is not None else b""
+        return self.body
 
     def header(self, name: str) -> str:
         """One header's value ("" when absent); `name` in lower case."""
@@ -61,7 +76,7 @@ class Answer:
 
 
 class Streamed:
-    """An answer sent as it comes (server-sent events), with what lets its upstream go however it ends: read to
+    """An answer sent as it comes (server-sent events, or a large answer passed on), with what lets its upstream go however it ends: read to
     the end, cut short, or never started (a client gone between the view's answer and its first byte, when the
     generator never ran and so ran no `finally`). The handler calls `settle` once the answer is out or abandoned;
     it is a no-op when the stream already ended its own way."""
@@ -69,12 +84,15 @@ class Streamed:
     streaming = True
     __slots__ = ("status", "chunks", "headers", "settle")
 
-    def __init__(self, chunks: AsyncIterator[bytes], settle: Callable[[int], None]):
+    def __init__(self, chunks: AsyncIterator[bytes], settle: Callable[[int], None], content_type: str = ""):
         self.status = 200
         self.chunks = chunks
         self.settle = settle
-        self.headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                        (b"x-accel-buffering", b"no")]
+        if content_type:  # a whole answer too large to hold, passed on as it comes
+            self.headers = [(b"content-type", content_type.encode("latin-1"))]
+        else:
+            self.headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")]
 
     def __setitem__(self, name: str, value: str) -> None:
         self.headers.append(_header(name, value))

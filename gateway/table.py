@@ -51,6 +51,9 @@ class ModelRoute:
     # autoscaled: a request finding no replica asks for one (at zero, it wakes the model) and waits for it
     autoscaled: bool = False
     no_room: str = ""  # why its replica cannot be placed and no room is coming: a request is answered at once
+    context: int | None = None  # tokens of context its engine is started with (its profile's)
+    max_logprobs: int | None = None  # top log-probabilities per token a request may ask for (None: no cap)
+    max_choices: int | None = None  # choices a request may ask for (None: no cap)
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,8 @@ def load() -> Table:
         serves = frozenset(m.capabilities())
         models[name] = ModelRoute(name, m.wait_seconds, upstreams, coming.get(name, 0) + missing, serves, m.max_tokens,
                                   m.routing, Ring(u.replica for u in upstreams), m.autoscaled,
-                                  no_room.get(name, "") if name not in making_room else "")
+                                  no_room.get(name, "") if name not in making_room else "", m.context(),
+                                  getattr(m, "max_logprobs", 20), getattr(m, "max_choices", 8))  # TEMP until h-caps
     keys = {
         k["key_hash"]: KeyInfo(
             id=k["id"],

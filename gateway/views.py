@@ -8,19 +8,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 
 
 from cluster import throttle
 from cluster.clients import address_of
 from gateway import affinity, metrics
-from gateway.accounting import check_limits, count_tokens
+from gateway import prompt
+from gateway.accounting import check_limits, settle_tokens
 from gateway.engines_http import ConnectFailed, ConnectTimeout, ReadTimeout, Unreachable, UpstreamError
 from gateway.errors import GatewayError, error_response, invalid
-from gateway.http import Answer, Streamed, json_answer
+from gateway.http import Answer, HungUp, Streamed, json_answer
 from gateway.models import ApiKey
+from gateway.prompt import check_caps, check_context, completion_at_most
 from gateway.runtime import PREFIX, runtime
-from gateway.upstream import KEY_REFUSED, cap_tokens, check_capabilities, refusal, scrub
+from gateway.upstream import KEY_REFUSED, TOKEN_FIELDS, cap_tokens, check_capabilities, refusal, scrub
 
 log = logging.getLogger("llmgw.gateway")
 access = logging.getLogger("llmgw.access")
@@ -35,10 +38,11 @@ async def models_list(request):
     try:
         gw = runtime()
         table = await gw.current()
-        await _authenticate(gw, table, request)
+        key = await _authenticate(gw, table, request)
     except GatewayError as exc:
         return exc.response()
-    data = [_model_object(route) for route in sorted(table.models.values(), key=lambda r: r.name)]
+    data = [_model_object(route) for route in sorted(table.models.values(), key=lambda r: r.name)
+            if not key.models or route.name in key.models]
     return json_answer({"object": "list", "data": data})
 
 
@@ -46,12 +50,12 @@ async def model_detail(request, model: str):
     try:
         gw = runtime()
         table = await gw.current()
-        await _authenticate(gw, table, request)
+        key = await _authenticate(gw, table, request)
         route = table.models.get(model)
         if route is None and gw.may_look_again("model"):
             await gw.refresh()
             route = gw.table.models.get(model)
-        if route is None:
+        if route is None or (key.models and model not in key.models):  # what it may not use, it is not told of
             raise GatewayError(404, "model_not_found", f"no model named {model!r}")
     except GatewayError as exc:
         return exc.response()
@@ -96,6 +100,11 @@ class Call:
         self.attempts = 0  # replicas it was sent to
         self.waited: float | None = None  # seconds it waited for a ready replica, once it looked for one
         self.asked_until = 0.0  # an autoscaled model found without room: until when the request waits for news
+        self.prompt_about = 0  # its prompt's tokens as estimated (gateway.prompt), until the engine says
+        self.passed = 0  # tokens of a streamed answer passed on to the client, as counted by its chunks
+        self.reserved = 0  # tokens reserved against its key's tpm limit when it was admitted
+        self.reserved_minute: int | None = None  # the minute they were reserved in (None: no tpm limit)
+        self.usage_known = False  # the engine said what the request used
 
     @property
     def label(self) -> str:
@@ -103,8 +112,22 @@ class Call:
         otherwise grow the series, and the web process with them, a name at a time)."""
         return self.model if self.known else metrics.UNKNOWN_MODEL
 
+    def count_cut_short(self) -> None:
+        """A stream that ended before the engine said what it used (the client closed it, say) still used what the
+        engine produced: the tokens passed on, and its prompt as estimated when anything was passed."""
+        if not self.usage_known and self.passed:
+            self.prompt, self.completion = self.prompt_about, self.passed
+
+    async def settle(self) -> None:
+        """Count what it used against its key's tpm limit in place of what it reserved."""
+        if self.reserved_minute is not None:
+            minute, self.reserved_minute = self.reserved_minute, None
+            await settle_tokens(self.gw.redis, self.key, self.prompt + self.completion, self.reserved, minute)
+
     def finish(self, status: int) -> None:
         self.status = status
+        if self.reserved_minute is not None and self.gw is not None:
+            self.gw.spawn(self.settle())
         seconds = time.monotonic() - self.started
         series = metrics.of(self.label)
         series.requests(status).inc()
@@ -153,7 +176,7 @@ async def _proxy(call, request, endpoint: str):
         if table.serving_stopped:
             raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)
         call.key = await _authenticate(gw, table, request)
-        raw, body = _parse(request, endpoint)
+        raw, body = _parse(await request.read_body(), endpoint)
         call.model = body["model"]
         route = table.models.get(call.model)
         if route is None and gw.may_look_again("model"):
@@ -165,13 +188,21 @@ async def _proxy(call, request, endpoint: str):
         if call.key.models and call.model not in call.key.models:
             raise GatewayError(403, "model_not_allowed", f"this key may not use model {call.model!r}")
         check_capabilities(call.model, route.capabilities, endpoint, body)
+        check_caps(call.model, body, route.max_logprobs, route.max_choices)
+        measured = prompt.size(endpoint, body)
+        check_context(call.model, route.context, measured)
+        call.prompt_about = measured.about
         if route.routing == PREFIX:
             call.affinity = affinity.request_key(endpoint, body)
-        await check_limits(gw.redis, call.key)
+        changed = endpoint != "embeddings" and cap_tokens(body, (route.max_tokens, call.key.max_tokens))
+        if call.key.tpm:
+            call.reserved = measured.about
+            if endpoint != "embeddings":
+                call.reserved += completion_at_most(body, TOKEN_FIELDS, route.context)
+        call.reserved_minute = await check_limits(gw.redis, call.key, call.reserved)
         gw.requested(call.model)  # demand, once nothing refuses it (a refused request must keep no model loaded)
         stream = bool(body.get("stream"))
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
-        changed = endpoint != "embeddings" and cap_tokens(body, (route.max_tokens, call.key.max_tokens))
         if stream and not wants_usage:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
             changed = True
@@ -183,7 +214,7 @@ async def _proxy(call, request, endpoint: str):
     except GatewayError as exc:
         call.finish(exc.status)
         return exc.response()
-    except asyncio.CancelledError:  # the client went away before the answer: still one access-log line
+    except (asyncio.CancelledError, HungUp):  # the client went away before the answer: still one access-log line
         call.finish(499)
         raise
     except Exception:  # a bug of ours must still not become a 500 for the client
@@ -216,8 +247,8 @@ async def _authenticate(gw, table, request):
     return key
 
 
-def _parse(request, endpoint: str) -> tuple[bytes, dict]:
-    raw = request.body  # no larger than LLMGW_MAX_BODY_BYTES: gateway.handler refused it as it came
+def _parse(raw: bytes, endpoint: str) -> tuple[bytes, dict]:
+    """The body as it came (no larger than LLMGW_MAX_BODY_BYTES: gateway.handler refused it as it came), and as JSON."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -351,25 +382,78 @@ def _refused(call, endpoint, upstream, status: int, content: bytes) -> GatewayEr
 
 
 async def _once(gw, call, endpoint, payload):
+    """A whole answer: held and sent as one when it is small (ONCE_BYTES), else passed on as it comes, with no more
+    of it in memory than the engine connection's buffer (an answer of many embeddings or log-probabilities)."""
     upstream, response = await _send(gw, call, endpoint, payload)
+    passing = False
     try:
         try:
-            content = await response.read()
+            content, whole = await response.read_upto(ONCE_BYTES if response.status == 200 else ERROR_BYTES)
         except ReadTimeout:
             raise GatewayError(504, "upstream_timeout", f"replica {upstream.replica} did not finish in time") from None
         except UpstreamError as exc:
             raise GatewayError(502, "upstream_error", f"replica {upstream.replica} broke off: {_describe(exc)}") from None
+        status = response.status
+        if status >= 400:
+            raise _refused(call, endpoint, upstream, status, content)
+        if not whole:
+            passing = True
+            return _pass_on(gw, call, upstream, response, content)
     finally:
-        response.release()
-        _done(gw, call, upstream)
-    status = response.status
-    if status >= 400:
-        raise _refused(call, endpoint, upstream, status, content)
+        if not passing:
+            response.release()  # read to the end: back to the pool; else closed
+            _done(gw, call, upstream)
     if status == 200:
         _take_usage(call, content)
-        await _account(gw, call)
+        gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
+        await call.settle()  # before the answer: the key's next request sees what this one used
     call.finish(status)
     return Answer(content, status, response.content_type)
+
+
+ONCE_BYTES = 1 << 20  # a whole answer larger than this is passed on as it comes instead of held
+ERROR_BYTES = 64 << 10  # of an engine's error answer, read for its words; the rest is not wanted
+USAGE_TAIL = 64 << 10  # of a passed-on answer, kept to find its usage in (the engines put it near the end)
+_USAGE_FIELD = re.compile(rb'[{,]\s*"(prompt_tokens|completion_tokens)"\s*:\s*(\d+)')
+
+
+def _pass_on(gw, call, upstream, response, head: bytes) -> Streamed:
+    """A large whole answer, passed on as it comes; its usage read off its tail."""
+    state = {"settled": False}
+
+    def settle(status: int) -> None:
+        if state["settled"]:
+            return
+        state["settled"] = True
+        if response.complete:
+            response.release()
+        else:
+            response.close()
+        _done(gw, call, upstream)
+        gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
+        call.finish(status)
+
+    async def chunks():
+        tail = head[-USAGE_TAIL:]
+        status = 499
+        try:
+            yield head
+            async for chunk in response.chunks():
+                tail = (tail + chunk)[-USAGE_TAIL:]
+                yield chunk
+            status = 200
+            for name, value in _USAGE_FIELD.findall(tail):  # the last of each: the answer's own usage
+                if name == b"prompt_tokens":
+                    call.prompt = int(value)
+                else:
+                    call.completion = int(value)
+        except (ReadTimeout, UpstreamError) as exc:  # the status went out: all that is left is to stop
+            log.warning("replica %s broke off a large answer: %s", upstream.replica, _describe(exc))
+            status = 502
+        finally:
+            settle(status)
+
+    return Streamed(chunks(), settle, response.content_type)
 
 
 def _take_usage(call, content: bytes) -> None:
@@ -377,14 +461,9 @@ def _take_usage(call, content: bytes) -> None:
         usage = json.loads(content).get("usage") or {}
         call.prompt = int(usage.get("prompt_tokens") or 0)
         call.completion = int(usage.get("completion_tokens") or 0)
-    except (ValueError, AttributeError, TypeError):
+        call.usage_known = True
+    except (ValueError, AttributeError, TypeError, RecursionError):
         pass
-
-
-async def _account(gw, call) -> None:
-    gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
-    if call.key.tpm:
-        await count_tokens(gw.redis, call.key, call.prompt + call.completion)
 
 
 async def _stream(gw, call, endpoint, payload, wants_usage: bool):
@@ -422,9 +501,8 @@ async def _stream(gw, call, endpoint, payload, wants_usage: bool):
         else:
             response.close()  # cut short: the engine sees its client go and stops generating
         release()
+        call.count_cut_short()
         gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
-        if call.key.tpm and (call.prompt or call.completion):
-            gw.spawn(count_tokens(gw.redis, call.key, call.prompt + call.completion))
         call.finish(status)
 
     async def events():
@@ -465,9 +543,15 @@ async def _stream(gw, call, endpoint, payload, wants_usage: bool):
     return Streamed(events(), settle)
 
 
+_GENERATED = re.compile(rb'"(?:content|text|reasoning_content)"\s*:\s*"')  # a chunk that carries a token
+
+
 def _keep_event(call, event: bytes, wants_usage: bool) -> bool:
-    """Read the usage off the stream; drop the usage-only chunk the client did not ask for."""
+    """Read the usage off the stream; drop the usage-only chunk the client did not ask for. Count the chunks that
+    carry generated text (one token each, as the engines stream), for a stream cut short before its usage."""
     if b'"usage"' not in event:
+        if _GENERATED.search(event):
+            call.passed += 1
         return True
     for line in event.split(b"\n"):
         if not line.startswith(b"data:"):
@@ -480,6 +564,7 @@ def _keep_event(call, event: bytes, wants_usage: bool) -> bool:
         if usage:
             call.prompt = int(usage.get("prompt_tokens") or 0)
             call.completion = int(usage.get("completion_tokens") or 0)
+            call.usage_known = True
             if not wants_usage and not data.get("choices"):
                 return False
     return True

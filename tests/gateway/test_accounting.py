@@ -1,5 +1,6 @@
 """Rate limits and usage counting in Redis (the real one): per-minute windows, Retry-After, the ledger's hash."""
 
+import asyncio
 import json
 import socket
 
@@ -12,7 +13,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from cluster.locks import redis_client
-from gateway.accounting import LAST_USED_HASH, USAGE_HASH, Ledger, check_limits, count_tokens
+from gateway.accounting import LAST_USED_HASH, USAGE_HASH, Ledger, check_limits, count_tokens, settle_tokens
 from gateway.errors import GatewayError
 from gateway.table import KeyInfo
 
@@ -104,6 +105,28 @@ async def test_tokens_per_minute(redis, other_process):
     assert limit_keys() == [f"llmgw:rl:t:7:{MINUTE // 60}"]  # no request counter for a tokens-only key
     assert int(redis_client().get(f"llmgw:rl:t:7:{MINUTE // 60}")) == 100
     assert 0 < redis_client().ttl(f"llmgw:rl:t:7:{MINUTE // 60}") <= 120
+
+
+async def test_tokens_are_reserved_when_admitted_and_settled_when_used(redis, other_process):
+    """16 requests at once on a tpm key, each of which may use 40 tokens: only as many as the limit holds are let
+    in (reserve, then settle), whichever web process they come through."""
+    k = key(tpm=100)
+    tried = await asyncio.gather(*(check_limits(redis if i % 2 else other_process, k, 40, now=MINUTE + 1)
+                                   for i in range(16)), return_exceptions=True)
+    admitted = [m for m in tried if not isinstance(m, Exception)]
+    assert len(admitted) == 3  # 0, 40, 80 used and reserved: under 100; the fourth finds 120
+    assert all(isinstance(e, GatewayError) and e.status == 429 for e in tried if isinstance(e, Exception))
+    assert admitted == [MINUTE // 60] * 3
+    name = f"llmgw:rl:t:7:{MINUTE // 60}"
+    assert int(redis_client().get(name)) == 120
+    # each used 10, not 40: the reservations go, what they used stays
+    for minute in admitted:
+        await settle_tokens(redis, k, 10, 40, minute)
+    assert int(redis_client().get(name)) == 30
+    await check_limits(redis, k, 40, now=MINUTE + 2)  # room again
+    # settled in the minute it was admitted in, even after that minute
+    await settle_tokens(redis, k, 0, 40, MINUTE // 60)
+    assert int(redis_client().get(name)) == 30
 
 
 async def test_both_limits(redis):

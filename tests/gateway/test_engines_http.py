@@ -259,3 +259,21 @@ async def test_a_connection_gives_up_on_a_host_that_stops_acknowledging(pool):
         with pytest.raises(Unreachable) as lost:
             await waiting
         assert lost.value.before_answer
+
+
+async def test_a_whole_answer_larger_than_the_buffer_is_read_to_its_end(pool):
+    """Reading pauses at HIGH_WATER until the reader takes what came: `read` takes as it goes, so an answer of many
+    megabytes arrives whole (it waited out the read timeout before), and `read_upto` stops at its limit with the
+    rest still to come."""
+    body = b'{"data": "' + b"x" * (5 << 20) + b'"}'
+    async with Server(lambda request: whole(body)) as server:
+        answer = await pool.post("127.0.0.1", server.port, "/v1/embeddings", b"{}", "Bearer k")
+        assert await answer.read() == body
+        answer.release()
+        answer = await pool.post("127.0.0.1", server.port, "/v1/embeddings", b"{}", "Bearer k")
+        head, complete = await answer.read_upto(1 << 20)
+        assert not complete and (1 << 20) < len(head) < len(body)
+        rest = b"".join([chunk async for chunk in answer.chunks()])
+        assert head + rest == body and answer.complete
+        answer.release()
+        assert server.connections == 1  # read to the end both times: the connection went back to the pool
