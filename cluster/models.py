@@ -181,6 +181,10 @@ class ModelFile(models.Model):
         return settings.MIRROR_DIR / self.sha256
 
 
+DEFAULT_MAX_LOGPROBS = 20  # top log-probabilities per token a request may ask for (OpenAI's own top_logprobs limit)
+DEFAULT_MAX_CHOICES = 8  # choices per request
+
+
 class Model(models.Model):
     """What to serve: a file on an engine with a profile, so many replicas."""
 
@@ -199,6 +203,10 @@ class Model(models.Model):
     wait_seconds = models.PositiveIntegerField(default=30)  # how long the gateway waits for a replica
     # the most tokens one completion may generate: set when a client asks for none, lowered when it asks for more
     max_tokens = models.PositiveIntegerField(null=True, blank=True, default=4096)  # null: the engine's own limit
+    # what a request may ask for that multiplies an answer's size, refused past these (null: no cap):
+    # top log-probabilities per token (llama.cpp's n_probs, chat's top_logprobs, completions' logprobs; 0: none)
+    max_logprobs = models.PositiveIntegerField(null=True, blank=True, default=DEFAULT_MAX_LOGPROBS)
+    max_choices = models.PositiveIntegerField(null=True, blank=True, default=DEFAULT_MAX_CHOICES)  # n, best_of
     routing = models.CharField(max_length=20, choices=Routing.choices, default=Routing.PREFIX)
     # Autoscaled between min_replicas and max_replicas when min_replicas is set (else `replicas`, fixed);
     # min 0: on demand, loaded when a request names it and unloaded when idle (cluster/autoscaler.py)

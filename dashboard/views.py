@@ -383,9 +383,10 @@ def _model_fields(request) -> dict:
         values["memory_bytes"] = _size(request, "memory", "memory")
     if "nodes" in request.POST:
         values["nodes"] = _names(request, "nodes")
-    raw = request.POST.get("max_tokens", "").strip()
-    if raw:
-        values["max_tokens"] = None if raw.lower() == "none" else _int(request, "max_tokens", "max tokens")
+    for cap, label in (("max_tokens", "max tokens"), ("max_logprobs", "max logprobs"), ("max_choices", "max choices")):
+        raw = request.POST.get(cap, "").strip()
+        if raw:  # blank: as it is (a new model: the default); none: no cap
+            values[cap] = None if raw.lower() == "none" else _int(request, cap, label)
     if request.POST.get("routing", "").strip():
         values["routing"] = request.POST["routing"].strip()  # the operation refuses one it does not know
     return values

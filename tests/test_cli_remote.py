@@ -302,11 +302,12 @@ def test_events_follow_prints_what_happens_after_it_started(cluster):
 
 def test_the_choices_the_command_offers_are_the_servers():
     """The command tree is Django-free (a laptop's install), so it names the choices itself: they are the API's."""
-    from cluster.operations import DEFAULT_MAX_TOKENS, ROUTINGS
+    from cluster.operations import DEFAULT_MAX_CHOICES, DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_TOKENS, ROUTINGS
     from cluster.roles import ROLES
     from llmgw.cli import args
 
     assert (args.ROUTINGS, args.ROLES, args.DEFAULT_MAX_TOKENS) == (ROUTINGS, ROLES, DEFAULT_MAX_TOKENS)
+    assert (args.DEFAULT_MAX_LOGPROBS, args.DEFAULT_MAX_CHOICES) == (DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_CHOICES)
 
 
 def test_what_works_on_this_machine_says_so_when_a_server_is_configured(monkeypatch):

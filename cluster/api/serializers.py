@@ -13,7 +13,14 @@ from agents.units import MAX_DURATION
 from cluster import queries
 from cluster.api.base import INT_MAX, NameField, StrictSerializer, UserNameField
 from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
-from cluster.operations import DEFAULT_MAX_TOKENS, MAX_MEMORY, MAX_REPLICAS, PROFILE_MAXIMA
+from cluster.operations import (
+    DEFAULT_MAX_CHOICES,
+    DEFAULT_MAX_LOGPROBS,
+    DEFAULT_MAX_TOKENS,
+    MAX_MEMORY,
+    MAX_REPLICAS,
+    PROFILE_MAXIMA,
+)
 from cluster.roles import ROLES
 
 # Nodes
@@ -207,6 +214,8 @@ class ServedModelSerializer(serializers.ModelSerializer):
             "nodes",
             "wait_seconds",
             "max_tokens",
+            "max_logprobs",
+            "max_choices",
             "routing",
             "min_replicas",
             "max_replicas",
@@ -245,6 +254,13 @@ class ServedModelSerializer(serializers.ModelSerializer):
     @extend_schema_field(serializers.DictField(child=serializers.IntegerField()))
     def get_replica_states(self, model: Model) -> dict:
         return {s: getattr(model, f"n_{s}") for s in STATES}
+
+
+MAX_LOGPROBS_HELP = (
+    "most top log-probabilities per token a request may ask for (llama.cpp's n_probs, chat's top_logprobs,"
+    " completions' logprobs), refused with a 400 past it; 0: none at all; null: no cap"
+)
+MAX_CHOICES_HELP = "most choices a request may ask for (n, best_of), refused with a 400 past it; null: no cap"
 
 
 ROUTING_HELP = (
@@ -288,6 +304,10 @@ class ServedModelUpdateSerializer(ScalingFields):
         required=False, min_value=1, max_value=INT_MAX, allow_null=True,
         help_text="most tokens a completion may generate; null: no cap of llmgw's",
     )
+    max_logprobs = serializers.IntegerField(required=False, min_value=0, max_value=INT_MAX, allow_null=True,
+                                            help_text=MAX_LOGPROBS_HELP)
+    max_choices = serializers.IntegerField(required=False, min_value=1, max_value=INT_MAX, allow_null=True,
+                                           help_text=MAX_CHOICES_HELP)
     routing = serializers.ChoiceField(choices=Model.Routing.choices, required=False, help_text=ROUTING_HELP)
 
 
@@ -308,6 +328,10 @@ class ServedModelCreateSerializer(ScalingFields):
         help_text="most tokens a completion may generate, set when a client asks for none and lowered when it asks"
         " for more; null: no cap of llmgw's",
     )
+    max_logprobs = serializers.IntegerField(min_value=0, max_value=INT_MAX, allow_null=True,
+                                            default=DEFAULT_MAX_LOGPROBS, help_text=MAX_LOGPROBS_HELP)
+    max_choices = serializers.IntegerField(min_value=1, max_value=INT_MAX, allow_null=True,
+                                           default=DEFAULT_MAX_CHOICES, help_text=MAX_CHOICES_HELP)
     routing = serializers.ChoiceField(choices=Model.Routing.choices, default=Model.Routing.PREFIX, help_text=ROUTING_HELP)
 
 

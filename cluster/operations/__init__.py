@@ -9,6 +9,8 @@ from cluster.errors import Conflict, NotFound, OperationError, Unavailable
 from cluster.operations.engines import add_engine
 from cluster.operations.files import import_model_file, import_uploaded_file, resolve_file
 from cluster.operations.models import (
+    DEFAULT_MAX_CHOICES,
+    DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_TOKENS,
     GGUF_ENGINES,
     ROUTINGS,
@@ -33,6 +35,8 @@ from cluster.operations.validation import MAX_MEMORY, MAX_REPLICAS
 from cluster.roles import ROLES
 
 __all__ = [
+    "DEFAULT_MAX_CHOICES",
+    "DEFAULT_MAX_LOGPROBS",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_PROFILE",
     "GGUF_ENGINES",

@@ -9,7 +9,15 @@ from agents.confirmation import needs_confirmation
 from cluster.errors import Conflict, OperationError
 from cluster.events import kick_reconciler, record
 from agents.units import MAX_DURATION
-from cluster.models import Demand, EngineVersion, Model, ModelFile, Profile
+from cluster.models import (
+    DEFAULT_MAX_CHOICES,
+    DEFAULT_MAX_LOGPROBS,
+    Demand,
+    EngineVersion,
+    Model,
+    ModelFile,
+    Profile,
+)
 from cluster.operations.files import resolve_file
 from cluster.operations.profiles import DEFAULT_PROFILE
 from cluster.operations.validation import MAX_MEMORY, MAX_REPLICAS, check_count, check_name, created, get_named
@@ -42,6 +50,11 @@ def _model_values(values: dict, actor: str) -> dict:
     if "max_tokens" in values:  # None: no cap of llmgw's (the engine's context is the limit)
         cap = values["max_tokens"]
         clean["max_tokens"] = None if cap is None else check_count("max tokens", cap, 1)
+    # None: no cap; 0 log-probabilities: a request may ask for none at all
+    for field, label, least in (("max_logprobs", "max logprobs", 0), ("max_choices", "max choices", 1)):
+        if field in values:
+            cap = values[field]
+            clean[field] = None if cap is None else check_count(label, cap, least)
     for field, label in (("min_replicas", "min replicas"), ("max_replicas", "max replicas")):
         if values.get(field) is not None:
             clean[field] = check_count(label, values[field], 0, MAX_REPLICAS)
@@ -118,6 +131,8 @@ def add_model(
     nodes: list[str] | None = None,
     wait_seconds: int | None = None,
     max_tokens: int | None = DEFAULT_MAX_TOKENS,
+    max_logprobs: int | None = DEFAULT_MAX_LOGPROBS,
+    max_choices: int | None = DEFAULT_MAX_CHOICES,
     routing: str = Model.Routing.PREFIX,
     min_replicas: int | None = None,
     max_replicas: int | None = None,
@@ -143,6 +158,8 @@ def add_model(
                 "nodes": nodes or [],
                 "wait_seconds": wait_seconds,
                 "max_tokens": max_tokens,
+                "max_logprobs": max_logprobs,
+                "max_choices": max_choices,
                 "routing": routing,
                 "min_replicas": min_replicas,
                 "max_replicas": max_replicas,

@@ -13,6 +13,8 @@ from llmgw.cli.client import CliError
 ROUTINGS = ("prefix", "least-inflight")
 ROLES = ("admin", "operator", "viewer")
 DEFAULT_MAX_TOKENS = 4096
+DEFAULT_MAX_LOGPROBS = 20
+DEFAULT_MAX_CHOICES = 8
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -47,17 +49,26 @@ def parse_when(text: str | None, flag: str) -> str | None:
 UNSET = object()  # an option not given, where None means something ("no cap")
 
 
-def max_tokens_arg(text: str) -> int | None:
-    """`--max-tokens N` or `none` (no cap), for argparse: a bad value is its one-line error."""
-    if text.strip().lower() == "none":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number or none") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: at least 1")
-    return value
+def cap_arg(least: int):
+    """A cap given as `N` (at least `least`) or `none` (no cap), for argparse: a bad value is its one-line error."""
+
+    def parse(text: str) -> int | None:
+        if text.strip().lower() == "none":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number or none") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r}: at least {least}")
+        return value
+
+    return parse
+
+
+max_tokens_arg = cap_arg(1)  # `--max-tokens N|none`
+max_choices_arg = cap_arg(1)  # `--max-choices N|none`
+max_logprobs_arg = cap_arg(0)  # `--max-logprobs N|none` (0: no log-probabilities at all)
 
 
 def duration_arg(text: str) -> int:

@@ -47,7 +47,8 @@ def model_add(o, out):
     body = {
         "name": o["name"], "file": o["file"], "engine": o["engine"], "profile": o["profile"],
         "replicas": o["replicas"], "nodes": o["nodes"] or [], "wait_seconds": o["wait"],
-        "max_tokens": o["max_tokens"], "routing": o["routing"], **_scaling_values(o),
+        "max_tokens": o["max_tokens"], "max_logprobs": o["max_logprobs"], "max_choices": o["max_choices"],
+        "routing": o["routing"], **_scaling_values(o),
     }
     if o["memory"]:
         body["memory_bytes"] = parse_size_arg(o["memory"])
@@ -67,13 +68,15 @@ def model_set(o, out):
         values["wait_seconds"] = o["wait"]
     if o.get("memory") is not None:
         values["memory_bytes"] = 0 if o["memory"] in ("auto", "0") else parse_size_arg(o["memory"])
-    if o.get("max_tokens", UNSET) is not UNSET:
-        values["max_tokens"] = o["max_tokens"]
+    for cap in ("max_tokens", "max_logprobs", "max_choices"):  # None is a value here: no cap
+        if o.get(cap, UNSET) is not UNSET:
+            values[cap] = o[cap]
     values.update(_scaling_values(o))
     if not values:
         raise CliError(
             "nothing to change: give --replicas, --min-replicas, --max-replicas, --target-inflight, --idle-after, "
-            "--scale-down-delay, --profile, --engine, --file, --memory, --nodes, --wait, --max-tokens or --routing"
+            "--scale-down-delay, --profile, --engine, --file, --memory, --nodes, --wait, --max-tokens, --max-logprobs, "
+            "--max-choices or --routing"
         )
     if any(values.get(k) is not None for k in ("replicas", "min_replicas", "max_replicas")) and not o.get("yes"):
         _confirmed(o, o["api"].get(f"models/{o['name']}/"), values)

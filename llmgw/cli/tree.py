@@ -12,7 +12,19 @@ import argparse
 
 from agents.confirmation import CONFIRM_ABOVE
 from llmgw.cli.agent import add_arguments as agent_arguments, agent as agent_cmd
-from llmgw.cli.args import DEFAULT_MAX_TOKENS, ROLES, ROUTINGS, UNSET, OneLineParser, duration_arg, max_tokens_arg
+from llmgw.cli.args import (
+    DEFAULT_MAX_CHOICES,
+    DEFAULT_MAX_LOGPROBS,
+    DEFAULT_MAX_TOKENS,
+    ROLES,
+    ROUTINGS,
+    UNSET,
+    OneLineParser,
+    duration_arg,
+    max_choices_arg,
+    max_logprobs_arg,
+    max_tokens_arg,
+)
 from llmgw.cli.completion import add_completion
 from llmgw.cli.login import login, logout
 from llmgw.cli.cluster_settings import engine_key_rotate, engine_key_show, settings_show_or_set
@@ -222,6 +234,12 @@ def build(parser) -> None:
     p.add_argument("--wait", type=int, default=None, help="seconds the gateway waits for a replica")
     p.add_argument("--max-tokens", type=max_tokens_arg, default=DEFAULT_MAX_TOKENS, metavar="N|none",
                    help=f"most tokens a completion may generate (default {DEFAULT_MAX_TOKENS}; none: no cap)")
+    p.add_argument("--max-logprobs", type=max_logprobs_arg, default=DEFAULT_MAX_LOGPROBS, metavar="N|none",
+                   help="most top log-probabilities per token a request may ask for (n_probs, top_logprobs, "
+                        f"logprobs), refused past it (default {DEFAULT_MAX_LOGPROBS}; 0: none at all; none: no cap)")
+    p.add_argument("--max-choices", type=max_choices_arg, default=DEFAULT_MAX_CHOICES, metavar="N|none",
+                   help=f"most choices a request may ask for (n, best_of), refused past it (default "
+                        f"{DEFAULT_MAX_CHOICES}; none: no cap)")
     p.add_argument("--routing", choices=ROUTINGS, default=ROUTINGS[0],
                    help="prefix: a conversation's turns to the replica holding its prompt in cache (default); "
                         "least-inflight: the replica with the fewest requests in flight")
@@ -239,6 +257,10 @@ def build(parser) -> None:
     p.add_argument("--wait", type=int)
     p.add_argument("--max-tokens", type=max_tokens_arg, default=UNSET, metavar="N|none",
                    help="most tokens a completion may generate; none: no cap")
+    p.add_argument("--max-logprobs", type=max_logprobs_arg, default=UNSET, metavar="N|none",
+                   help="most top log-probabilities per token a request may ask for; 0: none at all; none: no cap")
+    p.add_argument("--max-choices", type=max_choices_arg, default=UNSET, metavar="N|none",
+                   help="most choices (n, best_of) a request may ask for; none: no cap")
     p.add_argument("--routing", choices=ROUTINGS, help="how the gateway picks a replica: prefix or least-inflight")
     p.add_argument("--yes", action="store_true", help=YES_HELP)
     p.set_defaults(func=model_set)

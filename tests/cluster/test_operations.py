@@ -297,6 +297,7 @@ def test_add_model_with_defaults(db):
     model = operations.add_model("qwen2.5-7b", ACTOR, file=model_file.sha256[:12], engine="llama.cpp")
     assert (model.file, model.engine.name, model.profile.name) == (model_file, "llama.cpp", "default")
     assert (model.replicas, model.memory_bytes, model.nodes, model.wait_seconds) == (1, None, [], 30)
+    assert (model.max_tokens, model.max_logprobs, model.max_choices) == (4096, 20, 8)
     assert model.memory_estimate() > model_file.size
     event = Event.objects.get(kind="model.added")
     assert (event.actor, event.subject) == (ACTOR, "qwen2.5-7b")
@@ -315,6 +316,8 @@ def test_add_model_with_everything(db):
         memory_bytes=8 * 1024**3,
         nodes=["gpu-2", "gpu-1", "gpu-1"],
         wait_seconds=0,
+        max_logprobs=0,
+        max_choices=None,
     )
     assert (model.replicas, model.memory_estimate(), model.nodes, model.wait_seconds) == (
         3,
@@ -322,6 +325,8 @@ def test_add_model_with_everything(db):
         ["gpu-1", "gpu-2"],
         0,
     )
+    model.refresh_from_db()
+    assert (model.max_logprobs, model.max_choices) == (0, None)  # 0: no log-probabilities; None: no cap
 
 
 @pytest.mark.parametrize(
@@ -337,6 +342,10 @@ def test_add_model_with_everything(db):
         ({"memory_bytes": -5}, OperationError, "memory must be a whole number from 1"),
         ({"nodes": "gpu-1"}, OperationError, "nodes must be a list"),
         ({"wait_seconds": -1}, OperationError, "wait seconds must be"),
+        ({"max_logprobs": -1}, OperationError, "max logprobs must be a whole number from 0"),
+        ({"max_logprobs": "5"}, OperationError, "max logprobs must be a whole number"),
+        ({"max_choices": 0}, OperationError, "max choices must be a whole number from 1"),
+        ({"max_choices": 2.5}, OperationError, "max choices must be a whole number"),
         ({"engine": "xllamacpp", "file": "notes.txt"}, OperationError, "is not GGUF"),
     ],
 )
@@ -366,6 +375,32 @@ def test_set_model_changes_only_what_differs(db):
     operations.set_model("m1", ACTOR, memory_bytes=None)
     model.refresh_from_db()
     assert model.memory_bytes is None
+
+
+def test_set_model_caps_on_an_answer(db):
+    """max_logprobs and max_choices: changed alone, to None (no cap) and back, 0 log-probabilities allowed;
+    each change in the model.edited event; a bad value changes nothing."""
+    model = make_model("m1")
+    assert (model.max_logprobs, model.max_choices) == (20, 8)
+    operations.set_model("m1", ACTOR, max_logprobs=None, max_choices=None)
+    model.refresh_from_db()
+    assert (model.max_logprobs, model.max_choices, model.max_tokens) == (None, None, 4096)
+    event = Event.objects.get(kind="model.edited")
+    assert "max_logprobs=None" in event.message and "max_choices=None" in event.message
+    operations.set_model("m1", ACTOR, max_logprobs=0)
+    model.refresh_from_db()
+    assert (model.max_logprobs, model.max_choices) == (0, None)
+    assert "max_logprobs=0" in Event.objects.filter(kind="model.edited").latest("id").message
+    before = row_counts()
+    for values, message in (({"max_logprobs": -1}, "max logprobs must be a whole number from 0"),
+                            ({"max_choices": 0}, "max choices must be a whole number from 1"),
+                            ({"max_choices": True}, "max choices must be"),
+                            ({"max_logprobs": 5, "max_choices": 2**31}, "max choices must be")):
+        with pytest.raises(OperationError, match=message):
+            operations.set_model("m1", ACTOR, **values)
+    assert row_counts() == before
+    model.refresh_from_db()
+    assert (model.max_logprobs, model.max_choices) == (0, None)
 
 
 def test_set_model_refusals(db):

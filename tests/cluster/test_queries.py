@@ -183,6 +183,76 @@ def test_a_completions_cap_on_tokens_is_set_the_same_way_everywhere(db, operator
     assert row_counts() == before
 
 
+def test_a_models_caps_on_an_answer_are_set_the_same_way_everywhere(db, operator):
+    """max_logprobs (20 unless set; 0: none at all) and max_choices (8; none: no cap), by the CLI, the REST API
+    and the dashboard, shown by each; bad values refused alike (one line, a DRF 400, a form message), changing
+    nothing."""
+    from django.core.management.base import CommandError
+
+    from cluster.models import Model
+    from tests.factories import make_file, row_counts
+
+    f = make_file(name="tiny.gguf")
+    page = session_for("operator")
+
+    def caps():
+        return {name: (logprobs, choices) for name, logprobs, choices in
+                Model.objects.values_list("name", "max_logprobs", "max_choices")}
+
+    cli("ctl", "model", "add", "by-cli", "--file", f.sha256, "--engine", "llama.cpp")
+    cli("ctl", "model", "add", "by-cli-0", "--file", f.sha256, "--engine", "llama.cpp", "--max-logprobs", "0",
+        "--max-choices", "none")
+    made = operator.post("/api/v1/models/", {"name": "by-api", "file": f.sha256, "engine": "llama.cpp"},
+                         format="json").json()
+    assert (made["max_logprobs"], made["max_choices"]) == (20, 8)
+    page.post("/models/add/", {"name": "by-page", "file": f.sha256, "engine": "llama.cpp", "max_logprobs": "none",
+                               "max_choices": "2"})
+    assert caps() == {"by-cli": (20, 8), "by-cli-0": (0, None), "by-api": (20, 8), "by-page": (None, 2)}
+
+    cli("ctl", "model", "set", "by-cli", "--max-logprobs", "none")  # the other cap left as it is
+    cli("ctl", "model", "set", "by-cli-0", "--max-choices", "3", "--max-logprobs", "5")
+    changed = operator.patch("/api/v1/models/by-api/", {"max_logprobs": 0, "max_choices": None}, format="json").json()
+    assert (changed["max_logprobs"], changed["max_choices"]) == (0, None)
+    page.post("/models/by-page/set/", {"max_logprobs": "7", "max_choices": "none"})
+    expected = {"by-cli": (None, 8), "by-cli-0": (5, 3), "by-api": (0, None), "by-page": (7, None)}
+    assert caps() == expected
+    shown = {m["name"]: (m["max_logprobs"], m["max_choices"]) for m in json.loads(cli("ctl", "models", "--json"))}
+    assert shown == expected
+    read = operator.get("/api/v1/models/").json()["results"]
+    assert {m["name"]: (m["max_logprobs"], m["max_choices"]) for m in read} == expected
+    listed = page.get("/models/").content.decode()
+    assert "at most 7 logprobs per token · no choices cap" in listed
+    assert "at most 5 logprobs per token · at most 3 choices per request" in listed
+    assert 'name="max_logprobs" value="none"' in listed and 'name="max_choices" value="3"' in listed
+
+    before = row_counts()
+    for flag, bad in (("--max-logprobs", "-1"), ("--max-logprobs", "lots"), ("--max-choices", "0"),
+                      ("--max-choices", "2.5")):
+        with pytest.raises(CommandError, match=f"^llmgw ctl model set: argument {flag}: '{re.escape(bad)}'") as refused:
+            cli("ctl", "model", "set", "by-api", flag, bad)
+        assert "\n" not in str(refused.value)
+        with pytest.raises(CommandError, match=flag):
+            cli("ctl", "model", "add", "by-cli-bad", "--file", f.sha256, "--engine", "llama.cpp", flag, bad)
+    for field, bad in (("max_logprobs", -1), ("max_logprobs", "lots"), ("max_logprobs", 2**31), ("max_choices", 0),
+                       ("max_choices", 1.5), ("max_choices", True)):
+        answer = operator.patch("/api/v1/models/by-api/", {field: bad, "max_tokens": 9}, format="json")
+        assert answer.status_code == 400 and field in answer.json(), (field, bad)
+        answer = operator.post("/api/v1/models/", {"name": "by-api-bad", "file": f.sha256, "engine": "llama.cpp",
+                                                   field: bad}, format="json")
+        assert answer.status_code == 400 and field in answer.json(), (field, bad)
+    said = page.post("/models/by-api/set/", {"max_choices": "lots"}, HTTP_HX_REQUEST="true").content.decode()
+    assert "max choices: &#x27;lots&#x27; is not a whole number" in said
+    said = page.post("/models/by-api/set/", {"max_choices": "0", "max_tokens": "9"}, HTTP_HX_REQUEST="true")
+    assert "max choices must be a whole number from 1" in said.content.decode()
+    said = page.post("/models/by-api/set/", {"max_logprobs": "-1"}, HTTP_HX_REQUEST="true").content.decode()
+    assert "max logprobs must be a whole number from 0" in said
+    said = page.post("/models/add/", {"name": "by-page-bad", "file": f.sha256, "engine": "llama.cpp",
+                                      "max_logprobs": "many"}, HTTP_HX_REQUEST="true").content.decode()
+    assert "max logprobs: &#x27;many&#x27; is not a whole number" in said
+    assert row_counts() == before and caps() == expected
+    assert Model.objects.get(name="by-api").max_tokens == 4096
+
+
 def test_a_models_routing_is_set_the_same_way_everywhere(db, operator):
     """prefix for a new model, least-inflight on request, by the CLI, the REST API and the dashboard; an unknown
     policy is refused by each and changes nothing."""
