@@ -138,7 +138,7 @@ def load() -> Table:
         models[name] = ModelRoute(name, m.wait_seconds, upstreams, coming.get(name, 0) + missing, serves, m.max_tokens,
                                   m.routing, Ring(u.replica for u in upstreams), m.autoscaled,
                                   no_room.get(name, "") if name not in making_room else "", m.context(),
-                                  getattr(m, "max_logprobs", 20), getattr(m, "max_choices", 8))  # TEMP until h-caps
+                                  m.max_logprobs, m.max_choices)
     keys = {
         k["key_hash"]: KeyInfo(
             id=k["id"],
