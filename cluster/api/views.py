@@ -337,7 +337,8 @@ class StatusView(APIView):
 
 class LoginView(APIView):
     """A user name and password for the user's API token (what `llmgw login` asks for). Failures are throttled
-    as the dashboard's login is: per address and per user name, 429 with the wait."""
+    as the dashboard's login is: per address, per user name at that address and per user name from any address
+    but the user's known places, 429 with the wait."""
 
     authentication_classes: list = []
     permission_classes = [permissions.AllowAny]
@@ -358,14 +359,16 @@ class LoginView(APIView):
         serializer = LoginSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         name, password = serializer.validated_data["name"], serializer.validated_data["password"]
-        found = throttle.subjects(client_address(request.META), name)
+        redis, address = redis_client(), client_address(request.META)
+        found = throttle.login_subjects(redis, address, name)
         wait = throttle.LOGIN.shut(found)
         if wait:
             raise exceptions.Throttled(wait, "Too many failed logins.")
         user = authenticate(request, username=name, password=password)
         if user is None or not user.is_active:
-            throttle.LOGIN.failed(redis_client(), found)
+            throttle.LOGIN.failed(redis, found)
             raise exceptions.AuthenticationFailed("wrong user name or password")
+        throttle.logged_in(redis, address, user.username)
         token = operations.api_token(user, "llmgw login")
         return Response({"name": user.username, "role": role_of(user), "token": token})
 
