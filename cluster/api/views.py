@@ -530,3 +530,33 @@ class EngineKeyView(APIView):
             raise exceptions.PermissionDenied("the engine key is shown to admins only")
         cluster = ClusterSettings.load()
         return Response({"engine_key": cluster.engine_key, "fingerprint": ClusterSettings.fingerprint(cluster.engine_key)})
+
+
+class NoSuchPathView(APIView):
+    """Any path under /api/ that no endpoint answers, by any method and for anyone (the schema lists the paths
+    anyway): a 404 in the API's JSON, never Django's HTML page, DEBUG or not. A GET or HEAD that lacks only its
+    trailing slash is sent to it, as Django's APPEND_SLASH does; another method is told where it meant (a POST
+    cannot follow a redirect with its body)."""
+
+    authentication_classes: list = []
+    permission_classes = [permissions.AllowAny]
+    schema = None
+
+    def answer(self, request, *args, **kwargs):
+        from django.http import HttpResponsePermanentRedirect
+        from django.urls import Resolver404, resolve
+
+        path = request.path_info
+        meant = ""
+        if not path.endswith("/"):
+            try:
+                match = resolve(path + "/")
+            except Resolver404:
+                match = None
+            if match is not None and getattr(match.func, "view_class", None) is not NoSuchPathView:
+                if request.method in ("GET", "HEAD"):
+                    return HttpResponsePermanentRedirect(request.get_full_path(force_append_slash=True))
+                meant = f": did you mean {request.path[:200]}/?"
+        raise exceptions.NotFound(f"no API endpoint at {request.path[:200]}{meant}")
+
+    http_method_not_allowed = options = answer  # every method, the ones no view names too
