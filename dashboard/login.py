@@ -1,5 +1,6 @@
-"""Logging in, to the dashboard and to the Django admin: repeated failures from one address, or for one user,
-wait longer each time (cluster/throttle.py), answered 429 with the wait on the page."""
+"""Logging in, to the dashboard and to the Django admin: repeated failures from one address, for one user at one
+address, or for one user from many, wait longer each time (cluster/throttle.py), answered 429 with the wait on the
+page; a login that gets in makes its address a known place for its user."""
 
 from __future__ import annotations
 
@@ -19,19 +20,21 @@ class Throttled:
     throttled = 0  # seconds to wait, when the door was shut
 
     def clean(self):
-        username = self.data.get("username") or ""
-        found = throttle.subjects(client_address(self.request.META), username if isinstance(username, str) else "")
+        redis, address = redis_client(), client_address(self.request.META)
+        found = throttle.login_subjects(redis, address, self.data.get("username") or "")
         self.throttled = throttle.LOGIN.shut(found)
         if self.throttled:
             raise ValidationError(
                 f"Too many failed logins: try again in {self.throttled} s.", code="throttled"
             )
         try:
-            return super().clean()
+            cleaned = super().clean()
         except ValidationError as exc:
             if exc.code == "invalid_login":
-                throttle.LOGIN.failed(redis_client(), found)
+                throttle.LOGIN.failed(redis, found)
             raise
+        throttle.logged_in(redis, address, self.get_user().username)
+        return cleaned
 
 
 class LoginForm(Throttled, AuthenticationForm):

@@ -273,9 +273,11 @@ if LLMGW_WEB_SERVER not in ("daphne", "uvicorn"):
 DATA_UPLOAD_MAX_MEMORY_SIZE = max(LLMGW_MAX_BODY_BYTES, 2_621_440)
 LLMGW_METRICS_TOKEN = envstr("LLMGW_METRICS_TOKEN", "")
 
-# Failed logins, API tokens and client keys (cluster/throttle.py): free ones per address (and per user for logins)
-# within the window of each other, then each further attempt waits twice as long, up to the window.
+# Failed logins, API tokens and client keys (cluster/throttle.py): free ones per address (and per user at that
+# address for logins) within the window of each other, then each further attempt waits twice as long, up to the
+# window; a user's failed logins from any address have more free ones, and never shut a place the user is known at.
 LLMGW_AUTH_FREE_FAILURES = envint("LLMGW_AUTH_FREE_FAILURES", 10)
+LLMGW_AUTH_FREE_USER_FAILURES = envint("LLMGW_AUTH_FREE_USER_FAILURES", 100)
 LLMGW_AUTH_WINDOW = envint("LLMGW_AUTH_WINDOW", 300)
 # Proxies whose X-Forwarded-For names the client (addresses or networks, comma-separated): loopback by default.
 try:

@@ -1,9 +1,10 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import include, path
+from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView
 
 from agents.mirror_views import mirror_file
+from cluster.api.views import NoSuchPathView
 from dashboard.login import AdminLoginForm, LoginView
 
 admin.site.login_form = AdminLoginForm  # the admin's login waits like the dashboard's
@@ -34,6 +35,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("llmgw.api_urls")),
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
+    re_path(r"^api(/|$)", NoSuchPathView.as_view()),  # the API answers JSON everywhere under it, a 404 too
     path("mirror/<str:sha256>", mirror_file, name="mirror-file"),
     path("", include("dashboard.urls")),
 ]

@@ -337,7 +337,8 @@ class StatusView(APIView):
 
 class LoginView(APIView):
     """A user name and password for the user's API token (what `llmgw login` asks for). Failures are throttled
-    as the dashboard's login is: per address and per user name, 429 with the wait."""
+    as the dashboard's login is: per address, per user name at that address and per user name from any address
+    but the user's known places, 429 with the wait."""
 
     authentication_classes: list = []
     permission_classes = [permissions.AllowAny]
@@ -358,14 +359,16 @@ class LoginView(APIView):
         serializer = LoginSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         name, password = serializer.validated_data["name"], serializer.validated_data["password"]
-        found = throttle.subjects(client_address(request.META), name)
+        redis, address = redis_client(), client_address(request.META)
+        found = throttle.login_subjects(redis, address, name)
         wait = throttle.LOGIN.shut(found)
         if wait:
             raise exceptions.Throttled(wait, "Too many failed logins.")
         user = authenticate(request, username=name, password=password)
         if user is None or not user.is_active:
-            throttle.LOGIN.failed(redis_client(), found)
+            throttle.LOGIN.failed(redis, found)
             raise exceptions.AuthenticationFailed("wrong user name or password")
+        throttle.logged_in(redis, address, user.username)
         token = operations.api_token(user, "llmgw login")
         return Response({"name": user.username, "role": role_of(user), "token": token})
 
@@ -527,3 +530,33 @@ class EngineKeyView(APIView):
             raise exceptions.PermissionDenied("the engine key is shown to admins only")
         cluster = ClusterSettings.load()
         return Response({"engine_key": cluster.engine_key, "fingerprint": ClusterSettings.fingerprint(cluster.engine_key)})
+
+
+class NoSuchPathView(APIView):
+    """Any path under /api/ that no endpoint answers, by any method and for anyone (the schema lists the paths
+    anyway): a 404 in the API's JSON, never Django's HTML page, DEBUG or not. A GET or HEAD that lacks only its
+    trailing slash is sent to it, as Django's APPEND_SLASH does; another method is told where it meant (a POST
+    cannot follow a redirect with its body)."""
+
+    authentication_classes: list = []
+    permission_classes = [permissions.AllowAny]
+    schema = None
+
+    def answer(self, request, *args, **kwargs):
+        from django.http import HttpResponsePermanentRedirect
+        from django.urls import Resolver404, resolve
+
+        path = request.path_info
+        meant = ""
+        if not path.endswith("/"):
+            try:
+                match = resolve(path + "/")
+            except Resolver404:
+                match = None
+            if match is not None and getattr(match.func, "view_class", None) is not NoSuchPathView:
+                if request.method in ("GET", "HEAD"):
+                    return HttpResponsePermanentRedirect(request.get_full_path(force_append_slash=True))
+                meant = f": did you mean {request.path[:200]}/?"
+        raise exceptions.NotFound(f"no API endpoint at {request.path[:200]}{meant}")
+
+    http_method_not_allowed = options = answer  # every method, the ones no view names too

