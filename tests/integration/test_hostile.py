@@ -4,7 +4,6 @@ an answer's size, streams closed early and requests sent together on a tokens-pe
 prompts that cannot fit, content nested without end, a body sent without a key."""
 
 import importlib.util
-import json
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,7 @@ import openai
 import pytest
 
 from tests.integration.harness import holds_for, wait_for
-from tests.integration.test_gateway import assert_error, client, create_key, in_one_minute
+from tests.integration.test_gateway import add_model, assert_error, client, create_key, in_one_minute
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +74,7 @@ def test_an_answer_over_a_mebibyte_arrives_whole_and_its_size_is_capped(system, 
         assert len(answer.content) > 1 << 20, len(answer.content)
         body = answer.json()
         assert body["usage"]["completion_tokens"] == 16
-        assert len(body["choices"][0]["completion_probabilities"][0]["top_probs"]) == 1000
+        assert len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 1000
         streamed = httpx.post(system.url + "/v1/completions", json={**ask_for, "stream": True}, timeout=120,
                               headers={"Authorization": f"Bearer {smol.key}"})
         assert streamed.status_code == 200 and len(streamed.content) > 1 << 20
@@ -121,7 +120,9 @@ def test_a_tokens_per_minute_limit_holds_for_requests_sent_together(system, smol
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40}
         with ThreadPoolExecutor(16) as pool:
             statuses = list(pool.map(lambda _: ask(system, key, "/v1/chat/completions", body).status_code, range(16)))
-        assert statuses.count(200) in (1, 2), statuses  # 40 tokens and the prompt each: two fit under 100 at most
+        # each reserves 40 tokens and its prompt as estimated (about 5 here) when it is let in: 0, 45 and 90 are under
+        # 100, the fourth finds 135. The engine's count then replaces each reservation.
+        assert 1 <= statuses.count(200) <= 3, statuses
         assert statuses.count(429) == 16 - statuses.count(200), statuses
 
     in_one_minute(check)
@@ -178,12 +179,17 @@ def test_a_body_without_a_key_is_not_read(system, smol):
             answer += chunk
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 401") and b"connection: close" in head.lower(), head
-    assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    assert b'"code": "invalid_api_key"' in body, body
 
 
 def test_a_key_sees_only_the_models_it_may_use(system, smol):
-    only = create_key(system, "hx-only", "--models", MODEL)
-    assert [m.id for m in client(system, only).models.list()] == [MODEL]
-    assert len(smol.client.models.list().data) > 1
-    with pytest.raises(openai.NotFoundError):
-        client(system, only).models.retrieve("no-such-model")
+    add_model(system, "hx-other", "testengine", replicas=0)
+    try:
+        only = create_key(system, "hx-only", "--models", MODEL)
+        assert [m.id for m in client(system, only).models.list()] == [MODEL]
+        assert {m.id for m in smol.client.models.list()} >= {MODEL, "hx-other"}
+        assert client(system, only).models.retrieve(MODEL).id == MODEL
+        with pytest.raises(openai.NotFoundError):
+            client(system, only).models.retrieve("hx-other")
+    finally:
+        system.cli("ctl", "model", "remove", "hx-other")
