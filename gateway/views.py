@@ -430,6 +430,9 @@ def _pass_on(gw, call, upstream, response, head: bytes) -> Streamed:
         else:
             response.close()
         _done(gw, call, upstream)
+        if status != 200 and not call.completion:  # cut short: the engine had generated it all; its usage never came
+            call.prompt = call.prompt_about
+            call.completion = max(0, call.reserved - call.prompt_about)  # with a tpm limit: what it may have used
         gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
         call.finish(status)
 
