@@ -6,7 +6,7 @@ appended to a log file (or, given a LogLimit, read from a pipe into a RotatingLo
 older ones kept beside it), and is stopped with its whole process group: a signal (SIGTERM), the leader's exit
 awaited, SIGKILL to the group after the timeout, and stragglers of the group (a server's workers) waited for.
 A Supervisor starts a child that exits again, as systemd's `Restart=always` does: soon after a clean exit,
-with a back-off that doubles with each crash in a row.
+with a back-off that doubles with each crash in a row (a child that ran for STEADY seconds starts the row again).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 CLEAN_RESTART_DELAY = 0.5  # seconds before a child that exited cleanly (told to restart, say) starts again
 CRASH_BACKOFF = (0.5, 30.0)  # first delay and cap after a crash, doubling with each restart
+STEADY = 60.0  # seconds a child runs before its next crash is a first one again (not one more in a row)
 PIPE_READ = 65536  # bytes a log's reader takes from a child's pipe at a time
 
 
@@ -137,6 +138,7 @@ class Child:
         self.restarts = 0
         self.crashes = 0  # crashes in a row: the back-off doubles with each
         self.next_start = 0.0  # when the supervisor starts it again (0: not decided yet)
+        self.started = 0.0  # when it was last started (monotonic; the supervisor's clock)
         self.supervisor: Supervisor | None = None
 
     def start(self) -> Child:
@@ -153,6 +155,7 @@ class Child:
                 stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=self.pass_fds,
                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )
+            self.started = time.monotonic()
         except BaseException:
             if read is not None:
                 os.close(read)
@@ -285,6 +288,8 @@ class Supervisor:
                 code = child.returncode
                 first, cap = CRASH_BACKOFF
                 clean = clean_exit(code)
+                if now - child.started >= STEADY:
+                    child.crashes = 0  # a crash after a steady run (a Valkey that died after a week) is a first
                 delay = CLEAN_RESTART_DELAY if clean else min(cap, first * 2 ** min(child.crashes, 6))
                 child.crashes = 0 if clean else child.crashes + 1
                 child.next_start = now + delay
@@ -293,6 +298,7 @@ class Supervisor:
                 child.restarts += 1
                 child.next_start = 0.0
                 child.start()
+                child.started = now
 
     def run(self, stopping: Callable[[], bool], interval: float = 0.2) -> None:
         """In the foreground, until `stopping()` (what `llmgw up` does)."""

@@ -118,3 +118,26 @@ def test_a_log_turns_over_at_a_line_end_and_a_line_longer_than_a_file_is_cut(tmp
     assert [(tmp_path / n).read_bytes() for n in ("x.log.1", "x.log")] == [b"d" * 10, b"d" * 5 + b"\n"]
     assert not (tmp_path / "x.log.2").exists()  # one backup kept
     log.close()
+
+
+def test_a_crash_after_a_steady_run_is_a_first_crash_again(tmp_path):
+    # a Valkey that dies once a week is started again in half a second each time, not after the capped back-off
+    from llmgw.processes import STEADY
+
+    script = tmp_path / "child.py"
+    script.write_text(EXITS["crash"])
+    delays: list[float] = []
+    supervisor = Supervisor(on_exit=lambda child, code, delay: delays.append(delay))
+    child = Child("valkey", [sys.executable, str(script)], tmp_path / "valkey.log")
+    supervisor.watch(child.start())
+    now = child.started
+    for ran in (0, 0, 0, STEADY, 0):  # three crashes in a row, then one after a steady run, then one more
+        child.popen.wait(30)
+        now += ran
+        supervisor.poll(now)
+        now += 100
+        supervisor.poll(now)
+    first, _ = CRASH_BACKOFF
+    assert delays == [first, first * 2, first * 4, first, first * 2]
+    supervisor.forget(child)
+    child.stop()
