@@ -97,6 +97,13 @@ class RotatingLog:
 
     def follow(self, fd: int, name: str) -> threading.Thread:
         """Read the pipe `fd` (closed at its end) into this log until every writer has closed it."""
+        with self._lock:
+            if self._file is None:
+                try:
+                    self._open()  # there from the start, as a file the child wrote itself would be
+                except OSError:
+                    pass  # said by the first write that cannot be made
+
         def copy():
             try:
                 while chunk := os.read(fd, PIPE_READ):
