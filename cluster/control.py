@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import redis
 from django.conf import settings
 
+from cluster import redis_options
+
 log = logging.getLogger("llmgw.control")
 PROCS = "llmgw:control:procs"
 RESTART = "llmgw:control:restart:"
@@ -45,7 +47,7 @@ class Process:
 
 
 def _client() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=3, socket_timeout=10)
+    return redis.Redis.from_url(settings.REDIS_URL, **redis_options.options())
 
 
 def process_id(role: str) -> str:

@@ -5,7 +5,9 @@ import functools
 import redis
 from django.conf import settings
 
+from cluster import redis_options
+
 
 @functools.cache
 def redis_client() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=3, socket_timeout=10)
+    return redis.Redis.from_url(settings.REDIS_URL, **redis_options.options())

@@ -23,7 +23,7 @@ from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 
-from cluster import events, inflight, notify
+from cluster import events, inflight, notify, redis_options
 from cluster.models import Model
 from gateway import affinity
 from gateway import table as routing
@@ -90,7 +90,9 @@ class Gateway:
         me = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.proc_key = inflight.PREFIX + me
         self.waiting_key = inflight.WAITING_PREFIX + me
-        self.redis = aioredis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=3)
+        # a dead pooled connection (Redis restarted) is replaced, the command sent again (cluster.redis_options)
+        self.redis = aioredis.Redis.from_url(settings.REDIS_URL,
+                                             **redis_options.options(socket_timeout=5, asyncio=True))
         # the engines' connections (gateway/engines_http.py: httptools, not aiohttp, for the CPU per request)
         self.engines = Pool(settings.LLMGW_UPSTREAM_CONNECT_TIMEOUT, settings.LLMGW_UPSTREAM_TIMEOUT)
         # read once: Django's settings object costs a lookup of its own on every attribute

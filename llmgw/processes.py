@@ -2,10 +2,11 @@
 fleet and the benchmarks' targets, all through one Child and one Supervisor.
 
 A Child runs in its own session (Ctrl-C reaches its parent alone, which stops the children in order), its output
-appended to a log file, and is stopped with its whole process group: a signal (SIGTERM), the leader's exit
+appended to a log file (or, given a LogLimit, read from a pipe into a RotatingLog: files of a bounded size, the
+older ones kept beside it), and is stopped with its whole process group: a signal (SIGTERM), the leader's exit
 awaited, SIGKILL to the group after the timeout, and stragglers of the group (a server's workers) waited for.
 A Supervisor starts a child that exits again, as systemd's `Restart=always` does: soon after a clean exit,
-with a back-off that doubles with each crash in a row.
+with a back-off that doubles with each crash in a row (a child that ran for STEADY seconds starts the row again).
 """
 
 from __future__ import annotations
@@ -13,13 +14,112 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 CLEAN_RESTART_DELAY = 0.5  # seconds before a child that exited cleanly (told to restart, say) starts again
 CRASH_BACKOFF = (0.5, 30.0)  # first delay and cap after a crash, doubling with each restart
+STEADY = 60.0  # seconds a child runs before its next crash is a first one again (not one more in a row)
+PIPE_READ = 65536  # bytes a log's reader takes from a child's pipe at a time
+
+
+@dataclass(frozen=True)
+class LogLimit:
+    max_bytes: int  # the most a log file holds
+    backups: int  # older files kept beside it: NAME.log.1 (the newest) … NAME.log.N
+
+
+class RotatingLog:
+    """A log file no larger than `limit.max_bytes`: when the next bytes would not fit, it becomes NAME.1 (NAME.1
+    becomes NAME.2, …, the oldest beyond `limit.backups` goes) and a new one begins, as logging's
+    RotatingFileHandler keeps them. A file ends at a line's end where a line fits. Its bytes come from a child's
+    pipe (`follow`), read as they come by a thread of the parent, so a child that prints a lot waits for no one
+    but the disk; when the disk refuses them (full), they are dropped, never left in the pipe."""
+
+    def __init__(self, path: Path, limit: LogLimit):
+        if limit.max_bytes < 1:
+            raise ValueError(f"a log file must hold at least a byte, not {limit.max_bytes}")
+        self.path, self.limit = Path(path), limit
+        self._lock = threading.Lock()
+        self._file = None
+        self._size = 0
+        self._dropped = False
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "ab", buffering=0)
+        self._size = os.fstat(self._file.fileno()).st_size
+
+    def _rotate(self) -> None:
+        self._file.close()
+        self._file = None
+        for i in range(self.limit.backups - 1, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{i}")
+            if older.exists():
+                os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
+        if self.limit.backups:
+            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        else:
+            self.path.unlink(missing_ok=True)
+        self._open()
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            try:
+                if self._file is None:
+                    self._open()
+                while data:
+                    room = self.limit.max_bytes - self._size
+                    if len(data) <= room:
+                        self._file.write(data)
+                        self._size += len(data)
+                        break
+                    cut = data.rfind(b"\n", 0, room) + 1 if room > 0 else 0  # the file ends at a line's end
+                    if cut == 0 and self._size == 0:
+                        cut = room  # a line longer than a whole file: cut where the file is full
+                    if cut:
+                        self._file.write(data[:cut])
+                        data = data[cut:]
+                    self._rotate()
+            except OSError as exc:  # the disk is full or gone: drop these bytes, keep the child's pipe flowing
+                if not self._dropped:
+                    self._dropped = True
+                    print(f"llmgw: could not write {self.path} ({exc}); its output is dropped until it can",
+                          file=sys.stderr, flush=True)
+                if self._file is not None and self._file.closed:
+                    self._file = None
+                return
+            self._dropped = False
+
+    def follow(self, fd: int, name: str) -> threading.Thread:
+        """Read the pipe `fd` (closed at its end) into this log until every writer has closed it."""
+        with self._lock:
+            if self._file is None:
+                try:
+                    self._open()  # there from the start, as a file the child wrote itself would be
+                except OSError:
+                    pass  # said by the first write that cannot be made
+
+        def copy():
+            try:
+                while chunk := os.read(fd, PIPE_READ):
+                    self.write(chunk)
+            finally:
+                os.close(fd)
+
+        thread = threading.Thread(target=copy, name=f"log-{name}", daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 class Child:
@@ -32,21 +132,28 @@ class Child:
         cwd: Path | str | None = None,
         pass_fds: tuple[int, ...] = (),
         cpus: set[int] | None = None,
+        log_limit: LogLimit | None = None,
     ):
         # None: the child writes where its parent does (a service's journal)
         self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
         self.log_path = Path(log_path) if log_path is not None else None
         self.pass_fds, self.cpus = pass_fds, cpus
+        # a log limit: the child writes to a pipe, and this process into files of a bounded size (RotatingLog)
+        self.log = RotatingLog(self.log_path, log_limit) if log_limit is not None and log_path is not None else None
+        self._copier: threading.Thread | None = None
         self.popen: subprocess.Popen | None = None
         self.restarts = 0
         self.crashes = 0  # crashes in a row: the back-off doubles with each
         self.next_start = 0.0  # when the supervisor starts it again (0: not decided yet)
+        self.started = 0.0  # when it was last started (monotonic; the supervisor's clock)
         self.supervisor: Supervisor | None = None
 
     def start(self) -> Child:
         cpus = self.cpus
-        log = None
-        if self.log_path is not None:
+        log = read = None
+        if self.log is not None:
+            read, log = os.pipe()
+        elif self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(self.log_path, "ab")
         try:
@@ -55,9 +162,18 @@ class Child:
                 stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=self.pass_fds,
                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )
+            self.started = time.monotonic()
+        except BaseException:
+            if read is not None:
+                os.close(read)
+            raise
         finally:
-            if log is not None:
+            if isinstance(log, int):
+                os.close(log)  # the child's copy remains: the pipe ends when it (and what it started) is gone
+            elif log is not None:
                 log.close()
+        if read is not None:
+            self._copier = self.log.follow(read, self.name)
         return self
 
     @property
@@ -98,14 +214,24 @@ class Child:
             time.sleep(0.05)
         if group_alive(self.popen.pid):
             self.send(signal.SIGKILL)
+        if self._copier is not None:  # its last words into the log (a straggler outside the group may hold the
+            self._copier.join(2.0)  # pipe open: its reader then goes on alone, a daemon thread)
+            if not self._copier.is_alive():
+                self.log.close()
 
     def tail(self, lines: int = 40) -> str:
         if self.log_path is None:
             return ""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        found: list[str] = []
+        # the file before it too, when the log turned over a moment ago
+        for path in (self.log_path, self.log_path.with_name(f"{self.log_path.name}.1")):
+            try:
+                found[:0] = path.read_text(errors="replace").splitlines()
+            except OSError:
+                break
+            if len(found) >= lines or self.log is None:
+                break
+        return "\n".join(found[-lines:])
 
 
 def group_alive(pgid: int) -> bool:
@@ -169,6 +295,8 @@ class Supervisor:
                 code = child.returncode
                 first, cap = CRASH_BACKOFF
                 clean = clean_exit(code)
+                if now - child.started >= STEADY:
+                    child.crashes = 0  # a crash after a steady run (a Valkey that died after a week) is a first
                 delay = CLEAN_RESTART_DELAY if clean else min(cap, first * 2 ** min(child.crashes, 6))
                 child.crashes = 0 if clean else child.crashes + 1
                 child.next_start = now + delay
@@ -177,6 +305,7 @@ class Supervisor:
                 child.restarts += 1
                 child.next_start = 0.0
                 child.start()
+                child.started = now
 
     def run(self, stopping: Callable[[], bool], interval: float = 0.2) -> None:
         """In the foreground, until `stopping()` (what `llmgw up` does)."""

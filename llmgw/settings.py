@@ -188,6 +188,7 @@ CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "llmgw.channel_layer.RedisChannelLayer",  # channels_redis's, with a pool that waits
         # redis-py 8 reads with a 5 s socket timeout by default; the layer blocks 5 s in BZPOPMIN, so give it room.
+        # how it recovers a connection Redis closed: llmgw.channel_layer (cluster.redis_options.channel_layer_retry)
         "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30, "socket_connect_timeout": 5}]},
     }
 }
@@ -196,6 +197,8 @@ CACHES = {
     "default": {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
         "LOCATION": REDIS_URL,
+        # (unused by llmgw's code) a pool made with every client's options: cluster.redis_options
+        "OPTIONS": {"pool_class": "cluster.redis_options.CachePool"},
     }
 }
 
@@ -235,8 +238,15 @@ CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_CONNECTION_RETRY = True  # a worker and beat that lose Redis connect again (Celery's, said here)
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None  # for ever: `up` or systemd would only start them again
 CELERY_BROKER_CONNECTION_TIMEOUT = 3
-CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 3, "socket_timeout": 10}
+# kombu's Redis transport: a PING before a connection idle this long is used (and its own check of the worker's
+# BRPOP connection), TCP keepalive (kombu passes none by default); a task sent on a dead connection is sent
+# again on a new one (Celery's task_publish_retry, on by default).
+CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 3, "socket_timeout": 10, "socket_keepalive": True,
+                                   "health_check_interval": 25}
+CELERY_TASK_PUBLISH_RETRY = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_WORKER_CONSUMER = "llmgw.worker:Consumer"  # survives a Redis restart with messages unacknowledged (its doc)
 CELERY_BEAT_SCHEDULE = {
@@ -287,6 +297,15 @@ try:
     ]
 except ValueError as exc:
     raise ImproperlyConfigured(f"LLMGW_TRUSTED_PROXIES: {exc}") from None
+
+# `llmgw up`'s log files, one per process it starts (LLMGW_HOME/logs/NAME.log): each at most this many bytes, with
+# this many older ones kept beside it (NAME.log.1 …), `up` turning them over (llmgw.processes.RotatingLog)
+LLMGW_LOG_MAX_BYTES = envint("LLMGW_LOG_MAX_BYTES", 10 * 1024 * 1024)
+LLMGW_LOG_BACKUPS = envint("LLMGW_LOG_BACKUPS", 5)
+if LLMGW_LOG_MAX_BYTES < 4096:
+    raise ImproperlyConfigured(f"LLMGW_LOG_MAX_BYTES must be at least 4096 (bytes), not {LLMGW_LOG_MAX_BYTES}")
+if not 0 <= LLMGW_LOG_BACKUPS <= 1000:
+    raise ImproperlyConfigured(f"LLMGW_LOG_BACKUPS must be between 0 and 1000, not {LLMGW_LOG_BACKUPS}")
 
 LOGGING = {
     "version": 1,

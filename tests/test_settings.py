@@ -81,3 +81,22 @@ def test_a_boolean_variable_with_a_typo_is_refused_by_name(monkeypatch, value):
     assert str(refused.value) == (f"LLMGW_CONTROL must be true or false (1/0, yes/no, on/off), not {value!r}")
     with pytest.raises(ImproperlyConfigured, match="^LLMGW_CONTROL must be true or false"):
         import_settings()
+
+
+@pytest.mark.parametrize("name, value, said", [
+    ("LLMGW_LOG_MAX_BYTES", "100", "LLMGW_LOG_MAX_BYTES must be at least 4096 (bytes), not 100"),
+    ("LLMGW_LOG_MAX_BYTES", "10MiB", "LLMGW_LOG_MAX_BYTES must be a whole number, not '10MiB'"),
+    ("LLMGW_LOG_BACKUPS", "-1", "LLMGW_LOG_BACKUPS must be between 0 and 1000, not -1"),
+])
+def test_a_log_bound_it_cannot_keep_is_refused_by_name(monkeypatch, name, value, said):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ImproperlyConfigured) as refused:
+        import_settings()
+    assert str(refused.value) == said
+
+
+def test_up_s_logs_are_bounded_by_default(monkeypatch):
+    monkeypatch.delenv("LLMGW_LOG_MAX_BYTES", raising=False)
+    monkeypatch.delenv("LLMGW_LOG_BACKUPS", raising=False)
+    settings = import_settings()
+    assert (settings.LLMGW_LOG_MAX_BYTES, settings.LLMGW_LOG_BACKUPS) == (10 * 1024 * 1024, 5)

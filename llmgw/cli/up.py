@@ -24,7 +24,7 @@ from cluster import operations
 from gateway.models import ApiKey
 from gateway.operations import create_key
 from llmgw.home import secret_key
-from llmgw.processes import Child, Supervisor, exit_said
+from llmgw.processes import Child, LogLimit, Supervisor, exit_said
 from llmgw.valkey import EmbeddedValkey, use
 from llmgw.web import web_argv
 
@@ -134,6 +134,9 @@ def up(o, out):
 
     # LLMGW_BIND_HOST: a Host naming the address web binds is one the web process allows (settings.ALLOWED_HOSTS)
     env = dict(os.environ, LLMGW_HOME=str(home), PYTHONUNBUFFERED="1", LLMGW_BIND_HOST=host)
+    logs = home / "logs"
+    # each process's output through `up`, into files it turns over at a size (llmgw.processes.RotatingLog)
+    log_limit = LogLimit(settings.LLMGW_LOG_MAX_BYTES, settings.LLMGW_LOG_BACKUPS)
     valkey = None
     redis_file = settings.RUN_DIR / "redis-url"
     children: list[Child] = []
@@ -148,7 +151,8 @@ def up(o, out):
         if os.environ.get("REDIS_URL"):
             out.write(f"redis: {settings.REDIS_URL} (REDIS_URL)\n")
         else:
-            valkey = EmbeddedValkey(home / "valkey")
+            # started again by the supervisor below when it dies: the same port and directory, empty
+            valkey = EmbeddedValkey(home / "valkey", log_path=logs / "valkey.log", log_limit=log_limit)
             url = valkey.start()
             redis_file.write_text(url)
             use(url)
@@ -160,7 +164,6 @@ def up(o, out):
         _ensure_admin(out)
         demo_key = None if o["no_demo"] else _demo(out)
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        logs = home / "logs"
         py = sys.executable
         # `up` holds the listening socket and hands it to each web process it starts: while a restarted web
         # process is on its way, connections wait in the socket's backlog instead of being refused
@@ -172,20 +175,23 @@ def up(o, out):
         for i in range(web_workers):
             name = "web" if i == 0 else f"web-{i + 1}"
             children.append(Child(name, web_argv(host, port, o.get("server"), fd=fd), logs / f"{name}.log", env,
-                                  pass_fds=(fd,) if fd is not None else ()))
+                                  pass_fds=(fd,) if fd is not None else (), log_limit=log_limit))
         children.append(Child("worker", [py, "-m", "celery", "-A", "llmgw", "worker", "-l", "info", "-c", "2",
                                          "--without-gossip", "--without-mingle", "-n", f"worker-{port}@%h"],
-                              logs / "worker.log", env))
+                              logs / "worker.log", env, log_limit=log_limit))
         children.append(Child("beat", [py, "-m", "celery", "-A", "llmgw", "beat", "-l", "info",
-                                       "-s", str(home / "run" / "celerybeat-schedule")], logs / "beat.log", env))
+                                       "-s", str(home / "run" / "celerybeat-schedule")], logs / "beat.log", env,
+                              log_limit=log_limit))
         state_dir = home / "agent"
         if not o["no_agent"]:
             agent_env = dict(env, LLMGW_AGENT_TOKEN=_local_node_token())
             argv = [py, "-m", "llmgw", "agent", "--server", base, "--state-dir", str(state_dir)]
             if agent_memory:
                 argv += ["--memory", agent_memory]
-            children.append(Child("agent", argv, logs / "agent.log", agent_env))
+            children.append(Child("agent", argv, logs / "agent.log", agent_env, log_limit=log_limit))
         supervisor = Supervisor(on_exit=lambda child, code, delay: _said(out, exit_said(child, code, delay)))
+        if valkey is not None:
+            supervisor.watch(valkey.child)
         for child in children:
             supervisor.watch(child.start())
         out.write(

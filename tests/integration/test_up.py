@@ -9,17 +9,26 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import psutil
 import pytest
+import redis
 
 from agents.ports import free_port
 from llmgw.main import standalone
 from tests.integration.harness import MANAGE, ROOT, wait_for
 
 pytestmark = pytest.mark.integration
+
+
+def answers(client: redis.Redis) -> bool:
+    try:
+        return client.ping()
+    except redis.RedisError:
+        return False
 
 
 def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
@@ -145,6 +154,56 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         assert "exited (code" not in said_by_up, said_by_up
         (after,) = smollm2_ready()
         assert (after["name"], after["pid"]) == (replica["name"], replica["pid"])  # the engine was not restarted
+
+        # the embedded Valkey killed: `up` reaps it, says so, and starts it again on its port; every request of a
+        # rate-limited key gets through after it (stale pooled connections failed 2 of 16), the agent dials again,
+        # the reconciler runs, and no other process had to restart
+        redis_url = (home / "run" / "redis-url").read_text().strip()
+        valkey_port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+
+        def valkey_process():
+            found = [p for p in psutil.Process(up.pid).children() if "valkey-server" in " ".join(p.cmdline())]
+            return found[0] if found else None
+
+        old_valkey = valkey_process()
+        limited = cli("ctl", "keys", "create", "up-limited", "--rpm", "1000").split()[-1]
+        lc = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=limited, max_retries=0, timeout=60)
+
+        def sixteen_at_once() -> list[str]:  # as many of the gateway's pooled Redis connections
+            def one(_):
+                try:
+                    lc.chat.completions.create(model="smollm2", messages=chat["messages"], max_tokens=1)
+                    return "ok"
+                except Exception as exc:
+                    return repr(exc)
+
+            with ThreadPoolExecutor(16) as pool:
+                return list(pool.map(one, range(16)))
+
+        assert sixteen_at_once() == ["ok"] * 16
+        connected_before = max([e["id"] for e in json.loads(cli("ctl", "events", "--kind", "node.connected",
+                                                                 "--limit", "1000", "--json"))], default=0)
+        said_before = out_path.read_text()
+        old_valkey.send_signal(signal.SIGKILL)
+        wait_for(lambda: "valkey exited (code -9); starting it again in" in out_path.read_text(), 30,
+                 what="up to say its Valkey exited")
+        new_valkey = wait_for(lambda: (p := valkey_process()) and p.pid != old_valkey.pid and p, 30,
+                              what="a new Valkey")
+        assert not psutil.pid_exists(old_valkey.pid)  # reaped, not a zombie
+        restarted = redis.Redis.from_url(redis_url)
+        wait_for(lambda: answers(restarted), 30, what="the Valkey on its port")
+        assert f":{valkey_port}" in " ".join(new_valkey.cmdline())
+        outcomes = sixteen_at_once()
+        assert outcomes == ["ok"] * 16, outcomes
+        wait_for(lambda: any(e["id"] > connected_before for e in json.loads(
+            cli("ctl", "events", "--kind", "node.connected", "--limit", "1000", "--json"))), 60,
+            what="the agent to connect again")
+        wait_for(lambda: [n for n in json.loads(cli("ctl", "nodes", "--json")) if n["connected"]], 60,
+                 what="the node connected")
+        wait_for(lambda: restarted.get("llmgw:reconcile:last"), 30, what="the reconciler to run on the new Valkey")
+        restarted.close()
+        exits = re.findall(r"^(\S+) exited \(code", out_path.read_text()[len(said_before):], re.M)
+        assert exits == ["valkey"], out_path.read_text()[len(said_before):]
 
         started = psutil.Process(up.pid).children(recursive=True)
         started.append(psutil.Process(replica["pid"]))  # the engine: its own session, not up's child
