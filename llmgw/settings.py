@@ -280,6 +280,16 @@ LLMGW_CONTROL = envbool("LLMGW_CONTROL", True)  # web, worker and beat register 
 LLMGW_WEB_SERVER = envstr("LLMGW_WEB_SERVER", "uvicorn")  # uvicorn or daphne: what `up` runs for web (llmgw/web.py)
 if LLMGW_WEB_SERVER not in ("daphne", "uvicorn"):
     raise ImproperlyConfigured(f"LLMGW_WEB_SERVER is {LLMGW_WEB_SERVER!r}: choose daphne or uvicorn")
+# What a client's connection to a web process may hold (uvicorn's; llmgw/uvicorn_limits.py, docs/security.md):
+# seconds for a request's headers from their first byte (or the connection's open), seconds of silence in the
+# middle of a request body, seconds a kept-alive connection waits idle for its next request; connections per
+# web process, agents' and dashboards' websockets included (503 at once past it).
+LLMGW_HEADER_TIMEOUT = envfloat("LLMGW_HEADER_TIMEOUT", 20.0, 0.1, 3600.0)
+LLMGW_BODY_TIMEOUT = envfloat("LLMGW_BODY_TIMEOUT", 30.0, 0.1, 3600.0)
+LLMGW_KEEPALIVE_TIMEOUT = envfloat("LLMGW_KEEPALIVE_TIMEOUT", 20.0, 0.1, 3600.0)
+LLMGW_MAX_CONNECTIONS = envint("LLMGW_MAX_CONNECTIONS", 4096)
+if LLMGW_MAX_CONNECTIONS < 1:
+    raise ImproperlyConfigured(f"LLMGW_MAX_CONNECTIONS must be at least 1, not {LLMGW_MAX_CONNECTIONS}")
 DATA_UPLOAD_MAX_MEMORY_SIZE = max(LLMGW_MAX_BODY_BYTES, 2_621_440)
 LLMGW_METRICS_TOKEN = envstr("LLMGW_METRICS_TOKEN", "")
 

@@ -10,6 +10,7 @@ supported: `LLMGW_WEB_SERVER=daphne` or `llmgw up --server daphne`.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from django.conf import settings
@@ -26,30 +27,38 @@ def web_argv(host: str, port: int, server: str | None = None, python: str | None
     py = python or sys.executable
     if server == "daphne":
         where = ["--fd", str(fd)] if fd is not None else ["-b", host, "-p", str(port)]
-        return [py, "-m", "daphne", *where, APPLICATION]
+        # daphne closes every websocket after a day unless told otherwise; an agent's is long-lived by design.
+        # It has no header or body timeout nor a connection limit (docs/security.md): those are uvicorn's here.
+        return [py, "-m", "daphne", "--websocket_timeout", "-1", *where, APPLICATION]
     if server == "uvicorn":
-        if fd is not None:
-            # not uvicorn's own --fd, which takes every descriptor for a UNIX socket: uvloop then never sets
-            # TCP_NODELAY on the connections, and each answer written in two parts waits out the client's
-            # delayed ACK (40 ms a request)
-            return [py, "-m", "llmgw.web", "--fd", str(fd)]
-        # lifespan off: the application has no startup or shutdown hooks (channels answers no lifespan scope)
-        return [py, "-m", "uvicorn", "--host", host, "--port", str(port), *UVICORN_OPTIONS, APPLICATION]
+        # llmgw.web's own uvicorn either way, for its protocol (llmgw/uvicorn_limits.py: header and body timeouts,
+        # a connection limit) and its graceful stop. With a descriptor, not uvicorn's own --fd, which takes every
+        # descriptor for a UNIX socket: uvloop then never sets TCP_NODELAY on the connections, and each answer
+        # written in two parts waits out the client's delayed ACK (40 ms a request)
+        where = ["--fd", str(fd)] if fd is not None else ["--host", host, "--port", str(port)]
+        return [py, "-m", "llmgw.web", *where]
     raise ValueError(f"unknown web server {server!r}: choose {' or '.join(SERVERS)}")
 
 
-# No per-message deflate on websockets: the agents' and dashboards' messages are small, and each stream's zlib
-# state cost the web process about 0.1 MiB (500 agents: 284 → 219–232 MiB, bench/fleet.py) and CPU on every message.
-UVICORN_OPTIONS = ["--loop", "uvloop", "--http", "httptools", "--ws", "websockets", "--ws-per-message-deflate", "false",
-                   "--lifespan", "off", "--no-access-log"]
+def uvicorn_config():
+    """The uvicorn configuration of every web process: uvloop, httptools, the `websockets` library; lifespan off
+    (the application has no startup or shutdown hooks: channels answers no lifespan scope); no access log. No
+    per-message deflate on websockets: the agents' and dashboards' messages are small, and each stream's zlib
+    state cost the web process about 0.1 MiB (500 agents: 284 → 219–232 MiB, bench/fleet.py) and CPU on every
+    message."""
+    import uvicorn
+
+    return uvicorn.Config(APPLICATION, loop="uvloop", http="httptools", lifespan="off", access_log=False,
+                          ws="websockets", ws_per_message_deflate=False)
 
 
 SETTLE = 0.25  # seconds a stopping web process waits, no longer accepting, for requests on its newest connections
 
 
-def graceful_server(config):
-    """A uvicorn server that stops as uvicorn does, but for two things, so that a web process that stops while
-    other processes go on serving its socket loses no request:
+def graceful_server(config, limits):
+    """A uvicorn server whose connections are held to `limits` (`llmgw.uvicorn_limits.Limits`: header, body and
+    keep-alive timeouts, a connection limit), and which stops as uvicorn does, but for two things, so that a web
+    process that stops while other processes go on serving its socket loses no request:
 
     - uvicorn closes, the moment it stops accepting, every connection without a request under way: one that
       has just been accepted and not yet sent its request, or a kept-alive one whose client is sending its next
@@ -65,14 +74,8 @@ def graceful_server(config):
     import asyncio
 
     import uvicorn
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class ClosingOnceStopping(HttpToolsProtocol):
-        def on_headers_complete(self) -> None:
-            before = self.cycle
-            super().on_headers_complete()
-            if getattr(self.server_state, "stopping", False) and self.cycle is not None and self.cycle is not before:
-                self.cycle.keep_alive = False
+    from llmgw.uvicorn_limits import protocol
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
@@ -86,21 +89,26 @@ def graceful_server(config):
             await asyncio.sleep(SETTLE)
             await super().shutdown(sockets)
 
-    config.http = ClosingOnceStopping
+    limits = limits.within_descriptors()
+    config.http = protocol(limits)  # `limits`, and the `Connection: close` above
+    config.timeout_keep_alive = limits.keepalive_timeout
     return Server(config)
 
 
-def serve_inherited(fd: int) -> None:
-    """uvicorn (`graceful_server`) on the listening socket this process inherited as `fd`, with the options
-    above, the socket's family read from the descriptor itself."""
+def serve(fd: int | None = None, host: str = "", port: int = 0) -> None:
+    """uvicorn (`graceful_server`, `uvicorn_config`, the limits of the settings) on the listening socket this
+    process inherited as `fd`, its family read from the descriptor itself, or on one it binds at host:port."""
     import socket
 
-    import uvicorn
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")  # what the application loads anyway
+    from llmgw.uvicorn_limits import Limits
 
-    sock = socket.socket(fileno=fd)
-    config = uvicorn.Config(APPLICATION, loop="uvloop", lifespan="off", access_log=False, ws="websockets",
-                            ws_per_message_deflate=False)
-    graceful_server(config).run(sockets=[sock])
+    if fd is not None:
+        sock = socket.socket(fileno=fd)
+    else:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                    backlog=2048)
+    graceful_server(uvicorn_config(), Limits.from_settings()).run(sockets=[sock])
 
 
 def serve_workers(host: str, port: int, workers: int, server: str | None = None) -> None:
@@ -143,13 +151,12 @@ if __name__ == "__main__":
     parser.add_argument("--fd", type=int, help="serve the listening socket inherited as this descriptor")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=None,
+                        help="run this many web processes on one socket this process holds (else serve it here)")
     parser.add_argument("--server", choices=SERVERS, default=None)
     args = parser.parse_args()
-    if args.fd is not None:
-        serve_inherited(args.fd)
+    if args.fd is not None or args.workers is None:
+        serve(args.fd, args.host, args.port)
     else:
-        import os
-
         os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")  # the settings name the default server
         serve_workers(args.host, args.port, args.workers, args.server)

@@ -12,7 +12,10 @@ import time
 import pytest
 import uvicorn
 
+from llmgw.uvicorn_limits import Limits
 from llmgw.web import SETTLE, graceful_server
+
+ROOMY = Limits(header_timeout=20, body_timeout=30, keepalive_timeout=20, max_connections=4096)
 
 
 def wait_until(predicate, timeout: float = 10.0) -> None:
@@ -33,9 +36,9 @@ async def app(scope, receive, send):
 class Running:
     """`graceful_server` serving `sock` from a thread of its own, as a web process serves the socket it inherits."""
 
-    def __init__(self, sock: socket.socket):
-        config = uvicorn.Config(app, loop="uvloop", lifespan="off", access_log=False, log_level="warning")
-        self.server = graceful_server(config)
+    def __init__(self, sock: socket.socket, limits: Limits = ROOMY, application=app):
+        config = uvicorn.Config(application, loop="uvloop", lifespan="off", access_log=False, log_level="warning")
+        self.server = graceful_server(config, limits)
         # its own descriptor of the socket, as each web process has: uvicorn closes the one it serves as it stops
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock.dup()]}, daemon=True)
         self.thread.start()
@@ -131,3 +134,190 @@ def test_clients_sending_back_to_back_lose_nothing_while_one_of_two_processes_on
     second.join(10)
     assert not failures, f"{len(failures)} of {len(answers) + len(failures)} requests failed: {failures[:3]}"
     assert len(answers) > before  # the survivor went on answering
+
+
+# Slow and many connections (llmgw/uvicorn_limits.py): short limits, a raw socket as the client.
+
+SHORT = Limits(header_timeout=1.0, body_timeout=1.0, keepalive_timeout=5.0, max_connections=4096)
+SLACK = 1.5  # seconds a busy machine may add to a timeout
+
+
+async def echo(scope, receive, send):
+    """Reads the whole body, then answers its length; `/stream` answers in ten parts 0.4 s apart; a websocket
+    echoes."""
+    if scope["type"] == "websocket":
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        while (message := await receive())["type"] == "websocket.receive":
+            await send({"type": "websocket.send", "text": message.get("text") or ""})
+        return
+    if scope["path"] == "/late-reader":  # the application takes its time before it asks for the body
+        await asyncio.sleep(3)
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        size += len(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    if scope["path"] == "/stream":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        for i in range(10):
+            await asyncio.sleep(0.4)
+            await send({"type": "http.response.body", "body": b"%d\n" % i, "more_body": True})
+        await send({"type": "http.response.body", "body": b"end\n"})
+        return
+    body = str(size).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture
+def short(listener):
+    running = Running(listener, SHORT, echo)
+    yield listener.getsockname()
+    running.server.should_exit = True
+    running.join(10)
+
+
+def dial(address) -> socket.socket:
+    sock = socket.create_connection(address, timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def until_closed(sock: socket.socket, within: float) -> tuple[bytes, float]:
+    """What the server sends until it closes the connection, and how long that took; fails if it is still open
+    `within` seconds on."""
+    started = time.monotonic()
+    got = b""
+    sock.settimeout(within)
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except TimeoutError:
+        raise AssertionError(f"still open after {within} s; got {got[:200]!r}") from None
+    except ConnectionResetError:
+        pass
+    return got, time.monotonic() - started
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(short):
+    sock = dial(short)
+    got, took = until_closed(sock, SHORT.header_timeout + SLACK)
+    assert got == b"" and took >= SHORT.header_timeout - 0.1
+
+
+@pytest.mark.parametrize("partial", [
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Le",
+    b"GET /ws/agent/ HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n",  # a half upgrade
+])
+def test_headers_that_never_end_are_answered_408_and_closed(short, partial):
+    sock = dial(short)
+    sock.sendall(partial)
+    got, took = until_closed(sock, SHORT.header_timeout + SLACK)
+    assert got.startswith(b"HTTP/1.1 408 ") and b"connection: close" in got
+    assert took >= SHORT.header_timeout - 0.1
+
+
+def test_headers_sent_a_byte_at_a_time_still_end_at_the_header_timeout(short):
+    sock = dial(short)
+    request = b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X-A: b\r\n" * 100
+    started = time.monotonic()
+    try:
+        for byte in request:
+            sock.sendall(bytes([byte]))
+            time.sleep(0.05)
+            if time.monotonic() - started > SHORT.header_timeout + SLACK:
+                break
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    got, _ = until_closed(sock, SHORT.header_timeout + SLACK)
+    assert got.startswith(b"HTTP/1.1 408 ")
+    assert time.monotonic() - started < SHORT.header_timeout + 2 * SLACK
+
+
+def test_the_next_request_on_a_kept_alive_connection_has_the_header_timeout_from_its_first_byte(short):
+    sock = dial(short)
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+    time.sleep(SHORT.header_timeout + 0.5)  # idle, within the keep-alive timeout: still open
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+    got, took = until_closed(sock, SHORT.header_timeout + SLACK)
+    assert got.startswith(b"HTTP/1.1 408 ") and took >= SHORT.header_timeout - 0.1
+
+
+def test_a_stalled_body_is_answered_408_and_closed(short):
+    sock = dial(short)
+    sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 7000000\r\n\r\n" + b"x" * 100_000)
+    got, took = until_closed(sock, SHORT.body_timeout + SLACK)
+    assert got.startswith(b"HTTP/1.1 408 ") and took >= SHORT.body_timeout - 0.1
+
+
+def test_a_chunked_body_is_timed_from_its_last_chunk_not_its_first(short):
+    sock = dial(short)
+    sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    started = time.monotonic()
+    while time.monotonic() - started < 3 * SHORT.body_timeout:  # a chunk every 0.3 s: never silent for long
+        sock.sendall(b"3\r\nabc\r\n")
+        time.sleep(0.3)
+    sock.sendall(b"0\r\n\r\n")  # it ends: answered
+    sock.settimeout(5)
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+    sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")  # never ends
+    got, took = until_closed(sock, SHORT.body_timeout + SLACK)
+    assert got.startswith(b"HTTP/1.1 408 ") and took >= SHORT.body_timeout - 0.1
+
+
+def test_an_answer_that_takes_longer_than_every_timeout_is_not_cut(short):
+    sock = dial(short)
+    sock.sendall(b"POST /stream HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+    got, took = b"", time.monotonic()
+    sock.settimeout(10)
+    while not got.endswith(b"end\n\r\n0\r\n\r\n"):
+        chunk = sock.recv(65536)
+        assert chunk, f"closed mid-answer: {got!r}"
+        got += chunk
+    assert time.monotonic() - took >= 4 * SHORT.body_timeout  # ten parts 0.4 s apart
+
+
+def test_a_body_the_application_is_slow_to_ask_for_is_not_the_clients_silence(short):
+    sock = dial(short)
+    body = b"x" * 1_000_000  # past uvicorn's 64 KiB buffer: reading pauses until the application asks
+    sock.sendall(b"POST /late-reader HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    sock.settimeout(10)
+    got = sock.recv(65536)
+    assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(b"1000000")
+
+
+def test_connections_past_the_limit_are_answered_503_at_once(listener):
+    running = Running(listener, Limits(20, 30, 20, max_connections=2), echo)
+    try:
+        address = listener.getsockname()
+        held = [dial(address), dial(address)]
+        for sock in held:  # both served
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        third = dial(address)
+        third.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        got, took = until_closed(third, 5)
+        assert got.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in got.lower() and took < 1
+        held.pop().close()
+        wait_until(lambda: len(running.server.server_state.connections) < 2)
+        fourth = dial(address)
+        fourth.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert fourth.recv(65536).startswith(b"HTTP/1.1 200 ")
+    finally:
+        running.server.should_exit = True
+        running.join(10)
+
+
+def test_an_accepted_websocket_outlives_every_timeout(short):
+    from websockets.sync.client import connect
+
+    with connect(f"ws://{short[0]}:{short[1]}/ws/") as ws:
+        for i in range(4):  # four header and body timeouts, silent in between
+            time.sleep(SHORT.header_timeout)
+            ws.send(f"hello {i}")
+            assert ws.recv(timeout=5) == f"hello {i}"
