@@ -40,7 +40,7 @@ def web_argv(host: str, port: int, server: str | None = None, python: str | None
     raise ValueError(f"unknown web server {server!r}: choose {' or '.join(SERVERS)}")
 
 
-def uvicorn_config():
+def uvicorn_config(host: str = "127.0.0.1", port: int = 8000):
     """The uvicorn configuration of every web process: uvloop, httptools, the `websockets` library; lifespan off
     (the application has no startup or shutdown hooks: channels answers no lifespan scope); no access log. No
     per-message deflate on websockets: the agents' and dashboards' messages are small, and each stream's zlib
@@ -48,8 +48,8 @@ def uvicorn_config():
     message."""
     import uvicorn
 
-    return uvicorn.Config(APPLICATION, loop="uvloop", http="httptools", lifespan="off", access_log=False,
-                          ws="websockets", ws_per_message_deflate=False)
+    return uvicorn.Config(APPLICATION, host=host, port=port, loop="uvloop", http="httptools", lifespan="off",
+                          access_log=False, ws="websockets", ws_per_message_deflate=False)
 
 
 SETTLE = 0.25  # seconds a stopping web process waits, no longer accepting, for requests on its newest connections
@@ -97,18 +97,16 @@ def graceful_server(config, limits):
 
 def serve(fd: int | None = None, host: str = "", port: int = 0) -> None:
     """uvicorn (`graceful_server`, `uvicorn_config`, the limits of the settings) on the listening socket this
-    process inherited as `fd`, its family read from the descriptor itself, or on one it binds at host:port."""
+    process inherited as `fd`, its family read from the descriptor itself, or binding host:port as uvicorn's
+    own command line would."""
     import socket
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")  # what the application loads anyway
     from llmgw.uvicorn_limits import Limits
 
-    if fd is not None:
-        sock = socket.socket(fileno=fd)
-    else:
-        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                    backlog=2048)
-    graceful_server(uvicorn_config(), Limits.from_settings()).run(sockets=[sock])
+    config = uvicorn_config(host, port)
+    server = graceful_server(config, Limits.from_settings())
+    server.run(sockets=[socket.socket(fileno=fd)] if fd is not None else None)
 
 
 def serve_workers(host: str, port: int, workers: int, server: str | None = None) -> None:

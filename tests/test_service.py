@@ -66,7 +66,7 @@ def test_install_writes_enables_and_orders_the_units(systemd):
     ]
     web = (systemd.units / "llmgw-web.service").read_text()
     assert "User=nobody" in web and "Restart=always" in web
-    assert f"ExecStart={sys.executable} -m uvicorn --host 0.0.0.0 --port 8100" in web
+    assert f"ExecStart={sys.executable} -m llmgw.web --host 0.0.0.0 --port 8100\n" in web
     worker = (systemd.units / "llmgw-worker.service").read_text()
     assert "After=network-online.target llmgw-web.service" in worker and "celery -A llmgw worker" in worker
     beat = (systemd.units / "llmgw-beat.service").read_text()
@@ -102,7 +102,7 @@ def test_web_workers_run_on_one_socket_the_unit_holds(systemd):
     web = (systemd.units / "llmgw-web.service").read_text()
     workers = os.cpu_count()
     assert (f"-m llmgw.web --host 0.0.0.0 --port 8000 --workers {workers}\n" in web if workers > 1
-            else "-m uvicorn --host 0.0.0.0 --port 8000" in web)
+            else "-m llmgw.web --host 0.0.0.0 --port 8000\n" in web)
 
 
 def test_start_in_dependency_order_stop_in_reverse(systemd):
