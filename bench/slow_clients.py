@@ -6,8 +6,10 @@
 Starts `llmgw up --no-demo --no-agent --web-workers 1` (SQLite and the embedded Valkey in a temporary
 LLMGW_HOME), then, with no key or credentials, as a hostile client would:
 
-- `--bodies` (20) requests to `/v1/chat/completions` announcing `--body-mb` (7) MB, sent whole but for the last
-  byte, then silent: the web process's resident memory before, once they are sent, and after `--hold` seconds;
+- `--bodies` (20) requests to `--body-path` (`/login/`: Django reads a body whole, 2.5 MiB of it in memory,
+  before any view runs; `/v1/` answers 401 from the headers) announcing `--body-mb` (7) MB, sent whole but for
+  the last byte, then silent: the web process's resident memory before, once they are sent, and after `--hold`
+  seconds, and how many are still open;
 - each slow variant on `/v1/chat/completions`, `/api/v1/`, `/login/` and `/ws/agent/`: partial headers, a
   stalled Content-Length body, a chunked body that never ends (one chunk, then nothing), a half websocket
   upgrade; which are still open after `--hold` seconds (45: past the default body timeout, 30 s).
@@ -83,6 +85,7 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=HERE, help="the llmgw checkout to run (default: this one)")
     parser.add_argument("--bodies", type=int, default=20)
     parser.add_argument("--body-mb", type=float, default=7.0)
+    parser.add_argument("--body-path", default="/login/")
     parser.add_argument("--hold", type=float, default=45.0, help="seconds before looking which are still open")
     args = parser.parse_args()
 
@@ -116,9 +119,12 @@ def main() -> None:
 
         def send_body():
             sock = socket.create_connection(("127.0.0.1", port))
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-                         b"\r\nContent-Length: %d\r\n\r\n" % size)
-            sock.sendall(b"x" * (size - 1))  # all but the last byte
+            sock.sendall(f"POST {args.body_path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                         f"application/x-www-form-urlencoded\r\nContent-Length: {size}\r\n\r\n".encode())
+            try:
+                sock.sendall(b"x" * (size - 1))  # all but the last byte
+            except OSError:  # answered and closed before the end
+                pass
             bodies.append(sock)
 
         started = time.monotonic()
@@ -140,7 +146,7 @@ def main() -> None:
         after = rss(webs)
         still = sum(is_open(s) for s in bodies)
         print(f"web process RSS: {before:.0f} MiB before; {sent:.0f} MiB with {args.bodies} unfinished "
-              f"{args.body_mb:g} MB bodies (+{sent - before:.0f}); {after:.0f} MiB {args.hold:.0f} s on "
+              f"{args.body_mb:g} MB bodies to {args.body_path} (+{sent - before:.0f}); {after:.0f} MiB {args.hold:.0f} s on "
               f"(+{after - before:.0f}); {still} of {args.bodies} still open")
         for (path, name), sock in slow.items():
             print(f"{path:22} {name:24} {'OPEN' if is_open(sock) else 'closed'} after {args.hold:.0f} s")
