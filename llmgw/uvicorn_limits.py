@@ -156,13 +156,26 @@ def protocol(limits: Limits):
             if self.cycle is not None and self.cycle is not before:  # a request (an upgrade makes no cycle)
                 if getattr(self.server_state, "stopping", False):
                     self.cycle.keep_alive = False
-                self._body_pending = True
-                self._arm(limits.body_timeout, self._body_late)
+                if self._has_body():
+                    self._body_pending = True
+                    self._arm(limits.body_timeout, self._body_late)
+
+        def _has_body(self) -> bool:
+            for name, value in self.headers:
+                if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+                    return True
+            return False
 
         def on_message_complete(self) -> None:
             if self._body_pending:
                 self._body_pending = False
                 self._disarm()
+                if self.cycle.response_complete and not self.pipeline and not self.transport.is_closing():
+                    # the body ended after its answer (read and dropped meanwhile, which stopped uvicorn's idle
+                    # timer): the connection is idle from now
+                    self._unset_keepalive_if_required()
+                    self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                        self.timeout_keep_alive_handler)
             super().on_message_complete()
 
         def handle_websocket_upgrade(self) -> None:

@@ -151,6 +151,10 @@ async def echo(scope, receive, send):
         while (message := await receive())["type"] == "websocket.receive":
             await send({"type": "websocket.send", "text": message.get("text") or ""})
         return
+    if scope["path"] == "/early":  # answers before it reads a byte of the body (as the gateway does without a key)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]})
+        await send({"type": "http.response.body", "body": b"early"})
+        return
     if scope["path"] == "/late-reader":  # the application takes its time before it asks for the body
         await asyncio.sleep(3)
     size = 0
@@ -321,3 +325,23 @@ def test_an_accepted_websocket_outlives_every_timeout(short):
             time.sleep(SHORT.header_timeout)
             ws.send(f"hello {i}")
             assert ws.recv(timeout=5) == f"hello {i}"
+
+
+def test_a_body_sent_after_its_answer_is_timed_too_and_then_the_connection_idles_out(listener):
+    running = Running(listener, Limits(1.0, 1.0, keepalive_timeout=1.0, max_connections=4096), echo)
+    try:
+        address = listener.getsockname()
+        sock = dial(address)
+        sock.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        got, took = until_closed(sock, 1.0 + SLACK)  # the rest of the body never comes
+        assert got == b"" and took >= 0.9
+        sock = dial(address)
+        sock.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"x" * 990)  # the rest, after the answer: then idle, closed as any idle connection
+        got, took = until_closed(sock, 1.0 + SLACK)
+        assert got == b""
+    finally:
+        running.server.should_exit = True
+        running.join(10)
