@@ -6,10 +6,11 @@
 Starts `llmgw up --no-demo --no-agent --web-workers 1` (SQLite and the embedded Valkey in a temporary
 LLMGW_HOME), then, with no key or credentials, as a hostile client would:
 
-- `--bodies` (20) requests to `--body-path` (`/login/`: Django reads a body whole, 2.5 MiB of it in memory,
-  before any view runs; `/v1/` answers 401 from the headers) announcing `--body-mb` (7) MB, sent whole but for
-  the last byte, then silent: the web process's resident memory before, once they are sent, and after `--hold`
-  seconds, and how many are still open;
+- `--bodies` (20) requests to `--body-path` (`/v1/chat/completions`, with a valid client key: the gateway
+  reads a body whole; without a key it answers 401 from the headers. `/login/`: Django reads a body before any
+  view runs, 2.5 MiB of it in memory, the rest to a temporary file) announcing `--body-mb` (7) MB, sent whole
+  but for the last byte, then silent: the web process's resident memory before, once they are sent, and after
+  `--hold` seconds, and how many are still open;
 - each slow variant on `/v1/chat/completions`, `/api/v1/`, `/login/` and `/ws/agent/`: partial headers, a
   stalled Content-Length body, a chunked body that never ends (one chunk, then nothing), a half websocket
   upgrade; which are still open after `--hold` seconds (45: past the default body timeout, 30 s).
@@ -85,7 +86,7 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=HERE, help="the llmgw checkout to run (default: this one)")
     parser.add_argument("--bodies", type=int, default=20)
     parser.add_argument("--body-mb", type=float, default=7.0)
-    parser.add_argument("--body-path", default="/login/")
+    parser.add_argument("--body-path", default="/v1/chat/completions")
     parser.add_argument("--hold", type=float, default=45.0, help="seconds before looking which are still open")
     args = parser.parse_args()
 
@@ -110,6 +111,12 @@ def main() -> None:
             if time.monotonic() > deadline or up.poll() is not None:
                 raise SystemExit(f"llmgw up did not answer; see {home / 'up.log'}")
             time.sleep(0.5)
+        made = subprocess.run([sys.executable, str(args.root / "manage.py"), "llmgw", "ctl", "keys", "create",
+                               "slow-bench"], env=dict(env, HOME=str(home)), cwd=args.root, capture_output=True,
+                              text=True, timeout=120)  # on the control plane's host: as its admin
+        key = made.stdout.split()[-1] if made.returncode == 0 else ""
+        if not key.startswith("sk-"):
+            raise SystemExit(f"no client key: {made.stdout}{made.stderr}")
         webs = web_processes(up)
         time.sleep(2)
         before = rss(webs)
@@ -119,8 +126,8 @@ def main() -> None:
 
         def send_body():
             sock = socket.create_connection(("127.0.0.1", port))
-            sock.sendall(f"POST {args.body_path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-                         f"application/x-www-form-urlencoded\r\nContent-Length: {size}\r\n\r\n".encode())
+            sock.sendall(f"POST {args.body_path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n".encode())
             try:
                 sock.sendall(b"x" * (size - 1))  # all but the last byte
             except OSError:  # answered and closed before the end
