@@ -345,3 +345,24 @@ def test_a_body_sent_after_its_answer_is_timed_too_and_then_the_connection_idles
     finally:
         running.server.should_exit = True
         running.join(10)
+
+
+
+def test_the_open_file_limit_is_raised_for_the_connections_or_they_are_fewer():
+    """systemd starts a service with 1024 files (the soft limit): a web process raises it to what its connection
+    limit needs, as far as the hard limit lets it, else takes fewer connections."""
+    import resource
+
+    from llmgw.uvicorn_limits import FD_RESERVE
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard < 4096 + FD_RESERVE:
+        pytest.skip(f"a hard limit of {hard} files")
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, hard))
+        assert Limits(20, 30, 20, 4096).within_descriptors().max_connections == 4096
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == 4096 + FD_RESERVE
+        assert Limits(20, 30, 20, hard).within_descriptors().max_connections == hard - FD_RESERVE
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
