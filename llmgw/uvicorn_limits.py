@@ -35,6 +35,7 @@ log = logging.getLogger("llmgw.web")
 
 REFUSED_LINGER = 2.0  # seconds a connection refused past the limit is read (and dropped) before it is closed
 FD_RESERVE = 256  # descriptors a web process keeps for its own (database, Redis, engines, logs) beside clients'
+REFUSALS_SAID_EVERY = 10.0  # seconds between log lines about refused connections
 POLL = 1.0  # seconds between looks while the application, not the client, holds up a body
 
 
@@ -97,6 +98,19 @@ def _answer(status: int, text: str, default_headers, extra: bytes = b"") -> byte
     return b"".join(head)
 
 
+_refusals = {"count": 0, "said_at": float("-inf")}
+
+
+def _refused(now: float, limit: int) -> None:
+    """Said in the log at most every `REFUSALS_SAID_EVERY` seconds, with how many: a flood of connections does
+    not become a flood of log lines."""
+    _refusals["count"] += 1
+    if now - _refusals["said_at"] >= REFUSALS_SAID_EVERY:
+        log.warning("refused %d connection(s) past LLMGW_MAX_CONNECTIONS (%d) since the last word on it",
+                    _refusals["count"], limit)
+        _refusals.update(count=0, said_at=now)
+
+
 def protocol(limits: Limits):
     """uvicorn's httptools protocol under `limits` (the module's docstring), which also stops gracefully:
     every request that begins once its server is stopping is answered with `Connection: close`
@@ -129,8 +143,7 @@ def protocol(limits: Limits):
             if transport.can_write_eof():
                 transport.write_eof()
             self._timer = self.loop.call_later(REFUSED_LINGER, transport.close)
-            log.warning("refused a connection: %d open, LLMGW_MAX_CONNECTIONS is %d",
-                        len(self.server_state.connections), limits.max_connections)
+            _refused(self.loop.time(), limits.max_connections)
 
         def connection_lost(self, exc) -> None:
             self._disarm()
