@@ -33,7 +33,9 @@ VERSION_TIMEOUT = 20.0
 # own flag (`--slot-prompt-similarity`, or xllamacpp's `--param slot_prompt_similarity=`) comes later and wins.
 SLOT_PROMPT_SIMILARITY = 0.7
 # What a replica can serve: the /v1/ endpoints (chat, completions, embeddings) and the inputs beyond text
-CAPABILITIES = ("chat", "completions", "embeddings", "images", "audio")
+# what a model serves: the gateway's APIs (gateway/surfaces.py), then the inputs beyond text it takes
+CAPABILITIES = ("chat", "completions", "embeddings", "messages", "responses", "rerank", "images", "audio")
+SURFACES = CAPABILITIES[:6]
 
 
 def register(kind: str):
@@ -159,10 +161,18 @@ def _flag_values(args: dict, name: str) -> list[str]:
     return values
 
 
-def _llama_capabilities(embeddings: bool, multimodal: bool) -> tuple[str, ...]:
-    wanted = {"chat", "completions"} | ({"embeddings"} if embeddings else set())
+def _llama_capabilities(embeddings: bool, multimodal: bool, rerank: bool = False) -> tuple[str, ...]:
+    """llama.cpp's server: chat, completions, Anthropic's Messages and OpenAI's Responses always; embeddings with
+    --embeddings; rerank with --reranking (or --embeddings --pooling rank); images and audio with a projector."""
+    wanted = {"chat", "completions", "messages", "responses"} | ({"embeddings"} if embeddings else set())
+    wanted |= {"rerank"} if rerank else set()
     wanted |= {"images", "audio"} if multimodal else set()
     return tuple(c for c in CAPABILITIES if c in wanted)
+
+
+def _reranks(args: dict) -> bool:
+    return _has_flag(args, "--reranking", "--rerank") or (
+        _has_flag(args, "--embeddings", "--embedding") and "rank" in _flag_values(args, "--pooling"))
 
 
 @functools.lru_cache(maxsize=16)
@@ -196,7 +206,7 @@ class LlamaCpp(EngineDriver):
     def capabilities(cls, args: dict) -> tuple[str, ...]:
         # /v1/embeddings needs --embeddings (else a 501); images and audio need a projector (else a 500)
         multimodal = _has_flag(args, "--mmproj", "-mm", "--mmproj-url", "-mmu") and not _has_flag(args, "--no-mmproj")
-        return _llama_capabilities(_has_flag(args, "--embeddings", "--embedding"), multimodal)
+        return _llama_capabilities(_has_flag(args, "--embeddings", "--embedding"), multimodal, _reranks(args))
 
     @classmethod
     def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
@@ -240,7 +250,7 @@ class XLlamaCpp(EngineDriver):
         # the launcher takes llama-server's --embeddings and --mmproj, or CommonParams' own field
         embedding = _has_flag(args, "--embeddings", "--embedding")
         embedding = embedding or any(v.lower() in ("embedding=true", "embedding=1") for v in _flag_values(args, "--param"))
-        return _llama_capabilities(embedding, _has_flag(args, "--mmproj", "-mm"))
+        return _llama_capabilities(embedding, _has_flag(args, "--mmproj", "-mm"), _reranks(args))
 
     @classmethod
     def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
@@ -279,8 +289,8 @@ class Vllm(EngineDriver):
         # a pooling model serves embeddings and no generation; which inputs a model takes, vLLM knows
         pooling = any(t in cls.POOLING_TASKS for t in _flag_values(args, "--task") + _flag_values(args, "--convert"))
         if pooling or "pooling" in _flag_values(args, "--runner"):
-            return ("embeddings",)
-        return ("chat", "completions", "images", "audio")
+            return ("embeddings", "rerank")  # vLLM reranks with a scoring (cross-encoder) model
+        return ("chat", "completions", "messages", "responses", "images", "audio")
 
     @classmethod
     def detect(cls) -> str | None:

@@ -72,21 +72,44 @@ def chat_opening(messages) -> str:
     return "\x1d".join(parts)
 
 
+def responses_opening(body: dict) -> str:
+    """The Responses API's opening: its `instructions`, and its input up to and including the first user item
+    (a string input is the user's message itself)."""
+    items = body.get("input")
+    if not isinstance(items, list):
+        items = [{"role": "user", "content": items}]
+    return f"instructions\x1f{_text(body.get('instructions'))}\x1d{chat_opening(items)}"
+
+
 def request_key(endpoint: str, body: dict) -> int:
     """The ring position of a request:
 
     - chat: its opening (`chat_opening`);
+    - Messages (and its token count): its `system` prompt, then its opening;
+    - Responses: its `instructions`, then its input's opening;
     - completions: the first COMPLETION_CHARS characters of the prompt (a prompt grows turn by turn, and
       nothing marks where its opening ends);
-    - embeddings: the whole input (the same text, the same replica).
+    - embeddings: the whole input (the same text, the same replica); rerank: its query and documents.
     """
     if endpoint == "chat/completions":
         text = chat_opening(body.get("messages"))
+    elif endpoint in ("messages", "messages/count_tokens"):
+        text = f"system\x1f{_text(body.get('system'))}\x1d{chat_opening(body.get('messages'))}"
+    elif endpoint == "responses":
+        text = responses_opening(body)
     elif endpoint == "completions":
         text = _text(body.get("prompt"))[:COMPLETION_CHARS]
+    elif endpoint == "rerank":
+        text = f"{_text(body.get('query'))}\x1d{_text(body.get('documents'))}"
     else:
         text = _text(body.get("input"))
     return _hash(text.encode("utf-8", "surrogatepass")[:MAX_KEY_BYTES])
+
+
+def session_key(session: str) -> int:
+    """The ring position of every request of an agent's session (a session header's value): one replica for the
+    whole session, whatever its requests open with."""
+    return _hash(b"session\x00" + session.encode("utf-8", "surrogatepass")[:1024])
 
 
 class Ring:

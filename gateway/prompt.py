@@ -67,23 +67,46 @@ def _walk(value, depth: int = 0) -> tuple[int, int]:
     return 0, 0
 
 
+def _messages(messages, text: int = 0, items: int = 0) -> tuple[int, int]:
+    """(text bytes, items) of a list of chat or Messages messages, or of Responses input items."""
+    for message in messages if isinstance(messages, list) else ():
+        items += 1
+        if not isinstance(message, dict):
+            continue
+        text += _walk(message.get("content"))[0]
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                text += len(function["arguments"].encode("utf-8", "surrogatepass"))
+        for field in ("arguments", "output"):  # a Responses function call, or its output
+            if isinstance(message.get(field), str):
+                text += len(message[field].encode("utf-8", "surrogatepass"))
+    return text, items
+
+
 def size(endpoint: str, body: dict) -> Size:
     if endpoint == "chat/completions":
-        text = items = 0
-        for message in body.get("messages") or ():
-            items += 1
-            if not isinstance(message, dict):
-                continue
-            text += _walk(message.get("content"))[0]
-            calls = message.get("tool_calls")
-            for call in calls if isinstance(calls, list) else ():
-                function = call.get("function") if isinstance(call, dict) else None
-                if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-                    text += len(function["arguments"].encode("utf-8", "surrogatepass"))
-        return Size(text, 0, items)
+        return Size(*_shape(_messages(body.get("messages"))))
+    if endpoint in ("messages", "messages/count_tokens"):
+        text, items = _messages(body.get("messages"))
+        return Size(text + _walk(body.get("system"))[0], 0, items)
+    if endpoint == "responses":
+        value = body.get("input")
+        text, items = _messages(value) if isinstance(value, list) else (_walk(value)[0], 1)
+        return Size(text + _walk(body.get("instructions"))[0], 0, items)
+    if endpoint == "rerank":
+        documents = body.get("documents")
+        return Size(_walk(body.get("query"))[0] + _walk(documents)[0], 0,
+                    1 + (len(documents) if isinstance(documents, list) else 0))
     value = body.get("prompt" if endpoint == "completions" else "input")
     text, ids = _walk(value)
     return Size(text, ids, len(value) if isinstance(value, list) and value and not isinstance(value[0], int) else 0)
+
+
+def _shape(measured: tuple[int, int]) -> tuple[int, int, int]:
+    text, items = measured
+    return text, 0, items
 
 
 def check_context(model: str, context: int | None, measured: Size) -> None:

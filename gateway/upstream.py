@@ -14,8 +14,11 @@ import re
 from gateway.errors import GatewayError, invalid
 
 # what each endpoint needs of a model (agents.engines.CAPABILITIES), and how a refusal names it
-ENDPOINT_CAPABILITY = {"chat/completions": "chat", "completions": "completions", "embeddings": "embeddings"}
-SERVES = {"chat": "chat completions", "completions": "text completions", "embeddings": "embeddings"}
+ENDPOINT_CAPABILITY = {"chat/completions": "chat", "completions": "completions", "embeddings": "embeddings",
+                       "messages": "messages", "messages/count_tokens": "messages", "responses": "responses",
+                       "rerank": "rerank"}
+SERVES = {"chat": "chat completions", "completions": "text completions", "embeddings": "embeddings",
+          "messages": "Anthropic Messages", "responses": "Responses", "rerank": "rerank"}
 TAKES = {"images": "images", "audio": "audio"}
 # the content parts of a chat message that carry images or audio, by their `type`
 PART_CAPABILITY = {"image_url": "images", "input_image": "images", "image": "images", "input_audio": "audio",
@@ -41,9 +44,13 @@ def scrub(text: str) -> str:
 def needs(endpoint: str, body: dict) -> list[str]:
     """The capabilities this request needs: its endpoint's, and images or audio for such content parts."""
     wanted = [ENDPOINT_CAPABILITY[endpoint]]
-    if endpoint != "chat/completions":
+    if endpoint in ("chat/completions", "messages", "messages/count_tokens"):
+        items = body.get("messages")
+    elif endpoint == "responses":
+        items = body.get("input")
+    else:
         return wanted
-    for message in body.get("messages") or ():
+    for message in items if isinstance(items, list) else ():
         parts = message.get("content") if isinstance(message, dict) else None
         if not isinstance(parts, list):
             continue
@@ -60,14 +67,19 @@ def check_capabilities(model: str, capabilities: frozenset[str], endpoint: str, 
             continue
         if capability in TAKES:
             raise GatewayError(400, "not_supported", f"model {model} does not take {TAKES[capability]}")
-        raise GatewayError(400, "not_supported", f"model {model} does not serve {SERVES[capability]}")
+        raise GatewayError(400, "not_supported", f"model {model} does not serve {SERVES[capability]}{_serving(capabilities)}")
+
+
+def _serving(capabilities) -> str:
+    served = [words for capability, words in SERVES.items() if capability in capabilities]
+    return f" (it serves {', '.join(served)})" if served else ""
 
 
 # what a client may ask an engine to generate at most: OpenAI's two names, and llama.cpp's own, which it prefers
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
 
 
-def cap_tokens(body: dict, caps: tuple[int | None, ...]) -> bool:
+def cap_tokens(body: dict, caps: tuple[int | None, ...], fields: tuple[str, ...] = TOKEN_FIELDS) -> bool:
     """Hold a completion to the smallest of the caps (the model's, the key's): set `max_tokens` when the client
     asks for none, lower what it asks for above the cap (a negative number is llama.cpp's "no limit"). Whether
     the body changed."""
@@ -75,7 +87,7 @@ def cap_tokens(body: dict, caps: tuple[int | None, ...]) -> bool:
     if cap is None:
         return False
     changed, asked = False, False
-    for field in TOKEN_FIELDS:
+    for field in fields:
         value = body.get(field)
         if value is None:
             continue
@@ -86,7 +98,7 @@ def cap_tokens(body: dict, caps: tuple[int | None, ...]) -> bool:
             body[field] = cap
             changed = True
     if not asked:
-        body["max_tokens"] = cap
+        body[fields[0]] = cap
         changed = True
     return changed
 

@@ -8,6 +8,10 @@ EXACT = {
     "/v1/chat/completions": views.chat_completions,
     "/v1/completions": views.completions,
     "/v1/embeddings": views.embeddings,
+    "/v1/messages": views.messages,
+    "/v1/messages/count_tokens": views.count_tokens,
+    "/v1/responses": views.responses,
+    "/v1/rerank": views.rerank,
     "/v1/models": views.models_list,
     "/metrics": metrics_view,
 }

@@ -1,6 +1,8 @@
-"""The OpenAI-compatible endpoint: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models.
+"""The gateway's endpoints: OpenAI's /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses and
+/v1/models, Anthropic's /v1/messages and /v1/messages/count_tokens, and /v1/rerank (gateway/surfaces.py says how
+they differ).
 
-Every answer is the engine's own or an OpenAI-shaped error; a client never sees a 500 or an HTML page.
+Every answer is the engine's own or an error in its API's shape; a client never sees a 500 or an HTML page.
 """
 
 from __future__ import annotations
@@ -18,18 +20,19 @@ from gateway import affinity, metrics
 from gateway import prompt
 from gateway.accounting import check_limits, settle_tokens
 from gateway.engines_http import ConnectFailed, ConnectTimeout, ReadTimeout, Unreachable, UpstreamError
-from gateway.errors import GatewayError, error_response, invalid
+from gateway.errors import GatewayError, invalid
 from gateway.http import Answer, HungUp, Streamed, json_answer
 from gateway.models import ApiKey
 from gateway.prompt import check_caps, check_context, completion_at_most
 from gateway.runtime import PREFIX, runtime
-from gateway.upstream import KEY_REFUSED, TOKEN_FIELDS, cap_tokens, check_capabilities, refusal, scrub
+from gateway.surfaces import SURFACES, error_for
+from gateway.upstream import KEY_REFUSED, cap_tokens, check_capabilities, refusal, scrub
 
 log = logging.getLogger("llmgw.gateway")
 access = logging.getLogger("llmgw.access")
 
-# endpoint -> the field it cannot do without
-ENDPOINTS = {"chat/completions": "messages", "completions": "prompt", "embeddings": "input"}
+# the headers that name an agent's session: its requests stay on one replica (docs/routing.md)
+SESSION_HEADERS = ("x-llmgw-session", "x-claude-code-session-id", "session_id", "session-id")
 RETRYABLE_STATUS = (502, 503)
 NO_ROOM_RECHECK = 1.0  # seconds a request asking for a model found without room waits for the reconciler's word
 
@@ -79,8 +82,24 @@ async def embeddings(request):
     return await proxy(request, "embeddings")
 
 
+async def messages(request):
+    return await proxy(request, "messages")
+
+
+async def count_tokens(request):
+    return await proxy(request, "messages/count_tokens")
+
+
+async def responses(request):
+    return await proxy(request, "responses")
+
+
+async def rerank(request):
+    return await proxy(request, "rerank")
+
+
 async def not_found(request, rest=""):
-    return error_response(404, "not_found", f"no such endpoint: {request.method} {request.path}")
+    return error_for(request.path, 404, "not_found", f"no such endpoint: {request.method} {request.path}")
 
 
 class Call:
@@ -116,7 +135,7 @@ class Call:
         """A stream that ended before the engine said what it used (the client closed it, say) still used what the
         engine produced: the tokens passed on, and its prompt as estimated when anything was passed."""
         if not self.usage_known and self.passed:
-            self.prompt, self.completion = self.prompt_about, self.passed
+            self.prompt, self.completion = self.prompt or self.prompt_about, max(self.completion, self.passed)
 
     async def settle(self) -> None:
         """Count what it used against its key's tpm limit in place of what it reserved."""
@@ -165,6 +184,7 @@ async def proxy(request, endpoint: str):
 
 
 async def _proxy(call, request, endpoint: str):
+    surface = SURFACES[endpoint]
     try:
         if request.method != "POST":
             raise GatewayError(405, "method_not_allowed", f"{request.path} takes POST")
@@ -176,7 +196,7 @@ async def _proxy(call, request, endpoint: str):
         if table.serving_stopped:
             raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)
         call.key = await _authenticate(gw, table, request)
-        raw, body = _parse(await request.read_body(), endpoint)
+        raw, body = _parse(await request.read_body(), surface)
         call.model = body["model"]
         route = table.models.get(call.model)
         if route is None and gw.may_look_again("model"):
@@ -191,36 +211,40 @@ async def _proxy(call, request, endpoint: str):
         check_caps(call.model, body, route.max_logprobs, route.max_choices)
         measured = prompt.size(endpoint, body)
         check_context(call.model, route.context, measured)
-        call.prompt_about = measured.about
+        call.prompt_about = measured.about if surface.path != "messages/count_tokens" else 0
         if route.routing == PREFIX:
-            call.affinity = affinity.request_key(endpoint, body)
-        changed = endpoint != "embeddings" and cap_tokens(body, (route.max_tokens, call.key.max_tokens))
+            session = next((v for h in SESSION_HEADERS if (v := request.header(h))), "")
+            call.affinity = affinity.session_key(session) if session else affinity.request_key(endpoint, body)
+        changed = bool(surface.token_fields) and cap_tokens(body, (route.max_tokens, call.key.max_tokens),
+                                                             surface.token_fields)
         if call.key.tpm:
-            call.reserved = measured.about
-            if endpoint != "embeddings":
-                call.reserved += completion_at_most(body, TOKEN_FIELDS, route.context)
+            call.reserved = call.prompt_about
+            if surface.generates:
+                call.reserved += completion_at_most(body, surface.token_fields, route.context)
         call.reserved_minute = await check_limits(gw.redis, call.key, call.reserved)
         gw.requested(call.model)  # demand, once nothing refuses it (a refused request must keep no model loaded)
-        stream = bool(body.get("stream"))
+        stream = bool(body.get("stream")) and surface.path != "messages/count_tokens"
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
+        if surface.path not in ("chat/completions", "completions"):
+            wants_usage = True  # their streams carry their usage of their own
         if stream and not wants_usage:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
             changed = True
         # the client's bytes as they came, unknown fields and all, unless the gateway had to add to them
         payload = json.dumps(body).encode() if changed else raw
         if stream:
-            return await _stream(gw, call, endpoint, payload, wants_usage)
-        return await _once(gw, call, endpoint, payload)
+            return await _stream(gw, call, surface, payload, wants_usage)
+        return await _once(gw, call, surface, payload)
     except GatewayError as exc:
         call.finish(exc.status)
-        return exc.response()
+        return surface.error(exc)
     except (asyncio.CancelledError, HungUp):  # the client went away before the answer: still one access-log line
         call.finish(499)
         raise
     except Exception:  # a bug of ours must still not become a 500 for the client
         log.exception("gateway error on %s", request.path)
         call.finish(503)
-        return error_response(503, "gateway_error", "the gateway failed on this request; see the web log", 5)
+        return surface.error(GatewayError(503, "gateway_error", "the gateway failed on this request; see the web log", 5))
 
 
 async def _authenticate(gw, table, request):
@@ -230,9 +254,13 @@ async def _authenticate(gw, table, request):
     if wait:
         raise GatewayError(429, "rate_limited", f"too many unknown API keys from your address; try again in {wait} s", wait)
     header = request.header("authorization")
-    if not header.lower().startswith("bearer ") or not header[7:].strip():
-        raise GatewayError(401, "invalid_api_key", "give your API key as `Authorization: Bearer sk-…`")
-    key_hash = ApiKey.hash(header[7:].strip())
+    if header.lower().startswith("bearer ") and header[7:].strip():
+        secret = header[7:].strip()
+    else:  # Anthropic's SDK and Claude Code send theirs so
+        secret = request.header("x-api-key").strip()
+    if not secret:
+        raise GatewayError(401, "invalid_api_key", "give your API key as `Authorization: Bearer sk-…` or `x-api-key: sk-…`")
+    key_hash = ApiKey.hash(secret)
     key = table.keys.get(key_hash)
     if key is None and gw.may_look_again("key"):
         await gw.refresh()  # a key created a moment ago, before the change reached this process
@@ -247,7 +275,7 @@ async def _authenticate(gw, table, request):
     return key
 
 
-def _parse(raw: bytes, endpoint: str) -> tuple[bytes, dict]:
+def _parse(raw: bytes, surface) -> tuple[bytes, dict]:
     """The body as it came (no larger than LLMGW_MAX_BODY_BYTES: gateway.handler refused it as it came), and as JSON."""
     try:
         body = json.loads(raw)
@@ -260,11 +288,16 @@ def _parse(raw: bytes, endpoint: str) -> tuple[bytes, dict]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("`model` is required and must be a string")
-    needed = ENDPOINTS[endpoint]
-    if needed not in body:
-        raise invalid(f"`{needed}` is required for /v1/{endpoint}")
-    if endpoint == "chat/completions" and not isinstance(body["messages"], list):
+    for needed in surface.needs:
+        if needed not in body:
+            raise invalid(f"`{needed}` is required for /v1/{surface.path}")
+    if "messages" in surface.needs and not isinstance(body["messages"], list):
         raise invalid("`messages` must be a list")
+    if surface.path == "responses":
+        for stateful in ("previous_response_id", "conversation"):
+            if body.get(stateful):
+                raise invalid(f"`{stateful}` is not supported: llmgw's engines keep no responses between requests; send"
+                              " the whole conversation as `input`")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise invalid("`stream` must be true or false")
     if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"], dict):
@@ -320,7 +353,7 @@ def _done(gw, call, upstream) -> None:
     metrics.of(call.model).inflight.dec()
 
 
-async def _send(gw, call, endpoint, payload):
+async def _send(gw, call, surface, payload):
     """Send to a replica; before any byte of an answer, retry another on a connection failure or a 502/503."""
     tried: set[str] = set()
     last_error = None
@@ -336,7 +369,8 @@ async def _send(gw, call, endpoint, payload):
         gw.start(upstream.replica)
         metrics.of(call.model).inflight.inc()
         try:
-            response = await gw.engines.post(upstream.host, upstream.port, f"/v1/{endpoint}", payload, upstream.authorization)
+            response = await gw.engines.post(upstream.host, upstream.port, f"/v1/{surface.path}", payload,
+                                             upstream.authorization)
         except ConnectTimeout:
             _done(gw, call, upstream)
             gw.cannot_connect(upstream.replica)
@@ -359,7 +393,7 @@ async def _send(gw, call, endpoint, payload):
             _done(gw, call, upstream)
             log.warning("replica %s answered %s to %s; trying another", upstream.replica, response.status, call.model)
             if response.status in KEY_REFUSED:
-                last_error = refusal(call.model, endpoint, response.status, b"")
+                last_error = refusal(call.model, surface.path, response.status, b"")
             else:
                 last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} answered {response.status}")
             continue
@@ -375,16 +409,16 @@ def _describe(exc: BaseException) -> str:
     return scrub(str(exc)) or type(exc).__name__
 
 
-def _refused(call, endpoint, upstream, status: int, content: bytes) -> GatewayError:
+def _refused(call, surface, upstream, status: int, content: bytes) -> GatewayError:
     said = content[:500].decode(errors="replace")
     log.warning("replica %s answered %s to %s: %s", upstream.replica, status, call.model, said)
-    return refusal(call.model, endpoint, status, content)
+    return refusal(call.model, surface.path, status, content)
 
 
-async def _once(gw, call, endpoint, payload):
+async def _once(gw, call, surface, payload):
     """A whole answer: held and sent as one when it is small (ONCE_BYTES), else passed on as it comes, with no more
     of it in memory than the engine connection's buffer (an answer of many embeddings or log-probabilities)."""
-    upstream, response = await _send(gw, call, endpoint, payload)
+    upstream, response = await _send(gw, call, surface, payload)
     passing = False
     try:
         try:
@@ -395,7 +429,7 @@ async def _once(gw, call, endpoint, payload):
             raise GatewayError(502, "upstream_error", f"replica {upstream.replica} broke off: {_describe(exc)}") from None
         status = response.status
         if status >= 400:
-            raise _refused(call, endpoint, upstream, status, content)
+            raise _refused(call, surface, upstream, status, content)
         if not whole:
             passing = True
             return _pass_on(gw, call, upstream, response, content)
@@ -404,7 +438,7 @@ async def _once(gw, call, endpoint, payload):
             response.release()  # read to the end: back to the pool; else closed
             _done(gw, call, upstream)
     if status == 200:
-        _take_usage(call, content)
+        _take_usage(call, surface, content)
         gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
         await call.settle()  # before the answer: the key's next request sees what this one used
     call.finish(status)
@@ -414,7 +448,7 @@ async def _once(gw, call, endpoint, payload):
 ONCE_BYTES = 1 << 20  # a whole answer larger than this is passed on as it comes instead of held
 ERROR_BYTES = 64 << 10  # of an engine's error answer, read for its words; the rest is not wanted
 USAGE_TAIL = 64 << 10  # of a passed-on answer, kept to find its usage in (the engines put it near the end)
-_USAGE_FIELD = re.compile(rb'[{,]\s*"(prompt_tokens|completion_tokens)"\s*:\s*(\d+)')
+_USAGE_FIELD = re.compile(rb'[{,]\s*"(prompt_tokens|completion_tokens|input_tokens|output_tokens)"\s*:\s*(\d+)')
 
 
 def _pass_on(gw, call, upstream, response, head: bytes) -> Streamed:
@@ -446,7 +480,7 @@ def _pass_on(gw, call, upstream, response, head: bytes) -> Streamed:
                 yield chunk
             status = 200
             for name, value in _USAGE_FIELD.findall(tail):  # the last of each: the answer's own usage
-                if name == b"prompt_tokens":
+                if name in (b"prompt_tokens", b"input_tokens"):
                     call.prompt = int(value)
                 else:
                     call.completion = int(value)
@@ -459,18 +493,18 @@ def _pass_on(gw, call, upstream, response, head: bytes) -> Streamed:
     return Streamed(chunks(), settle, response.content_type)
 
 
-def _take_usage(call, content: bytes) -> None:
+def _take_usage(call, surface, content: bytes) -> None:
     try:
-        usage = json.loads(content).get("usage") or {}
-        call.prompt = int(usage.get("prompt_tokens") or 0)
-        call.completion = int(usage.get("completion_tokens") or 0)
-        call.usage_known = True
-    except (ValueError, AttributeError, TypeError, RecursionError):
-        pass
+        body = json.loads(content)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return
+    usage = surface.usage(body) if isinstance(body, dict) else None
+    if usage is not None:
+        call.prompt, call.completion, call.usage_known = usage.prompt, usage.completion, True
 
 
-async def _stream(gw, call, endpoint, payload, wants_usage: bool):
-    upstream, response = await _send(gw, call, endpoint, payload)
+async def _stream(gw, call, surface, payload, wants_usage: bool):
+    upstream, response = await _send(gw, call, surface, payload)
     if response.status != 200:
         try:
             content = await response.read()
@@ -480,7 +514,7 @@ async def _stream(gw, call, endpoint, payload, wants_usage: bool):
             response.release()
             _done(gw, call, upstream)
         if response.status >= 400:
-            raise _refused(call, endpoint, upstream, response.status, content)
+            raise _refused(call, surface, upstream, response.status, content)
         call.finish(response.status)
         return Answer(content, response.status, response.content_type)
 
@@ -520,10 +554,10 @@ async def _stream(gw, call, endpoint, payload, wants_usage: bool):
                 out = []
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
-                    if _keep_event(call, event, wants_usage):
+                    if _keep_event(call, surface, event, wants_usage):
                         out.append(event + b"\n\n")
                 if out:
-                    last = any(e.startswith(b"data: [DONE]") for e in out)
+                    last = any(e.startswith(surface.done_event) for e in out)
                     if last:
                         release()
                     yield b"".join(out)
@@ -534,22 +568,22 @@ async def _stream(gw, call, endpoint, payload, wants_usage: bool):
             state["finished"], status = True, 200
         except ReadTimeout:
             status = 504
-            yield GatewayError(504, "upstream_timeout", f"replica {upstream.replica} stopped sending").event()
-            yield b"data: [DONE]\n\n"
+            yield surface.error_event(GatewayError(504, "upstream_timeout", f"replica {upstream.replica} stopped sending"))
         except UpstreamError as exc:
             status = 502
-            yield GatewayError(502, "upstream_error", f"replica {upstream.replica} broke off: {_describe(exc)}").event()
-            yield b"data: [DONE]\n\n"
+            yield surface.error_event(GatewayError(502, "upstream_error",
+                                                   f"replica {upstream.replica} broke off: {_describe(exc)}"))
         finally:
             settle(200 if status == 499 and state["done_sent"] else status)
 
     return Streamed(events(), settle)
 
 
-_GENERATED = re.compile(rb'"(?:content|text|reasoning_content)"\s*:\s*"')  # a chunk that carries a token
+# a chunk that carries a token: OpenAI's and Anthropic's deltas, and the Responses API's text deltas
+_GENERATED = re.compile(rb'"(?:content|text|reasoning_content)"\s*:\s*"|"type"\s*:\s*"response\.output_text\.delta"')
 
 
-def _keep_event(call, event: bytes, wants_usage: bool) -> bool:
+def _keep_event(call, surface, event: bytes, wants_usage: bool) -> bool:
     """Read the usage off the stream; drop the usage-only chunk the client did not ask for. Count the chunks that
     carry generated text (one token each, as the engines stream), for a stream cut short before its usage."""
     if b'"usage"' not in event:
@@ -561,13 +595,13 @@ def _keep_event(call, event: bytes, wants_usage: bool) -> bool:
             continue
         try:
             data = json.loads(line[5:])
-        except ValueError:
+        except (ValueError, RecursionError):
             return True
-        usage = data.get("usage") if isinstance(data, dict) else None
-        if usage:
-            call.prompt = int(usage.get("prompt_tokens") or 0)
-            call.completion = int(usage.get("completion_tokens") or 0)
-            call.usage_known = True
-            if not wants_usage and not data.get("choices"):
-                return False
+        said = surface.event_usage(data, call.prompt, call.completion) if isinstance(data, dict) else None
+        if said is None:
+            continue
+        call.prompt, call.completion, whole = said
+        call.usage_known = call.usage_known or whole
+        if not wants_usage and not data.get("choices"):
+            return False
     return True

@@ -8,7 +8,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from agents.engines import CAPABILITIES, DRIVERS
+from agents.engines import CAPABILITIES, DRIVERS, SURFACES
 from agents.units import MAX_DURATION
 from cluster import queries
 from cluster.api.base import INT_MAX, NameField, StrictSerializer, UserNameField
@@ -191,8 +191,12 @@ class ServedModelSerializer(serializers.ModelSerializer):
     replica_states = serializers.SerializerMethodField(help_text="number of replicas in each state")
     nodes = serializers.ListField(child=serializers.CharField(), read_only=True, help_text="allowed nodes; empty: any")
     capabilities = serializers.SerializerMethodField(
-        help_text="what its engine serves with its profile: /v1/ endpoints (chat, completions, embeddings) and inputs"
-        " beyond text (images, audio); the gateway refuses the rest with a 400"
+        help_text="what its engine serves with its profile: /v1/ APIs (chat, completions, embeddings, messages,"
+        " responses, rerank) and inputs beyond text (images, audio); the gateway refuses the rest with a 400"
+    )
+    serves = serializers.SerializerMethodField(
+        help_text="the /v1/ APIs it serves, of chat, completions, embeddings, messages (Anthropic's), responses"
+        " (OpenAI's Responses) and rerank: its capabilities without the inputs"
     )
     scaling_text = serializers.CharField(read_only=True, help_text="how it scales, in an operator's words")
     scaling = serializers.SerializerMethodField(
@@ -208,6 +212,7 @@ class ServedModelSerializer(serializers.ModelSerializer):
             "engine",
             "profile",
             "capabilities",
+            "serves",
             "replicas",
             "memory_bytes",
             "memory_estimated",
@@ -246,6 +251,10 @@ class ServedModelSerializer(serializers.ModelSerializer):
     @extend_schema_field(serializers.ListField(child=serializers.ChoiceField(choices=CAPABILITIES)))
     def get_capabilities(self, model: Model) -> list[str]:
         return list(model.capabilities())
+
+    @extend_schema_field(serializers.ListField(child=serializers.ChoiceField(choices=SURFACES)))
+    def get_serves(self, model: Model) -> list[str]:
+        return [c for c in model.capabilities() if c in SURFACES]
 
     @extend_schema_field(OpenApiTypes.BOOL)
     def get_memory_estimated(self, model: Model) -> bool:

@@ -106,23 +106,31 @@ def test_what_a_model_serves_is_the_same_everywhere(db, viewer):
     Profile.objects.create(name="embeds", extra_args=["--embeddings", "--pooling", "mean"])
     Profile.objects.create(name="sees", extra_args=["--mmproj", "/models/proj.gguf"])
     Profile.objects.create(name="pooling", extra_args=["--task=embed"])
+    Profile.objects.create(name="ranks", extra_args=["--embeddings", "--pooling", "rank"])
+    generates = ["chat", "completions", "messages", "responses"]
     expected = {
-        "plain": (make_model("plain"), ["chat", "completions"]),
-        "embeds": (make_model("embeds", engine="xllamacpp", profile="embeds"), ["chat", "completions", "embeddings"]),
-        "sees": (make_model("sees", profile="sees"), ["chat", "completions", "images", "audio"]),
-        "pooled": (make_model("pooled", engine="vllm", profile="pooling"), ["embeddings"]),
+        "plain": (make_model("plain"), generates),
+        "embeds": (make_model("embeds", engine="xllamacpp", profile="embeds"),
+                   ["chat", "completions", "embeddings", "messages", "responses"]),
+        "ranks": (make_model("ranks", profile="ranks"), ["chat", "completions", "embeddings", "messages", "responses",
+                                                         "rerank"]),
+        "sees": (make_model("sees", profile="sees"), [*generates, "images", "audio"]),
+        "pooled": (make_model("pooled", engine="vllm", profile="pooling"), ["embeddings", "rerank"]),
     }
     for name, (model, serves) in expected.items():
         assert list(model.capabilities()) == serves, name
-        assert viewer.get(f"/api/v1/models/{name}/").json()["capabilities"] == serves
+        shown = viewer.get(f"/api/v1/models/{name}/").json()
+        assert shown["capabilities"] == serves
+        assert shown["serves"] == [s for s in serves if s not in ("images", "audio")]
     out = io.StringIO()
     call_command("llmgw", "ctl", "models", "--json", stdout=out)
     assert {m["name"]: m["capabilities"] for m in json.loads(out.getvalue())} == {n: s for n, (_, s) in expected.items()}
     out = io.StringIO()
     call_command("llmgw", "ctl", "models", stdout=out)
-    assert re.search(r"^pooled .* embeddings ", out.getvalue(), re.M) and "chat,completions,images,audio" in out.getvalue()
+    assert re.search(r"^pooled .* embeddings,rerank ", out.getvalue(), re.M)
+    assert "chat,completions,messages,responses,images,audio" in out.getvalue()
     page = session_for("viewer").get("/models/").content.decode()
-    assert "serves chat, completions, embeddings" in page and "serves embeddings<" in page
+    assert "serves chat, completions, embeddings, messages, responses" in page and "serves embeddings, rerank<" in page
 
 
 def cli(*args: str) -> str:

@@ -44,7 +44,8 @@ def not_sent(caplog, model: str) -> None:
 async def test_what_a_model_cannot_serve_is_refused_before_any_engine_sees_it(models, client, caplog):
     caplog.set_level(logging.INFO, logger="llmgw.access")
     refused = openai_error(await post(client, "embeddings", {"model": "texty", "input": "hi"}), 400, "not_supported")
-    assert refused["message"] == "model texty does not serve embeddings"
+    assert refused["message"] == ("model texty does not serve embeddings (it serves chat completions, text"
+                                  " completions, Anthropic Messages, Responses)")
     not_sent(caplog, "texty")
     caplog.clear()
     refused = openai_error(await chat(client, "texty", messages=looks([IMAGE])), 400, "not_supported")
@@ -52,9 +53,9 @@ async def test_what_a_model_cannot_serve_is_refused_before_any_engine_sees_it(mo
     refused = openai_error(await chat(client, "texty", messages=looks([AUDIO]), stream=True), 400, "not_supported")
     assert refused["message"] == "model texty does not take audio"
     refused = openai_error(await chat(client, "pooled"), 400, "not_supported")
-    assert refused["message"] == "model pooled does not serve chat completions"
+    assert refused["message"] == "model pooled does not serve chat completions (it serves embeddings, rerank)"
     refused = openai_error(await post(client, "completions", {"model": "pooled", "prompt": "x"}), 400, "not_supported")
-    assert refused["message"] == "model pooled does not serve text completions"
+    assert refused["message"] == "model pooled does not serve text completions (it serves embeddings, rerank)"
 
     # what each does serve goes through
     assert (await chat(client, "texty", messages=looks([]))).status_code == 200
