@@ -149,3 +149,23 @@ def test_a_replica_that_failed_is_passed_by_and_none_is_left_at_the_end():
     assert choose(ring, key, idle, exclude=set(order[:2])) == order[2]
     assert choose(ring, key, idle, exclude=set(REPLICAS)) is None
     assert choose(Ring([]), key, idle) is None
+
+
+def test_messages_and_responses_are_keyed_by_their_opening_and_sessions_by_their_id():
+    from gateway.affinity import request_key, session_key
+
+    first = [{"role": "user", "content": [{"type": "text", "text": "fix the bug in parser.py"}]}]
+    later = [*first, {"role": "assistant", "content": "done"}, {"role": "user", "content": "now the tests"}]
+    messages = {"system": "You are Claude Code.", "messages": first}
+    assert request_key("messages", messages) == request_key("messages", {**messages, "messages": later})
+    assert request_key("messages", messages) == request_key("messages/count_tokens", messages)
+    assert request_key("messages", messages) != request_key("messages", {**messages, "system": "other"})
+    assert request_key("messages", messages) != request_key("messages", {**messages, "messages": [
+        {"role": "user", "content": "another task"}]})
+    responses = {"instructions": "You are Codex.", "input": first}
+    assert request_key("responses", responses) == request_key("responses", {**responses, "input": later})
+    assert request_key("responses", {"input": "fix it"}) == request_key(
+        "responses", {"input": [{"role": "user", "content": "fix it"}, {"role": "assistant", "content": "ok"}]})
+    assert request_key("rerank", {"query": "q", "documents": ["a"]}) != request_key(
+        "rerank", {"query": "q", "documents": ["b"]})
+    assert session_key("abc") == session_key("abc") != session_key("abd")

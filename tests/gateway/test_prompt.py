@@ -46,3 +46,16 @@ def test_caps_and_the_most_an_answer_may_use():
     assert prompt.completion_at_most({"max_tokens": 10, "n": 3}, ("max_tokens",), 4096) == 30
     assert prompt.completion_at_most({}, ("max_tokens",), 4096) == 4096
     assert prompt.completion_at_most({}, ("max_tokens",), None) == 0
+
+
+def test_sizes_of_messages_responses_and_rerank():
+    messages = prompt.size("messages", {"system": "abcd", "messages": [{"role": "user", "content": "ab"}]})
+    assert (messages.text_bytes, messages.items) == (6, 1)
+    assert prompt.size("messages/count_tokens", {"messages": []}) == prompt.Size()
+    text = prompt.size("responses", {"instructions": "ab", "input": "abcd"})
+    assert (text.text_bytes, text.items) == (6, 1)
+    items = prompt.size("responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "ab"}]},
+                                                 {"type": "function_call_output", "output": "abc"}]})
+    assert (items.text_bytes, items.items) == (5, 2)
+    ranked = prompt.size("rerank", {"query": "ab", "documents": ["abc", "d"]})
+    assert (ranked.text_bytes, ranked.items) == (6, 3)

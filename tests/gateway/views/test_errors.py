@@ -235,3 +235,32 @@ async def test_unknown_keys_from_one_address_wait_longer_each_time(cluster, sett
     for _ in range(5):
         openai_error(await ask("192.0.2.1", secret), 401, "invalid_api_key")
     assert (await ask("192.0.2.1", cluster.secret)).status_code == 200
+
+
+def anthropic_error(response, status: int, kind: str) -> str:
+    import json
+
+    assert response.status_code == status, response.content
+    assert response["Content-Type"] == "application/json"
+    body = json.loads(response.content)
+    assert body["type"] == "error" and body["error"]["type"] == kind and set(body["error"]) == {"type", "message"}
+    return body["error"]["message"]
+
+
+async def test_messages_errors_are_anthropics_and_keys_come_by_x_api_key_too(cluster, client, settings):
+    """Each in Anthropic's shape, so its SDK raises its own exception; the key by `x-api-key` as Claude Code
+    sends it. (Served answers: tests/integration/test_agent_apis.py, against llama.cpp's server.)"""
+    body = {"model": "qwen", "max_tokens": 4, "messages": MESSAGES}
+    anthropic_error(await Client().post("/v1/messages", data=__import__("json").dumps(body)), 401, "authentication_error")
+    by_header = Client(**{"x-api-key": cluster.secret})
+    anthropic_error(await post(by_header, "messages", {**body, "model": "nope"}), 404, "not_found_error")
+    anthropic_error(await post(by_header, "messages", {**body, "messages": "x"}), 400, "invalid_request_error")
+    anthropic_error(await post(by_header, "messages/count_tokens", {"model": "qwen"}), 400, "invalid_request_error")
+    said = anthropic_error(await post(by_header, "messages", {**body, "model": "empty"}), 503, "overloaded_error")
+    assert "no replica of empty is ready" in said
+    anthropic_error(await by_header.post("/v1/messages/nothing", data="{}"), 404, "not_found_error")
+    settings.LLMGW_MAX_BODY_BYTES = 100
+    anthropic_error(await post(by_header, "messages", {**body, "system": "x" * 200}), 413, "request_too_large")
+    # the Responses API's stay OpenAI's
+    openai_error(await post(by_header, "responses", {"model": "qwen", "input": "hi", "previous_response_id": "r"}), 400,
+                 "invalid_request")

@@ -8,7 +8,7 @@ from prometheus_client import REGISTRY
 from agents.ports import free_port
 from cluster import notify
 from cluster.models import Model
-from gateway.affinity import Ring, choose, request_key
+from gateway.affinity import Ring, choose, request_key, session_key
 from gateway.runtime import runtime
 from tests.factories import make_model
 from tests.gateway.views.harness import openai_error, post, ready_replica
@@ -123,3 +123,19 @@ async def test_an_answer_from_no_replica_says_so(cluster, client):
     response = await ask(client, turns("x", 1)[0], model="empty")  # nothing ready, none coming
     openai_error(response, 503, "no_replica_ready")
     assert response["X-Llmgw-Replica"] == "-"
+
+
+async def test_an_agents_session_stays_on_one_replica_whatever_its_requests_open_with(cluster, client):
+    """Claude Code's side requests and a compacted history open differently from the conversation: its session
+    header keeps every request of the session on one replica, whichever header names it."""
+    names = await sync_to_async(three_replicas)(cluster, Model.Routing.PREFIX)
+    ring = Ring(names)
+    for header in ("x-claude-code-session-id", "session_id", "X-Llmgw-Session"):
+        for session in range(4):
+            went = set()
+            for opening in range(6):
+                response = await post(client, "chat/completions", {"model": "trio", "messages": turns(
+                    f"side request {opening}", 1)[0]}, **{header: f"session-{session}"})
+                assert response.status_code == 200, response.content
+                went.add(response["X-Llmgw-Replica"])
+            assert went == {choose(ring, session_key(f"session-{session}"), lambda name: 0)}, (header, went)
