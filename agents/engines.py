@@ -32,7 +32,12 @@ VERSION_TIMEOUT = 20.0
 # recently used one, with the conversation restored from the prompt cache (80 %; docs/routing.md). A profile's
 # own flag (`--slot-prompt-similarity`, or xllamacpp's `--param slot_prompt_similarity=`) comes later and wins.
 SLOT_PROMPT_SIMILARITY = 0.7
-# What a replica can serve: the /v1/ endpoints (chat, completions, embeddings) and the inputs beyond text
+# llama.cpp's server decodes each step's batch whole, up to --batch-size (2048) tokens of every slot's pending
+# prompts, before any slot samples: a turn whose conversation is cached waited for the whole of another slot's cold
+# prefill (seconds on a CPU), which undid what prefix routing saved. At 128 it waits for 128 tokens of it at most
+# (docs/routing.md measures both, and what it costs a long cold prompt: bench/cold_prompt.py). A profile's
+# batch size, or its own flag, wins. Not for a model that embeds or reranks: each input must fit one batch.
+DEFAULT_BATCH = 128
 # what a model serves: the gateway's APIs (gateway/surfaces.py), then the inputs beyond text it takes
 CAPABILITIES = ("chat", "completions", "embeddings", "messages", "responses", "rerank", "images", "audio")
 SURFACES = CAPABILITIES[:6]
@@ -170,6 +175,12 @@ def _llama_capabilities(embeddings: bool, multimodal: bool, rerank: bool = False
     return tuple(c for c in CAPABILITIES if c in wanted)
 
 
+def _pools(args: dict) -> bool:
+    """A llama.cpp profile that embeds or reranks (xllamacpp's `--param embedding=true` too)."""
+    return _has_flag(args, "--embeddings", "--embedding", "--reranking", "--rerank") or any(
+        v.lower() in ("embedding=true", "embedding=1") for v in _flag_values(args, "--param"))
+
+
 def _reranks(args: dict) -> bool:
     return _has_flag(args, "--reranking", "--rerank") or (
         _has_flag(args, "--embeddings", "--embedding") and "rank" in _flag_values(args, "--pooling"))
@@ -217,6 +228,8 @@ class LlamaCpp(EngineDriver):
         for flag, key in (("-c", "context_size"), ("-t", "threads"), ("-ngl", "gpu_layers"), ("-b", "batch_size")):
             if args.get(key) is not None:
                 argv += [flag, str(args[key])]
+        if args.get("batch_size") is None and not _pools(args):
+            argv += ["-b", str(DEFAULT_BATCH)]
         if args.get("parallel"):
             argv += ["-np", str(args["parallel"])]
         known = _help_words(argv[0])
@@ -269,6 +282,8 @@ class XLlamaCpp(EngineDriver):
         ):
             if args.get(key) is not None:
                 argv += [flag, str(args[key])]
+        if args.get("batch_size") is None and not _pools(args):
+            argv += ["--batch-size", str(DEFAULT_BATCH)]
         argv += ["--slot-prompt-similarity", str(SLOT_PROMPT_SIMILARITY)]
         return argv + _extra(spec)
 

@@ -113,8 +113,20 @@ def test_llama_cpp_leaves_out_unset_arguments_and_takes_a_binary():
     s = spec(binary="/opt/llama/bin/llama-server", threads=None, gpu_layers=None, batch_size=None, extra_args=[])
     argv = DRIVERS["llama.cpp"].command(s, "/m", 20002)
     assert argv[0] == "/opt/llama/bin/llama-server"
-    assert "-t" not in argv and "-ngl" not in argv and "-b" not in argv
-    assert argv[-4:] == ["-c", "4096", "-np", "2"]
+    assert "-t" not in argv and "-ngl" not in argv
+    assert argv[-6:] == ["-c", "4096", "-b", "128", "-np", "2"]  # llmgw's batch when the profile sets none
+
+
+def test_llama_cpp_batches_128_unless_the_profile_says_or_the_model_embeds():
+    """A cached turn waits for at most 128 tokens of another slot's cold prompt (docs/routing.md); an embedding
+    or rerank input must fit one batch, so those keep the engine's own."""
+    for kind, flag in (("llama.cpp", "-b"), ("xllamacpp", "--batch-size")):
+        argv = DRIVERS[kind].command(spec(kind, batch_size=None, extra_args=[]), "/m", 20002)
+        assert argv[argv.index(flag) + 1] == "128"
+        argv = DRIVERS[kind].command(spec(kind, batch_size=512, extra_args=[]), "/m", 20002)
+        assert argv.count(flag) == 1 and argv[argv.index(flag) + 1] == "512"
+        for pooling in (["--embeddings"], ["--reranking"], ["--embeddings", "--pooling", "rank"]):
+            assert flag not in DRIVERS[kind].command(spec(kind, batch_size=None, extra_args=pooling), "/m", 20002)
 
 
 def test_engine_key_goes_by_environment_not_argv():
