@@ -45,6 +45,10 @@ async def test_an_alias_no_model_has_is_a_404(cluster, client):
     await alias("qwen", ALIASES)
     openai_error(await chat(client, model="claude-opus-4-1"), 404, "model_not_found")
     openai_error(await client.get("/v1/models/claude-opus-4-1"), 404, "model_not_found")
+    # in each API's own shape: Claude Code asking for a name no model has gets Anthropic's not_found_error
+    body = {"model": "claude-opus-4-1", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    refused = json.loads((await post(client, "messages", body)).content)
+    assert refused["error"] == {"type": "not_found_error", "message": "no model named 'claude-opus-4-1'"}
     await alias("qwen", [])  # cleared: no longer an alias of anything
     refused = openai_error(await chat(client, model="gpt-5-codex"), 404, "model_not_found")
     assert refused["message"] == "no model named 'gpt-5-codex'"
