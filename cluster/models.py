@@ -21,6 +21,11 @@ NAME_PATTERN = r"[a-z0-9][a-z0-9._\-]{0,62}"
 NAME_RE = rf"^{NAME_PATTERN}$"
 NAME_HINT = "lower-case letters, digits, '.', '_' or '-', starting with a letter or digit (at most 63)"
 name_validator = RegexValidator(re.compile(NAME_RE), f"use {NAME_HINT}")
+# Another name a model answers to on /v1/ (`claude-sonnet-4-5`, `gpt-5-codex`, `anthropic/claude-x`): what clients
+# send, so wider than a name of llmgw's: any case, and '/', ':' and '@' too; never a space or a comma (the CLI and
+# the dashboard take a list of them comma-separated).
+ALIAS_PATTERN = r"[A-Za-z0-9@][A-Za-z0-9._\-/:@]{0,127}"
+ALIAS_HINT = "letters, digits, '.', '_', '-', '/', ':' or '@', starting with a letter, a digit or '@' (at most 128)"
 
 # A user's name (Django's own rule for a user name), likewise for the server and the dashboard's form.
 USER_NAME_PATTERN = r"[A-Za-z0-9_.@+\-]{1,150}"
@@ -208,6 +213,9 @@ class Model(models.Model):
     max_logprobs = models.PositiveIntegerField(null=True, blank=True, default=DEFAULT_MAX_LOGPROBS)
     max_choices = models.PositiveIntegerField(null=True, blank=True, default=DEFAULT_MAX_CHOICES)  # n, best_of
     routing = models.CharField(max_length=20, choices=Routing.choices, default=Routing.PREFIX)
+    # other names a request may give for it (ALIAS_PATTERN), sorted; none is a model's name or another's alias
+    # (cluster/operations/models.py checks, under a lock); the gateway looks a name up first, so none shadows one
+    aliases = models.JSONField(default=list, blank=True)
     # Autoscaled between min_replicas and max_replicas when min_replicas is set (else `replicas`, fixed);
     # min 0: on demand, loaded when a request names it and unloaded when idle (cluster/autoscaler.py)
     min_replicas = models.PositiveIntegerField(null=True, blank=True)

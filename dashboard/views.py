@@ -383,6 +383,9 @@ def _model_fields(request) -> dict:
         values["memory_bytes"] = _size(request, "memory", "memory")
     if "nodes" in request.POST:
         values["nodes"] = _names(request, "nodes")
+    if "aliases" in request.POST:  # comma-separated; blank or none: no aliases
+        raw = request.POST["aliases"].strip()
+        values["aliases"] = [] if raw.lower() == "none" else [a for a in (x.strip() for x in raw.split(",")) if a]
     for cap, label in (("max_tokens", "max tokens"), ("max_logprobs", "max logprobs"), ("max_choices", "max choices")):
         raw = request.POST.get(cap, "").strip()
         if raw:  # blank: as it is (a new model: the default); none: no cap

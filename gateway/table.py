@@ -54,6 +54,7 @@ class ModelRoute:
     context: int | None = None  # tokens of context its engine is started with (its profile's)
     max_logprobs: int | None = None  # top log-probabilities per token a request may ask for (None: no cap)
     max_choices: int | None = None  # choices a request may ask for (None: no cap)
+    aliases: tuple[str, ...] = ()  # other names a request may give for it
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,14 @@ class Table:
     models: dict[str, ModelRoute]
     keys: dict[str, KeyInfo]  # by key hash
     loaded_at: float = field(default_factory=time.monotonic)
+    aliases: dict[str, str] = field(default_factory=dict)  # alias -> model name
+
+    def find(self, name: str) -> ModelRoute | None:
+        """The model a request names: by its own name first, so an alias never shadows a name, else by alias."""
+        route = self.models.get(name)
+        if route is None and name in self.aliases:
+            route = self.models.get(self.aliases[name])
+        return route
 
 
 def _host(node_address: str, facts: dict) -> str:
@@ -138,7 +147,9 @@ def load() -> Table:
         models[name] = ModelRoute(name, m.wait_seconds, upstreams, coming.get(name, 0) + missing, serves, m.max_tokens,
                                   m.routing, Ring(u.replica for u in upstreams), m.autoscaled,
                                   no_room.get(name, "") if name not in making_room else "", m.context(),
-                                  m.max_logprobs, m.max_choices)
+                                  m.max_logprobs, m.max_choices, tuple(m.aliases))
+    # each alias names one model (the operations check); were a race to give one to two, the first by name has it
+    aliases = {alias: name for name in sorted(models, reverse=True) for alias in models[name].aliases}
     keys = {
         k["key_hash"]: KeyInfo(
             id=k["id"],
@@ -154,4 +165,4 @@ def load() -> Table:
         for k in ApiKey.objects.values("id", "name", "prefix", "key_hash", "allowed_models", "rpm", "tpm", "max_tokens",
                                    "expires_at", "revoked_at")
     }
-    return Table(serving_stopped=cluster.serving_stopped, models=models, keys=keys)
+    return Table(serving_stopped=cluster.serving_stopped, models=models, keys=keys, aliases=aliases)

@@ -44,8 +44,9 @@ async def models_list(request):
         key = await _authenticate(gw, table, request)
     except GatewayError as exc:
         return exc.response()
-    data = [_model_object(route) for route in sorted(table.models.values(), key=lambda r: r.name)
-            if not key.models or route.name in key.models]
+    data = [entry for route in sorted(table.models.values(), key=lambda r: r.name)
+            if not key.models or route.name in key.models
+            for entry in (_model_object(route), *(_model_object(route, alias) for alias in route.aliases))]
     return json_answer({"object": "list", "data": data})
 
 
@@ -54,20 +55,24 @@ async def model_detail(request, model: str):
         gw = runtime()
         table = await gw.current()
         key = await _authenticate(gw, table, request)
-        route = table.models.get(model)
+        route = table.find(model)
         if route is None and gw.may_look_again("model"):
             await gw.refresh()
-            route = gw.table.models.get(model)
-        if route is None or (key.models and model not in key.models):  # what it may not use, it is not told of
+            route = gw.table.find(model)
+        if route is None or (key.models and route.name not in key.models):  # what it may not use, it is not told of
             raise GatewayError(404, "model_not_found", f"no model named {model!r}")
     except GatewayError as exc:
         return exc.response()
-    return json_answer(_model_object(route))
+    return json_answer(_model_object(route, None if model == route.name else model))
 
 
-def _model_object(route) -> dict:
-    return {"id": route.name, "object": "model", "created": 0, "owned_by": "llmgw", "ready": bool(route.ready),
-            "replicas_ready": len(route.ready), "routing": route.routing}
+def _model_object(route, alias: str | None = None) -> dict:
+    """A model as /v1/models lists it; an alias of it as an entry of its own, naming the model it is one of."""
+    shown = {"id": alias or route.name, "object": "model", "created": 0, "owned_by": "llmgw",
+             "ready": bool(route.ready), "replicas_ready": len(route.ready), "routing": route.routing}
+    if alias:
+        shown["alias_of"] = route.name
+    return shown
 
 
 async def chat_completions(request):
@@ -198,12 +203,13 @@ async def _proxy(call, request, endpoint: str):
         call.key = await _authenticate(gw, table, request)
         raw, body = _parse(await request.read_body(), surface)
         call.model = body["model"]
-        route = table.models.get(call.model)
+        route = table.find(call.model)
         if route is None and gw.may_look_again("model"):
             await gw.refresh()  # a model added a moment ago, before the change reached this process
-            route = gw.table.models.get(call.model)
+            route = gw.table.find(call.model)
         if route is None:
             raise GatewayError(404, "model_not_found", f"no model named {call.model[:64]!r}")
+        call.model = route.name  # by its own name from here (an alias's model: its key allow-list, log, metrics)
         call.known = True
         if call.key.models and call.model not in call.key.models:
             raise GatewayError(403, "model_not_allowed", f"this key may not use model {call.model!r}")
@@ -317,7 +323,7 @@ async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = N
             table = await gw.current()
             if table.serving_stopped:
                 raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)
-            route = table.models.get(call.model)
+            route = table.find(call.model)
             if route is None:
                 raise GatewayError(404, "model_not_found", f"no model named {call.model!r}")
             upstream = await gw.choose(route, tried, call.affinity)

@@ -196,3 +196,20 @@ def test_replica_is_not_replicas(tree):
     assert parser.parse_args(["ctl", "model", "set", "chat", "--replicas", "2"]).replicas == 2
     with pytest.raises(REFUSED, match="unrecognized arguments: --replica 2"):
         parser.parse_args(["ctl", "model", "set", "chat", "--replica", "2"])
+
+
+@pytest.mark.parametrize("tree", [the_tree, django_tree], ids=["program", "manage.py"])
+def test_alias_takes_names_comma_separated_and_none_or_nothing_clears(tree):
+    parser = tree()
+
+    def aliases(*args):
+        return parser.parse_args(["ctl", "model", "set", "coder", *args]).aliases
+
+    assert aliases("--alias", "claude-sonnet-4-5,gpt-5-codex") == ["claude-sonnet-4-5", "gpt-5-codex"]
+    assert aliases("--alias", " anthropic/claude-x , ,gpt-4o-mini,") == ["anthropic/claude-x", "gpt-4o-mini"]
+    assert aliases("--alias", "") == [] and aliases("--alias", "none") == [] and aliases("--alias", "None") == []
+    assert aliases() is None  # not given: left as it is
+    added = parser.parse_args(["ctl", "model", "add", "coder", "--file", "f", "--engine", "e", "--alias", "gpt-5"])
+    assert added.aliases == ["gpt-5"]
+    with pytest.raises(REFUSED, match="unrecognized arguments: --aliases"):
+        parser.parse_args(["ctl", "model", "set", "coder", "--aliases", "x"])

@@ -11,12 +11,13 @@ from rest_framework import serializers
 from agents.engines import CAPABILITIES, DRIVERS, SURFACES
 from agents.units import MAX_DURATION
 from cluster import queries
-from cluster.api.base import INT_MAX, NameField, StrictSerializer, UserNameField
+from cluster.api.base import INT_MAX, AliasField, NameField, StrictSerializer, UserNameField
 from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
 from cluster.operations import (
     DEFAULT_MAX_CHOICES,
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_TOKENS,
+    MAX_ALIASES,
     MAX_MEMORY,
     MAX_REPLICAS,
     PROFILE_MAXIMA,
@@ -179,6 +180,12 @@ class ScalingShownSerializer(serializers.Serializer):
                                         "no request comes")
 
 
+ALIASES_HELP = (
+    "other names a request on /v1/ may give for the model (a client's vendor names: claude-sonnet-4-5,"
+    " gpt-5-codex), each listed by /v1/models; none is a model's name or another model's alias"
+)
+
+
 class ServedModelSerializer(serializers.ModelSerializer):
     file = ModelFileRefSerializer(read_only=True)
     engine = serializers.CharField(source="engine.name", read_only=True)
@@ -190,6 +197,7 @@ class ServedModelSerializer(serializers.ModelSerializer):
     )
     replica_states = serializers.SerializerMethodField(help_text="number of replicas in each state")
     nodes = serializers.ListField(child=serializers.CharField(), read_only=True, help_text="allowed nodes; empty: any")
+    aliases = serializers.ListField(child=serializers.CharField(), read_only=True, help_text=ALIASES_HELP)
     capabilities = serializers.SerializerMethodField(
         help_text="what its engine serves with its profile: /v1/ APIs (chat, completions, embeddings, messages,"
         " responses, rerank) and inputs beyond text (images, audio); the gateway refuses the rest with a 400"
@@ -217,6 +225,7 @@ class ServedModelSerializer(serializers.ModelSerializer):
             "memory_bytes",
             "memory_estimated",
             "nodes",
+            "aliases",
             "wait_seconds",
             "max_tokens",
             "max_logprobs",
@@ -308,6 +317,8 @@ class ServedModelUpdateSerializer(ScalingFields):
         required=False, min_value=0, max_value=MAX_MEMORY, allow_null=True, help_text="per replica; null or 0: estimate"
     )
     nodes = serializers.ListField(required=False, child=NameField(), help_text="node names allowed; empty: any")
+    aliases = serializers.ListField(required=False, child=AliasField(), max_length=MAX_ALIASES,
+                                    help_text=ALIASES_HELP + "; empty: none")
     wait_seconds = serializers.IntegerField(required=False, min_value=0, max_value=3600)
     max_tokens = serializers.IntegerField(
         required=False, min_value=1, max_value=INT_MAX, allow_null=True,
@@ -331,6 +342,7 @@ class ServedModelCreateSerializer(ScalingFields):
         min_value=0, max_value=MAX_MEMORY, allow_null=True, default=None, help_text="per replica; null or 0: estimate"
     )
     nodes = serializers.ListField(child=NameField(), default=list, help_text="node names; empty: any")
+    aliases = serializers.ListField(child=AliasField(), default=list, max_length=MAX_ALIASES, help_text=ALIASES_HELP)
     wait_seconds = serializers.IntegerField(min_value=0, max_value=3600, allow_null=True, default=None)
     max_tokens = serializers.IntegerField(
         min_value=1, max_value=INT_MAX, allow_null=True, default=DEFAULT_MAX_TOKENS,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from django.db import transaction
 from django.utils import timezone
 
@@ -10,10 +12,13 @@ from cluster.errors import Conflict, OperationError
 from cluster.events import kick_reconciler, record
 from agents.units import MAX_DURATION
 from cluster.models import (
+    ALIAS_HINT,
+    ALIAS_PATTERN,
     DEFAULT_MAX_CHOICES,
     DEFAULT_MAX_LOGPROBS,
     Demand,
     EngineVersion,
+    ClusterSettings,
     Model,
     ModelFile,
     Profile,
@@ -25,6 +30,46 @@ from cluster.operations.validation import MAX_MEMORY, MAX_REPLICAS, check_count,
 GGUF_ENGINES = ("llama.cpp", "xllamacpp")
 DEFAULT_MAX_TOKENS = 4096  # a completion's cap unless the operator sets another (or none)
 ROUTINGS = tuple(Model.Routing.values)  # how the gateway picks among a model's ready replicas
+MAX_ALIASES = 32  # per model: a client's vendor names, not a catalogue
+
+
+def _aliases(aliases) -> list[str]:
+    """The other names a model answers to, each as clients send it, duplicates folded, sorted."""
+    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+        raise OperationError("aliases must be a list of names")
+    for alias in aliases:
+        if not re.fullmatch(ALIAS_PATTERN, alias):
+            raise OperationError(f"invalid alias {alias[:140]!r}: use {ALIAS_HINT}")
+    folded = sorted(set(aliases))
+    if len(folded) > MAX_ALIASES:
+        raise OperationError(f"a model has at most {MAX_ALIASES} aliases, not {len(folded)}")
+    return folded
+
+
+def _check_names(name: str, aliases: list[str], adding: bool) -> None:
+    """Each name a request may give (a model's name, every alias) names one model: refused with a one-line
+    Conflict when `aliases` (for the model `name`) or, when `adding`, `name` itself would take one that is taken.
+
+    Run inside the operation's transaction, after the lock on the one settings row that every operation taking
+    such a name holds until it commits: two at once (one giving `claude-sonnet-4-5` to a model while another gives
+    it to a second, or adds a model of that name) are checked one after the other, each seeing what the other
+    committed. Without it (PostgreSQL; SQLite's IMMEDIATE transactions already run one at a time) both could pass
+    their check and the same alias name two models; the gateway would still route a model's own name to it, and
+    the alias to one of them. Not a table of aliases with a unique name: that guards aliases against each other
+    only, not against model names, so the lock would still be needed, and every read of a model would join it."""
+    ClusterSettings.objects.select_for_update().filter(pk=ClusterSettings.load().pk).first()
+    if aliases:
+        if name in aliases:
+            raise Conflict(f"alias {name!r} is the model's own name")
+        named = Model.objects.filter(name__in=aliases).values_list("name", flat=True).first()
+        if named:
+            raise Conflict(f"alias {named!r} is the name of a model; an alias never shadows a model's name")
+    for other, theirs in Model.objects.exclude(name=name).values_list("name", "aliases"):
+        if adding and name in theirs:
+            raise Conflict(f"{name!r} is an alias of model {other}; a model cannot be named as another's alias")
+        taken = sorted(set(aliases) & set(theirs))
+        if taken:
+            raise Conflict(f"alias {taken[0]!r} is already model {other}'s; an alias names one model")
 
 
 def _model_values(values: dict, actor: str) -> dict:
@@ -63,6 +108,8 @@ def _model_values(values: dict, actor: str) -> dict:
     for field, label in (("idle_after_seconds", "idle after"), ("scale_down_delay_seconds", "scale-down delay")):
         if values.get(field) is not None:
             clean[field] = check_count(f"{label} (seconds)", values[field], 0, MAX_DURATION)
+    if values.get("aliases") is not None:
+        clean["aliases"] = _aliases(values["aliases"])
     if values.get("routing") is not None:
         if values["routing"] not in ROUTINGS:
             raise OperationError(f"routing is one of {', '.join(ROUTINGS)}, not {str(values['routing'])[:40]!r}")
@@ -139,6 +186,7 @@ def add_model(
     target_inflight: int | None = None,
     idle_after_seconds: int | None = None,
     scale_down_delay_seconds: int | None = None,
+    aliases: list[str] | None = None,
 ) -> Model:
     """A new model: `replicas` fixed (1 unless given), or autoscaled between `min_replicas` and `max_replicas`."""
     check_name("model", name)
@@ -166,6 +214,7 @@ def add_model(
                 "target_inflight": target_inflight,
                 "idle_after_seconds": idle_after_seconds,
                 "scale_down_delay_seconds": scale_down_delay_seconds,
+                "aliases": aliases or [],
             },
             actor,
         )
@@ -173,6 +222,7 @@ def add_model(
         if clean.get("replicas") is None:
             clean["replicas"] = 1 if clean.get("min_replicas") is None else 0
         _check_engine_file(clean["engine"], clean["file"])
+        _check_names(name, clean["aliases"], adding=True)
         if Model.objects.filter(name=name).exists():
             raise Conflict(f"a model named {name!r} already exists")
         model = created(f"a model named {name!r} already exists", lambda: Model.objects.create(name=name, **clean))
@@ -184,7 +234,7 @@ def add_model(
             f"model {name} added: {model.file.name} on {model.engine.name}, profile {model.profile.name}, "
             f"{model.scaling_text()}, {model.memory_estimate()} bytes each, "
             f"{'no cap on' if model.max_tokens is None else f'at most {model.max_tokens}'} tokens per completion, "
-            f"routed by {model.routing}",
+            f"routed by {model.routing}{', also answering to ' + ', '.join(model.aliases) if model.aliases else ''}",
             subject=name,
         )
         kick_reconciler()
@@ -219,6 +269,8 @@ def set_model(name: str, actor: str, **values) -> Model:
         changed = {k: v for k, v in clean.items() if getattr(model, k) != v}
         if not changed:
             return model
+        if "aliases" in changed:
+            _check_names(name, changed["aliases"], adding=False)
         for key, value in changed.items():
             setattr(model, key, value)
         model.save(update_fields=list(changed))
@@ -226,10 +278,17 @@ def set_model(name: str, actor: str, **values) -> Model:
             _start_demand(model, running)  # from the replicas it ran, within its range
         if not model.autoscaled and was_autoscaled:
             Demand.objects.filter(model=model).delete()
-        shown = ", ".join(f"{k}={getattr(v, 'name', v)}" for k, v in changed.items())
+        shown = ", ".join(f"{k}={_shown(v)}" for k, v in changed.items())
         record("model.edited", actor, f"model {name} edited: {shown}", subject=name)
         kick_reconciler()
     return model
+
+
+def _shown(value) -> str:
+    """A changed setting in the model.edited Event: a list as its items (`aliases=a,b`; `none` when empty)."""
+    if isinstance(value, list):
+        return ",".join(value) or "none"
+    return str(getattr(value, "name", value))
 
 
 def remove_model(name: str, actor: str) -> Model:

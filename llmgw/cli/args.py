@@ -71,6 +71,14 @@ max_choices_arg = cap_arg(1)  # `--max-choices N|none`
 max_logprobs_arg = cap_arg(0)  # `--max-logprobs N|none` (0: no log-probabilities at all)
 
 
+def aliases_arg(text: str) -> list[str]:
+    """`--alias claude-sonnet-4-5,gpt-5-codex`: the names, comma-separated (the server checks each); `''` or
+    `none`: no aliases."""
+    if text.strip().lower() == "none":
+        return []
+    return [alias.strip() for alias in text.split(",") if alias.strip()]
+
+
 def duration_arg(text: str) -> int:
     """`--idle-after 15m`: seconds, for argparse (a bad value is its one-line error)."""
     try:

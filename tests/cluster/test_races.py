@@ -128,6 +128,38 @@ def test_two_adds_of_one_name_at_once_give_one_row_and_a_one_line_refusal(add):
     assert Event.objects.count() == before + 1  # one add happened, with its Event
 
 
+@pytest.mark.parametrize(
+    "first, second, refusal",
+    [
+        (lambda: operations.set_model("a", "test", aliases=["gpt-5-codex"]),
+         lambda: operations.set_model("b", "test", aliases=["gpt-5-codex"]), "already model a's"),
+        (lambda: operations.set_model("a", "test", aliases=["gpt-5-codex"]),
+         lambda: operations.add_model("gpt-5-codex", "test", file="f.gguf", engine="llama.cpp"), "an alias of model a"),
+        (lambda: operations.add_model("gpt-5-codex", "test", file="f.gguf", engine="llama.cpp"),
+         lambda: operations.set_model("b", "test", aliases=["gpt-5-codex"]), "is the name of a model"),
+        (lambda: operations.add_model("c", "test", file="f.gguf", engine="llama.cpp", aliases=["gpt-5-codex"]),
+         lambda: operations.add_model("d", "test", file="f.gguf", engine="llama.cpp", aliases=["gpt-5-codex"]),
+         "already model c's"),
+    ],
+    ids=["alias-alias", "alias-then-name", "name-then-alias", "two-adds"],
+)
+def test_one_name_given_twice_at_once_names_one_model(first, second, refusal):
+    """An alias and a model's name taken by two operations at once: the second waits for the first's commit
+    (the lock on the settings row), then sees what it took and is refused."""
+    from tests.factories import make_file
+
+    make_file(name="f.gguf")
+    make_model("a")
+    make_model("b")
+    start, join = holding(first)
+    start()  # the first has checked and written, not committed
+    with pytest.raises(OperationError, match=refusal):
+        second()
+    join()
+    names = [n for name, aliases in Model.objects.values_list("name", "aliases") for n in (name, *aliases)]
+    assert names.count("gpt-5-codex") == 1, names
+
+
 def test_the_engine_key_is_made_once_whoever_asks_first():
     from cluster.models import ClusterSettings
 

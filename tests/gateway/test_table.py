@@ -72,3 +72,17 @@ def test_replicas_the_model_wants_but_that_do_not_exist_yet_are_coming(node):
     assert table.load().models["m"].coming == 1
     ClusterSettings.objects.update(serving_stopped=True)
     assert table.load().models["m"].coming == 0
+
+
+def test_a_model_is_found_by_name_then_by_alias_and_an_alias_never_shadows_a_name(node):
+    make_model("coder", aliases=["claude-sonnet-4-5", "gpt-5-codex"])
+    # as a race between two operations could leave them (each checks under a lock; a row written past it)
+    make_model("gpt-5-codex", aliases=["claude-sonnet-4-5"])
+    make_model("old", aliases=["old-alias"], removing=True)
+    loaded = table.load()
+    assert loaded.models["coder"].aliases == ("claude-sonnet-4-5", "gpt-5-codex")
+    assert loaded.aliases == {"claude-sonnet-4-5": "coder", "gpt-5-codex": "coder"}
+    assert loaded.find("coder").name == "coder"
+    assert loaded.find("claude-sonnet-4-5").name == "coder"  # the first model by name has an alias two have
+    assert loaded.find("gpt-5-codex").name == "gpt-5-codex"  # the model's own name, not coder's alias
+    assert loaded.find("old-alias") is None and loaded.find("Coder") is None

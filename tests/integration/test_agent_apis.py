@@ -120,6 +120,32 @@ def test_responses_with_the_openai_sdk(system, agents):
         agents.openai.responses.create(model="gpt-nothing", input="hi")
 
 
+def test_the_vendor_names_agents_ask_for_are_served_by_a_models_aliases(system, agents):
+    """Claude Code asks for Anthropic's model names, Codex for OpenAI's: as aliases of SmolLM2 each is served by it
+    through each API, and the access log names the model."""
+    system.cli("ctl", "model", "set", CHAT, "--alias", "claude-sonnet-4-5,gpt-5-codex")
+    try:
+        message = wait_for(lambda: _served(lambda: agents.claude.messages.with_raw_response.create(
+            model="claude-sonnet-4-5", max_tokens=8, messages=HELLO)), 15, what="the alias served")
+        assert message.headers["x-llmgw-replica"].startswith(CHAT) and message.parse().content[0].text.strip()
+        response = agents.openai.responses.with_raw_response.create(model="gpt-5-codex", input="Say hello.",
+                                                                    max_output_tokens=8)
+        assert response.headers["x-llmgw-replica"].startswith(CHAT) and response.parse().output_text.strip()
+        listed = {m.id: getattr(m, "alias_of", None) for m in agents.openai.models.list()}
+        assert listed["claude-sonnet-4-5"] == listed["gpt-5-codex"] == CHAT and listed[CHAT] is None
+        lines = access_lines(system, agents.key[:14])
+        assert not [line for line in lines if "claude-sonnet-4-5" in line or "gpt-5-codex" in line], lines
+    finally:
+        system.cli("ctl", "model", "set", CHAT, "--alias", "none")
+
+
+def _served(ask):
+    try:
+        return ask()
+    except anthropic.NotFoundError:  # the web processes' tables not yet reloaded
+        return None
+
+
 def test_rerank_on_an_engine_with_rank_pooling(system, agents):
     body = {"model": RANKER, "query": "What is a panda?",
             "documents": ["hi", "The giant panda is a bear species endemic to China."]}
