@@ -133,8 +133,10 @@ def test_the_vendor_names_agents_ask_for_are_served_by_a_models_aliases(system, 
         assert response.headers["x-llmgw-replica"].startswith(CHAT) and response.parse().output_text.strip()
         listed = {m.id: getattr(m, "alias_of", None) for m in agents.openai.models.list()}
         assert listed["claude-sonnet-4-5"] == listed["gpt-5-codex"] == CHAT and listed[CHAT] is None
-        lines = access_lines(system, agents.key[:14])
-        assert not [line for line in lines if "claude-sonnet-4-5" in line or "gpt-5-codex" in line], lines
+        # what was served is logged under the model's own name (a request before the alias reached this web process
+        # was a 404 for an unknown model, logged as such)
+        served = [line for line in access_lines(system, agents.key[:14]) if "status=200" in line]
+        assert not [line for line in served if "claude-sonnet-4-5" in line or "gpt-5-codex" in line], served
     finally:
         system.cli("ctl", "model", "set", CHAT, "--alias", "none")
 
