@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import re
+import secrets
 import time
 
 
@@ -524,7 +525,7 @@ async def _stream(gw, call, surface, payload, wants_usage: bool):
         call.finish(response.status)
         return Answer(content, response.status, response.content_type)
 
-    state = {"finished": False, "settled": False, "done_sent": False, "released": False}
+    state = {"finished": False, "settled": False, "done_sent": False, "released": False, "begun": False}
 
     def release() -> None:
         """The replica is done with the request: once, when the engine's [DONE] arrives (before the client has it:
@@ -545,6 +546,8 @@ async def _stream(gw, call, surface, payload, wants_usage: bool):
             response.close()  # cut short: the engine sees its client go and stops generating
         release()
         call.count_cut_short()
+        if call.completion and not call.prompt:  # its prompt's count never came (a Messages stream without its start)
+            call.prompt = call.prompt_about
         gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
         call.finish(status)
 
@@ -562,6 +565,10 @@ async def _stream(gw, call, surface, payload, wants_usage: bool):
                     event, buffer = buffer.split(b"\n\n", 1)
                     if _keep_event(call, surface, event, wants_usage):
                         out.append(event + b"\n\n")
+                if out and not state["begun"]:
+                    state["begun"] = True
+                    if surface.path == "messages" and not out[0].startswith((b"event: message_start", b"event: error")):
+                        out.insert(0, _message_start(call))
                 if out:
                     last = any(e.startswith(surface.done_event) for e in out)
                     if last:
@@ -583,6 +590,16 @@ async def _stream(gw, call, surface, payload, wants_usage: bool):
             settle(200 if status == 499 and state["done_sent"] else status)
 
     return Streamed(events(), settle)
+
+
+def _message_start(call) -> bytes:
+    """The `message_start` a Messages stream must open with, for an engine that left it out: llama.cpp's server
+    does now and then (its first token a character still incomplete), and Anthropic's SDK then has no message to
+    build. Its input tokens are llmgw's estimate; the engine's `message_delta` gives the output tokens."""
+    message = {"id": f"msg_llmgw_{secrets.token_hex(12)}", "type": "message", "role": "assistant", "content": [],
+               "model": call.model, "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": call.prompt_about, "output_tokens": 0}}
+    return f"event: message_start\ndata: {json.dumps({'type': 'message_start', 'message': message})}\n\n".encode()
 
 
 # a chunk that carries a token: OpenAI's and Anthropic's deltas, and the Responses API's text deltas
