@@ -123,7 +123,7 @@ class Engine:
             out.extend([b"data: " + piece + b"\n\n"] * self.chunks)
             event([{"index": 0, "text": "", "finish_reason": "stop"}])
         if include_usage:
-            event([], usage=self.usage(1, self.chunks))
+            event([], usage=self.usage(self._prompt(body, "messages" if chat else "prompt"), self.chunks))
         out.append(b"data: [DONE]\n\n")
         return out
 

@@ -86,6 +86,7 @@ from report import fmt, print_apis, print_table, print_targets  # noqa: E402
 from targets import (  # noqa: E402
     cpu_seconds,
     importable,
+    metrics_counts,
     litellm_config,
     litellm_venv,
     module_version,
@@ -197,11 +198,13 @@ def main(argv=None) -> int:
         upstream_port = free_port()
         engine_key = client_key = None
         env = None
+        metrics_token = "bench-metrics-" + secrets.token_hex(8)  # to read what each llmgw process counted
         if any(t.startswith("llmgw") for t in targets):
             home = workdir / "llmgw-home"
             home.mkdir()
             env = dict(os.environ, LLMGW_HOME=str(home), DATABASE_URL=f"sqlite:///{home / 'db.sqlite3'}",
-                       PYTHONUNBUFFERED="1", DJANGO_SETTINGS_MODULE="llmgw.settings")
+                       PYTHONUNBUFFERED="1", DJANGO_SETTINGS_MODULE="llmgw.settings",
+                       LLMGW_METRICS_TOKEN=metrics_token)
             env.pop("LLMGW_DEBUG", None)
             if os.environ.get("REDIS_URL"):
                 info["redis"] = f"{os.environ['REDIS_URL']} (REDIS_URL)"
@@ -306,8 +309,14 @@ def main(argv=None) -> int:
                             names = ["fake-upstream"] if target == "direct" else [
                                 n for n in children if n == target or n.startswith(f"{target}-")]
                             pids = [children[n].pid for n in names]
+                            counts = target in ("llmgw-daphne", "llmgw-uvicorn")  # one process: one /metrics
+                            before = metrics_counts(port, metrics_token) if counts else None
                             asyncio.run(run_cell(cell, port, request, count, warmup if round_ == 0 else 2 * conc,
                                                  o.time_limit, lambda: sum(cpu_seconds(pid) for pid in pids)))
+                            if counts:
+                                time.sleep(0.05)  # a stream is counted once its generator ends, just after the client has it
+                                after = metrics_counts(port, metrics_token)
+                                cell.counted = tuple(a - b for a, b in zip(after, before))
                             say(f"{target:14s} {mode:6s} c={conc:<3d} {api:9s} round {round_ + 1}: {cell.rps:8.0f} "
                                 f"req/s  p50 {fmt(cell.p(0.5))} ms  ok {cell.ok}  errors {cell.errors}"
                                 + (" (time limit)" if cell.timed_out else ""))
@@ -367,7 +376,7 @@ def main(argv=None) -> int:
         print(f"  py-spy profiles (folded stacks) in {info['profiles']}")
     print()
     print_table(best, order)
-    print_apis(best, order)
+    print_apis(best, order, o.chunks)
     print_targets(best, servers)
     for failure in failures:
         print(f"\nnot measured: {failure}")

@@ -131,6 +131,8 @@ class Cell:
     timed_out: bool = False
     cpu: float = 0.0  # CPU seconds the target's processes used while measured
     rounds: list[float] = field(default_factory=list)  # req/s of every round of this cell, in order
+    # what the gateway counted in this cell (llmgw_tokens_total and its 200s, from /metrics; None: not read)
+    counted: tuple[int, int, int] | None = None  # (answers 200, prompt tokens, completion tokens)
 
     @property
     def cpu_ms(self) -> float:
@@ -156,6 +158,7 @@ class Cell:
             "ttfc_p50_ms": round(self.p(0.5, self.firsts), 3) if self.mode == "stream" else None,
             "timed_out": self.timed_out, "cpu_ms_per_request": round(self.cpu_ms, 3),
             "rounds_rps": [round(r, 1) for r in self.rounds],
+            "counted_200_prompt_completion": self.counted,
         }
 
 

@@ -70,13 +70,15 @@ def print_table(cells: list[Cell], order: list[tuple[str, str]]) -> None:
         print(line(r) if r else "")
 
 
-def print_apis(cells: list[Cell], order: list[tuple[str, str]]) -> None:
-    """Issue 23: each API's req/s against chat completions' on the same target, concurrency and mode, this run."""
+def print_apis(cells: list[Cell], order: list[tuple[str, str]], chunks: int) -> None:
+    """Issue 23: each API's req/s against chat completions' on the same target, concurrency and mode, this run, with
+    CPU time per request (which other load on the machine changes less); and the tokens the gateway counted."""
     by_key = {(c.target, c.concurrency, c.mode, c.api): c for c in cells}
+    concs = sorted({c.concurrency for c in cells})
     lines = []
     for target, server in order:
         for mode in ("json", "stream"):
-            for conc in sorted({c.concurrency for c in cells}):
+            for conc in concs:
                 chat = by_key.get((target, conc, mode, "chat"))
                 for api in APIS[1:]:
                     cell = by_key.get((target, conc, mode, api))
@@ -86,10 +88,26 @@ def print_apis(cells: list[Cell], order: list[tuple[str, str]]) -> None:
                     verdict = (f"target >= {API_RATIO_TARGET:g}x: {'met' if r >= API_RATIO_TARGET else 'MISSED'}"
                                if target.startswith("llmgw") else "the engine's own")
                     lines.append(f"  {target:14s} {mode:6s} c={conc:<3d} {api:9s} / chat: {cell.rps:7.0f} / {chat.rps:7.0f}"
-                                 f" = {r:5.2f}x ({verdict})")
+                                 f" = {r:5.2f}x ({verdict}); cpu ms/req {fmt(cell.cpu_ms, 3)} / {fmt(chat.cpu_ms, 3)}"
+                                 f" = {ratio(cell.cpu_ms, chat.cpu_ms)}")
     if lines:
         print("\nMessages and Responses against chat completions, req/s in the same run (issue 23):")
         print("\n".join(lines))
+    counted = []
+    for target, server in order:
+        for mode in ("json", "stream"):
+            for api in APIS:
+                mine = [c.counted for c in cells if (c.target, c.mode, c.api) == (target, mode, api) and c.counted]
+                answers, prompt, completion = (sum(x) for x in zip(*mine)) if mine else (0, 0, 0)
+                if not answers:
+                    continue
+                flag = "" if completion == answers * chunks and prompt > 0 else "  <- NOT what the engine said"
+                counted.append(f"  {target:14s} {mode:6s} {api:9s} {answers:6d} answers 200: prompt {prompt / answers:5.2f}, "
+                               f"completion {completion / answers:5.2f} tokens per answer{flag}")
+    if counted:
+        print(f"\nTokens llmgw counted (its /metrics, llmgw_tokens_total over its 200s, warm-ups included); the fake engine"
+              f"\nsays 3 prompt tokens and {chunks} completion tokens for each:")
+        print("\n".join(counted))
 
 
 def print_targets(cells: list[Cell], servers: list[str]) -> None:
