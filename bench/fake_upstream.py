@@ -173,9 +173,9 @@ class Engine:
     def message_events(self, body: dict) -> list[bytes]:
         """A streamed Anthropic message, event by event, as llama.cpp's server streams one (no [DONE])."""
         sse = self._sse
+        usage = {"cache_read_input_tokens": 0, "input_tokens": self._prompt(body, "messages"), "output_tokens": 0}
         start = {"id": "chatcmpl-" + self.next_id(), "type": "message", "role": "assistant", "content": [],
-                 "model": body.get("model", "fake"), "stop_reason": None, "stop_sequence": None,
-                 "usage": {"cache_read_input_tokens": 0, "input_tokens": self._prompt(body, "messages"), "output_tokens": 0}}
+                 "model": body.get("model", "fake"), "stop_reason": None, "stop_sequence": None, "usage": usage}
         piece = sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": " " + self.word}})
         return [
             sse("message_start", {"message": start}),

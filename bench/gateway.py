@@ -314,7 +314,7 @@ def main(argv=None) -> int:
                             asyncio.run(run_cell(cell, port, request, count, warmup if round_ == 0 else 2 * conc,
                                                  o.time_limit, lambda: sum(cpu_seconds(pid) for pid in pids)))
                             if counts:
-                                time.sleep(0.05)  # a stream is counted once its generator ends, just after the client has it
+                                time.sleep(0.05)  # a stream is counted as its generator ends, after the client has it
                                 after = metrics_counts(port, metrics_token)
                                 cell.counted = tuple(a - b for a, b in zip(after, before))
                             say(f"{target:14s} {mode:6s} c={conc:<3d} {api:9s} round {round_ + 1}: {cell.rps:8.0f} "

@@ -87,8 +87,8 @@ def print_apis(cells: list[Cell], order: list[tuple[str, str]], chunks: int) -> 
                     r = cell.rps / chat.rps
                     verdict = (f"target >= {API_RATIO_TARGET:g}x: {'met' if r >= API_RATIO_TARGET else 'MISSED'}"
                                if target.startswith("llmgw") else "the engine's own")
-                    lines.append(f"  {target:14s} {mode:6s} c={conc:<3d} {api:9s} / chat: {cell.rps:7.0f} / {chat.rps:7.0f}"
-                                 f" = {r:5.2f}x ({verdict}); cpu ms/req {fmt(cell.cpu_ms, 3)} / {fmt(chat.cpu_ms, 3)}"
+                    lines.append(f"  {target:14s} {mode:6s} c={conc:<3d} {api:9s} / chat: "
+                                 f"{cell.rps:7.0f} / {chat.rps:7.0f} = {r:5.2f}x ({verdict}); cpu ms/req {fmt(cell.cpu_ms, 3)} / {fmt(chat.cpu_ms, 3)}"
                                  f" = {ratio(cell.cpu_ms, chat.cpu_ms)}")
     if lines:
         print("\nMessages and Responses against chat completions, req/s in the same run (issue 23):")
@@ -102,11 +102,11 @@ def print_apis(cells: list[Cell], order: list[tuple[str, str]], chunks: int) -> 
                 if not answers:
                     continue
                 flag = "" if completion == answers * chunks and prompt > 0 else "  <- NOT what the engine said"
-                counted.append(f"  {target:14s} {mode:6s} {api:9s} {answers:6d} answers 200: prompt {prompt / answers:5.2f}, "
-                               f"completion {completion / answers:5.2f} tokens per answer{flag}")
+                counted.append(f"  {target:14s} {mode:6s} {api:9s} {answers:6d} answers 200: "
+                               f"prompt {prompt / answers:5.2f}, completion {completion / answers:5.2f} tokens per answer{flag}")
     if counted:
-        print(f"\nTokens llmgw counted (its /metrics, llmgw_tokens_total over its 200s, warm-ups included); the fake engine"
-              f"\nsays 3 prompt tokens and {chunks} completion tokens for each:")
+        print("\nTokens llmgw counted (its /metrics, llmgw_tokens_total over its 200s, warm-ups included); the fake"
+              f"\nengine says 3 prompt tokens and {chunks} completion tokens for each:")
         print("\n".join(counted))
 
 
