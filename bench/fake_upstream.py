@@ -5,11 +5,20 @@
 
 A raw asyncio HTTP/1.1 server (uvloop when it imports), keep-alive, no framework, stdlib only, so it costs the
 benchmark as little as possible. It honours `Authorization: Bearer <key>` (401 OpenAI-shaped otherwise; with no
---key, any bearer key passes) and answers:
+--key, any bearer key passes; `x-api-key: <key>` passes too, as Anthropic's clients send it) and answers:
 
 - `POST /v1/chat/completions`, `POST /v1/completions`: a completion with `usage`; with `"stream": true`, the
   role chunk, `--chunks` content chunks, the finish chunk, the usage chunk (when `stream_options.include_usage`
   asks for it, as OpenAI does) and `data: [DONE]`, each event its own HTTP chunk and its own write;
+- `POST /v1/messages` (Anthropic Messages): a message with `usage.input_tokens/output_tokens`; with `"stream":
+  true`, llama.cpp's events (`event: X\ndata: {...}\n\n`): message_start (its `message.usage.input_tokens`),
+  content_block_start, `--chunks` content_block_delta `text_delta`s, content_block_stop, message_delta (its
+  `usage.output_tokens`) and message_stop, and no `[DONE]`, as llama.cpp's server streams them;
+- `POST /v1/responses` (OpenAI Responses): a response with `output` and `usage.input_tokens/output_tokens`;
+  with `"stream": true`, llama.cpp's events: response.created, response.in_progress, response.output_item.added,
+  response.content_part.added, `--chunks` response.output_text.delta, response.output_text.done,
+  response.content_part.done, response.output_item.done and response.completed with the response and its
+  `usage`, and no `[DONE]`;
 - `POST /v1/embeddings`: one small vector per input, with `usage`;
 - `GET /v1/models`, `GET /health`.
 
@@ -38,6 +47,7 @@ class Engine:
 
     def __init__(self, key: str | None, chunks: int, word: str = "hello"):
         self.auth = f"Bearer {key}".encode() if key else None
+        self.api_key = key.encode() if key else None
         self.chunks = chunks
         self.word = word
         self.counter = 0
@@ -113,9 +123,91 @@ class Engine:
             out.extend([b"data: " + piece + b"\n\n"] * self.chunks)
             event([{"index": 0, "text": "", "finish_reason": "stop"}])
         if include_usage:
-            event([], usage=self.usage(1, self.chunks))
+            event([], usage=self.usage(self._prompt(body, "messages" if chat else "prompt"), self.chunks))
         out.append(b"data: [DONE]\n\n")
         return out
+
+    def _prompt(self, body: dict, field: str) -> int:
+        items = body.get(field)
+        if isinstance(items, str):
+            return len(items.split()) or 1
+        return sum(len(str(m.get("content", "")).split()) for m in items or [] if isinstance(m, dict)) or 1
+
+    def message(self, body: dict) -> bytes:
+        """A whole Anthropic message, as llama.cpp's server answers `/v1/messages`."""
+        return json.dumps(
+            {
+                "id": "chatcmpl-" + self.next_id(),
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "text", "text": " ".join([self.word] * self.chunks)}],
+                "model": body.get("model", "fake"),
+                "stop_reason": "end_turn",
+                "stop_sequence": None,
+                "usage": {"cache_read_input_tokens": 0, "input_tokens": self._prompt(body, "messages"),
+                          "output_tokens": self.chunks},
+            }
+        ).encode()
+
+    def _response(self, body: dict, rid: str, mid: str) -> dict:
+        prompt = self._prompt(body, "input")
+        return {
+            "id": rid, "object": "response", "created_at": self.created, "status": "completed",
+            "model": body.get("model", "fake"),
+            "output": [{"type": "message", "status": "completed", "id": mid, "role": "assistant",
+                        "content": [{"type": "output_text", "annotations": [], "logprobs": [],
+                                     "text": " ".join([self.word] * self.chunks)}]}],
+            "usage": {"input_tokens": prompt, "output_tokens": self.chunks, "total_tokens": prompt + self.chunks,
+                      "input_tokens_details": {"cached_tokens": 0}},
+        }
+
+    def response(self, body: dict) -> bytes:
+        """A whole Responses answer, as llama.cpp's server answers `/v1/responses`."""
+        n = self.next_id()
+        return json.dumps(self._response(body, "resp_" + n, "msg_" + n)).encode()
+
+    @staticmethod
+    def _sse(kind: str, data: dict) -> bytes:
+        return b"event: " + kind.encode() + b"\ndata: " + json.dumps({"type": kind, **data}).encode() + b"\n\n"
+
+    def message_events(self, body: dict) -> list[bytes]:
+        """A streamed Anthropic message, event by event, as llama.cpp's server streams one (no [DONE])."""
+        sse = self._sse
+        usage = {"cache_read_input_tokens": 0, "input_tokens": self._prompt(body, "messages"), "output_tokens": 0}
+        start = {"id": "chatcmpl-" + self.next_id(), "type": "message", "role": "assistant", "content": [],
+                 "model": body.get("model", "fake"), "stop_reason": None, "stop_sequence": None, "usage": usage}
+        piece = sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": " " + self.word}})
+        return [
+            sse("message_start", {"message": start}),
+            sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+            *[piece] * self.chunks,
+            sse("content_block_stop", {"index": 0}),
+            sse("message_delta", {"delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                                  "usage": {"output_tokens": self.chunks}}),
+            sse("message_stop", {}),
+        ]
+
+    def response_events(self, body: dict) -> list[bytes]:
+        """A streamed Responses answer, event by event, as llama.cpp's server streams one (no [DONE])."""
+        sse = self._sse
+        n = self.next_id()
+        rid, mid = "resp_" + n, "msg_" + n
+        whole = self._response(body, rid, mid)
+        part = whole["output"][0]["content"][0]
+        head = {"id": rid, "object": "response", "status": "in_progress"}
+        piece = sse("response.output_text.delta", {"item_id": mid, "delta": " " + self.word})
+        return [
+            sse("response.created", {"response": head}),
+            sse("response.in_progress", {"response": head}),
+            sse("response.output_item.added", {"item": {"content": [], "id": mid, "role": "assistant",
+                                                        "status": "in_progress", "type": "message"}}),
+            sse("response.content_part.added", {"item_id": mid, "part": {"type": "output_text", "text": ""}}),
+            *[piece] * self.chunks,
+            sse("response.output_text.done", {"item_id": mid, "text": part["text"]}),
+            sse("response.content_part.done", {"item_id": mid, "part": part}),
+            sse("response.output_item.done", {"item": whole["output"][0]}),
+            sse("response.completed", {"response": whole}),
+        ]
 
 
 class Connection(asyncio.Protocol):
@@ -169,13 +261,15 @@ class Connection(asyncio.Protocol):
         engine = self.engine
         if path == b"/health":
             return self.reply(200, b'{"status":"ok"}', close)
-        if engine.auth is not None and headers.get(b"authorization") != engine.auth:
+        if engine.auth is not None and headers.get(b"authorization") != engine.auth \
+                and headers.get(b"x-api-key") != engine.api_key:
             return self.reply(*_error(401, "invalid_api_key", "wrong or missing engine key"), close)
         if path == b"/v1/models":
             if method != b"GET":
                 return self.reply(*_error(405, "method_not_allowed", "GET only"), close)
             return self.reply(200, b'{"object":"list","data":[{"id":"fake","object":"model","created":0,"owned_by":"bench"}]}', close)
-        endpoint = {b"/v1/chat/completions": "chat", b"/v1/completions": "completions", b"/v1/embeddings": "embeddings"}.get(path)
+        endpoint = {b"/v1/chat/completions": "chat", b"/v1/completions": "completions", b"/v1/embeddings": "embeddings",
+                    b"/v1/messages": "messages", b"/v1/responses": "responses"}.get(path)
         if endpoint is None:
             return self.reply(*_error(404, "not_found", f"no such endpoint {path.decode(errors='replace')}"), close)
         if method != b"POST":
@@ -188,6 +282,10 @@ class Connection(asyncio.Protocol):
             return self.reply(*_error(400, "invalid_request", f"bad JSON: {exc}"), close)
         if endpoint == "embeddings":
             return self.reply(200, engine.embeddings(data), close)
+        if endpoint in ("messages", "responses"):
+            whole, events = (engine.message, engine.message_events) if endpoint == "messages" else (
+                engine.response, engine.response_events)
+            return self.stream(events(data), close) if data.get("stream") else self.reply(200, whole(data), close)
         if data.get("stream"):
             return self.stream(engine.events(data, endpoint == "chat"), close)
         return self.reply(200, engine.chat(data) if endpoint == "chat" else engine.completion(data), close)

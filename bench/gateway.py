@@ -4,9 +4,11 @@
     . .venv/bin/activate
     python bench/gateway.py                       # everything: about 3 to 5 minutes
     python bench/gateway.py --targets direct,llmgw-daphne --concurrency 1,16 --modes json
+    python bench/gateway.py --targets direct,llmgw-uvicorn --apis chat,messages --rounds 2
 
 One run, side by side on this machine, against the same fake OpenAI engine (bench/fake_upstream.py: answers at
-once, streams --chunks chunks, then the usage chunk and [DONE]):
+once, streams --chunks chunks, then the usage chunk and [DONE]; it answers Anthropic's Messages and OpenAI's
+Responses too, with llama.cpp's server's events and the same --chunks text deltas):
 
 - direct          the fake engine itself;
 - llmgw-daphne    llmgw's gateway, run as `llmgw up` runs it by default (`python -m daphne -b 127.0.0.1 -p PORT
@@ -23,24 +25,30 @@ once, streams --chunks chunks, then the usage chunk and [DONE]):
                   under ~/.cache/llmgw-bench or LLMGW_BENCH_CACHE), LITELLM_LOCAL_MODEL_COST_MAP=True, a master
                   key, one worker, the model `bench` mapped to `openai/bench` with the fake engine as `api_base`.
 
-Each is measured at each concurrency (default 1, 16, 64), non-streaming (json) and streaming (stream), with a
-fixed number of requests per cell (300 at concurrency 1, 1000 up to 16, 2000 above; --scale) after a warm-up,
-each cell bounded in time (--time-limit, default 30 s: a cell that hits it is flagged `!` and counts what it
-finished). All targets run at once and every cell runs each target in turn, so whatever else the machine does
-falls on all of them alike; that is done --rounds times (default 3) and the table shows each cell's fastest
-round (highest req/s: on a shared machine, the least disturbed one) with every round's req/s in its last column. Every request asks for the usage
-chunk (`stream_options.include_usage`), so every target sends the same events. The load generator is a raw
-asyncio HTTP/1.1 client with keep-alive connections (one per concurrent request), in this process; the
-`direct` rows show how far it and the fake engine go, which must be well past what any proxy does.
+Each is measured at each concurrency (default 1, 16, 64), non-streaming (json) and streaming (stream), for each
+API of --apis (default chat,messages,responses: `POST /v1/chat/completions`; `/v1/messages` with `x-api-key`,
+`model`, `max_tokens`, `messages`; `/v1/responses` with `model`, `input`, `max_output_tokens`; LiteLLM only
+chat), with a fixed number of requests per cell (300 at concurrency 1, 1000 up to 16, 2000 above; --scale)
+after a warm-up, each cell bounded in time (--time-limit, default 30 s: a cell that hits it is flagged `!` and
+counts what it finished). All targets run at once and every cell runs each target and API in turn, so whatever
+else the machine does falls on all of them alike; that is done --rounds times (default 3) and the table shows
+each cell's fastest round (highest req/s: on a shared machine, the least disturbed one) with every round's
+req/s in its last column. Every chat request asks for the usage chunk (`stream_options.include_usage`), so
+every target sends the same events; Messages and Responses streams carry their usage of their own. Every
+answer is checked: its text and its usage, and a stream's last event. The load generator is a raw asyncio
+HTTP/1.1 client with keep-alive connections (one per concurrent request), in this process; the `direct` rows
+show how far it and the fake engine go, which must be well past what any proxy does.
 
 With two or more CPUs the proxies are pinned to the last CPU and everything else (this process, the fake
 engine, Valkey) to the others (--no-pin to let the kernel place them): every proxy gets one core, as one web
 process does, and idles while another is measured.
 
-Columns: req/s, p50 and p99 of the whole request, p50 time to the first body byte (ttfc, streams), each also
-as a ratio to `direct` in the same cell, and +p50, the added p50 latency (target minus direct). p99 is nearest
-rank. The two targets of issue 3 are checked below the table: added p50 at concurrency 1 under 2 ms, and
-llmgw's req/s at concurrency 64 at least twice LiteLLM's. No time is asserted; the exit code is 0 whatever the
+Columns: api; req/s; x chat, this API's req/s over chat completions' on the same target, concurrency and mode
+in the same run; p50 and p99 of the whole request, p50 time to the first body byte (ttfc, streams), each also as
+a ratio to `direct` with the same API in the same cell; +p50, the added p50 latency (target minus direct). p99
+is nearest rank. Below the table, issue 23's target (on llmgw, Messages and Responses at least 0.9x chat's
+req/s), then issue 12's and issue 3's (chat only): added p50 at concurrency 1, and llmgw's req/s at
+concurrency 64 against nginx's and at least twice LiteLLM's. No time is asserted; the exit code is 0 whatever the
 numbers are (non-zero only when nothing could be measured, or on Ctrl-C). Every child process is stopped at
 the end and the last line says whether any is left.
 
@@ -73,11 +81,12 @@ sys.path.insert(0, str(ROOT))
 
 from agents.ports import free_port  # noqa: E402
 from llmgw.processes import Child  # noqa: E402
-from loadgen import Cell, build_request, requests_for, run_cell  # noqa: E402
-from report import fmt, print_table, print_targets  # noqa: E402
+from loadgen import APIS, Cell, build_request, requests_for, run_cell  # noqa: E402
+from report import fmt, print_apis, print_table, print_targets  # noqa: E402
 from targets import (  # noqa: E402
     cpu_seconds,
     importable,
+    metrics_counts,
     litellm_config,
     litellm_venv,
     module_version,
@@ -93,6 +102,7 @@ from targets import (  # noqa: E402
 
 FAKE = ROOT / "bench" / "fake_upstream.py"
 ALL_TARGETS = ("direct", "llmgw-daphne", "llmgw-uvicorn", "llmgw-2w", "nginx", "litellm")
+CHAT_ONLY = ("litellm",)  # LiteLLM translates Messages and Responses into chat: another benchmark
 
 
 class Children(dict[str, Child]):
@@ -125,6 +135,8 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", default=",".join(ALL_TARGETS), help=f"comma-separated, of {', '.join(ALL_TARGETS)}")
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--modes", default="json,stream")
+    parser.add_argument("--apis", default=",".join(APIS),
+                        help=f"comma-separated, of {', '.join(APIS)} (LiteLLM: chat only)")
     parser.add_argument("--chunks", type=int, default=20, help="content chunks per streamed answer")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply the request counts per cell (300 at c=1, 1000 up to c=16, 2000 above)")
@@ -154,6 +166,10 @@ def main(argv=None) -> int:
     modes = [m.strip() for m in o.modes.split(",") if m.strip()]
     if set(modes) - {"json", "stream"}:
         parser.error("--modes takes json and/or stream")
+    apis = [a.strip() for a in o.apis.split(",") if a.strip()]
+    if not apis or set(apis) - set(APIS):
+        parser.error(f"--apis takes {', '.join(APIS)}")
+    apis = [a for a in APIS if a in apis]
 
     cpus = sorted(os.sched_getaffinity(0))
     proxy_cpus = None
@@ -182,11 +198,13 @@ def main(argv=None) -> int:
         upstream_port = free_port()
         engine_key = client_key = None
         env = None
+        metrics_token = "bench-metrics-" + secrets.token_hex(8)  # to read what each llmgw process counted
         if any(t.startswith("llmgw") for t in targets):
             home = workdir / "llmgw-home"
             home.mkdir()
             env = dict(os.environ, LLMGW_HOME=str(home), DATABASE_URL=f"sqlite:///{home / 'db.sqlite3'}",
-                       PYTHONUNBUFFERED="1", DJANGO_SETTINGS_MODULE="llmgw.settings")
+                       PYTHONUNBUFFERED="1", DJANGO_SETTINGS_MODULE="llmgw.settings",
+                       LLMGW_METRICS_TOKEN=metrics_token)
             env.pop("LLMGW_DEBUG", None)
             if os.environ.get("REDIS_URL"):
                 info["redis"] = f"{os.environ['REDIS_URL']} (REDIS_URL)"
@@ -282,17 +300,26 @@ def main(argv=None) -> int:
                 warmup = max(2 * conc, min(200, count // 5))
                 for round_ in range(o.rounds):
                     for target, server, port, key in running:
-                        cell = Cell(target, server, conc, mode)
-                        cells.setdefault((target, server, conc, mode), []).append(cell)
-                        request = build_request(port, key, mode == "stream")
-                        names = ["fake-upstream"] if target == "direct" else [
-                            n for n in children if n == target or n.startswith(f"{target}-")]
-                        pids = [children[n].pid for n in names]
-                        asyncio.run(run_cell(cell, port, request, count, warmup if round_ == 0 else 2 * conc,
-                                             o.time_limit, lambda: sum(cpu_seconds(pid) for pid in pids)))
-                        say(f"{target:14s} {mode:6s} c={conc:<3d} round {round_ + 1}: {cell.rps:8.0f} req/s  "
-                            f"p50 {fmt(cell.p(0.5))} ms  ok {cell.ok}  errors {cell.errors}"
-                            + (" (time limit)" if cell.timed_out else ""))
+                        for api in (["chat"] if target in CHAT_ONLY else apis):
+                            if api not in apis:
+                                continue
+                            cell = Cell(target, server, conc, mode, api)
+                            cells.setdefault((target, server, conc, mode, api), []).append(cell)
+                            request = build_request(port, key, mode == "stream", api)
+                            names = ["fake-upstream"] if target == "direct" else [
+                                n for n in children if n == target or n.startswith(f"{target}-")]
+                            pids = [children[n].pid for n in names]
+                            counts = target in ("llmgw-daphne", "llmgw-uvicorn")  # one process: one /metrics
+                            before = metrics_counts(port, metrics_token) if counts else None
+                            asyncio.run(run_cell(cell, port, request, count, warmup if round_ == 0 else 2 * conc,
+                                                 o.time_limit, lambda: sum(cpu_seconds(pid) for pid in pids)))
+                            if counts:
+                                time.sleep(0.05)  # a stream is counted as its generator ends, after the client has it
+                                after = metrics_counts(port, metrics_token)
+                                cell.counted = tuple(a - b for a, b in zip(after, before))
+                            say(f"{target:14s} {mode:6s} c={conc:<3d} {api:9s} round {round_ + 1}: {cell.rps:8.0f} "
+                                f"req/s  p50 {fmt(cell.p(0.5))} ms  ok {cell.ok}  errors {cell.errors}"
+                                + (" (time limit)" if cell.timed_out else ""))
     except KeyboardInterrupt:
         interrupted = True
         say("interrupted: stopping what this run started")
@@ -349,12 +376,13 @@ def main(argv=None) -> int:
         print(f"  py-spy profiles (folded stacks) in {info['profiles']}")
     print()
     print_table(best, order)
+    print_apis(best, order, o.chunks)
     print_targets(best, servers)
     for failure in failures:
         print(f"\nnot measured: {failure}")
     for c in (c for rounds in cells.values() for c in rounds):
         if c.errors:
-            print(f"errors in {c.target} {c.mode} c={c.concurrency}: {c.errors}, first: {c.first_error[:300]}")
+            print(f"errors in {c.target} {c.mode} c={c.concurrency} {c.api}: {c.errors}, first: {c.first_error[:300]}")
     print(f"\nchild processes left: {len(left)}" + (": " + "; ".join(left) if left else " (none)"))
     if o.json:
         Path(o.json).write_text(json.dumps([c.summary() for c in best], indent=1))

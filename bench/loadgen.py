@@ -121,6 +121,7 @@ class Cell:
     server: str
     concurrency: int
     mode: str
+    api: str = "chat"
     ok: int = 0
     errors: int = 0
     first_error: str = ""
@@ -130,6 +131,8 @@ class Cell:
     timed_out: bool = False
     cpu: float = 0.0  # CPU seconds the target's processes used while measured
     rounds: list[float] = field(default_factory=list)  # req/s of every round of this cell, in order
+    # what the gateway counted in this cell (llmgw_tokens_total and its 200s, from /metrics; None: not read)
+    counted: tuple[int, int, int] | None = None  # (answers 200, prompt tokens, completion tokens)
 
     @property
     def cpu_ms(self) -> float:
@@ -149,38 +152,69 @@ class Cell:
     def summary(self) -> dict:
         return {
             "target": self.target, "server": self.server, "concurrency": self.concurrency, "mode": self.mode,
+            "api": self.api,
             "ok": self.ok, "errors": self.errors, "first_error": self.first_error, "seconds": round(self.seconds, 3),
             "rps": round(self.rps, 1), "p50_ms": round(self.p(0.5), 3), "p99_ms": round(self.p(0.99), 3),
             "ttfc_p50_ms": round(self.p(0.5, self.firsts), 3) if self.mode == "stream" else None,
             "timed_out": self.timed_out, "cpu_ms_per_request": round(self.cpu_ms, 3),
             "rounds_rps": [round(r, 1) for r in self.rounds],
+            "counted_200_prompt_completion": self.counted,
         }
 
 
-def build_request(port: int, key: str, stream: bool, path: str = "/v1/chat/completions") -> bytes:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello, briefly."}], "max_tokens": 32}
+# The APIs a cell can speak: chat completions (OpenAI), Messages (Anthropic), Responses (OpenAI), each as its
+# clients send it: the path, the body, and how the key goes (the Anthropic SDK and Claude Code send x-api-key).
+APIS = ("chat", "messages", "responses")
+PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
+PROMPT = "Say hello, briefly."
+
+
+def build_request(port: int, key: str, stream: bool, api: str = "chat") -> bytes:
+    if api == "messages":
+        body = {"model": MODEL, "max_tokens": 32, "messages": [{"role": "user", "content": PROMPT}]}
+        auth = f"x-api-key: {key}\r\nanthropic-version: 2023-06-01"
+    elif api == "responses":
+        body = {"model": MODEL, "input": PROMPT, "max_output_tokens": 32}
+        auth = f"Authorization: Bearer {key}"
+    else:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 32}
+        auth = f"Authorization: Bearer {key}"
     if stream:
         body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        if api == "chat":  # Messages and Responses streams carry their usage of their own
+            body["stream_options"] = {"include_usage": True}
     payload = json.dumps(body).encode()
     head = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {key}\r\n"
+        f"POST {PATHS[api]} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}\r\n"
         f"Content-Type: application/json\r\nAccept: */*\r\nContent-Length: {len(payload)}\r\n\r\n"
     )
     return head.encode() + payload
 
 
-def answer_ok(status: int, body: bytes, stream: bool) -> str:
+# What a right answer must hold, whole and streamed, per API: its text and its usage (and a stream's last event).
+WHOLE = {
+    "chat": (b'"choices"', b'"usage"'),
+    "messages": (b'"type": "message"', b'"text"', b'"output_tokens"'),
+    "responses": (b'"output_text"', b'"input_tokens"', b'"output_tokens"'),
+}
+STREAMED = {
+    "chat": (b'"content"', b'"usage"', b"data: [DONE]"),
+    "messages": (b"event: message_start", b'"input_tokens"', b'"text_delta"', b"event: message_delta",
+                 b'"output_tokens"', b"event: message_stop"),
+    "responses": (b"event: response.output_text.delta", b"event: response.completed", b'"input_tokens"',
+                  b'"output_tokens"'),
+}
+
+
+def answer_ok(status: int, body: bytes, stream: bool, api: str = "chat") -> str:
     """'' when the answer is a right one, else why not."""
     if status != 200:
         return f"HTTP {status}: {body[:200]!r}"
-    if stream:
-        if b"data: [DONE]" not in body:
-            return f"stream without [DONE]: {body[-200:]!r}"
-        if b'"usage"' not in body:
-            return "stream without the usage chunk"
+    missing = [n for n in (STREAMED if stream else WHOLE)[api] if n not in body]
+    if not missing:
         return ""
-    return "" if b'"choices"' in body and b'"usage"' in body else f"no choices/usage in {body[:200]!r}"
+    where = body[-300:] if stream else body[:300]
+    return f"{api} {'stream' if stream else 'answer'} without {', '.join(m.decode() for m in missing)}: {where!r}"
 
 
 async def run_cell(cell: Cell, port: int, request: bytes, count: int, warmup: int, limit: float, cpu=None) -> Cell:
@@ -218,7 +252,7 @@ async def run_cell(cell: Cell, port: int, request: bytes, count: int, warmup: in
                     conns[slot] = None
                 if not record:
                     continue
-                why = answer_ok(status, body, stream)
+                why = answer_ok(status, body, stream, cell.api)
                 if why:
                     cell.errors += 1
                     cell.first_error = cell.first_error or why

@@ -90,6 +90,24 @@ def wait_ready(child: Child, port: int, key: str, timeout: float, path: str = "/
     raise RuntimeError(f"{child.name} did not answer within {timeout:.0f}s ({last}):\n{child.tail(30)}")
 
 
+def metrics_counts(port: int, token: str) -> tuple[int, int, int]:
+    """What a llmgw web process has counted for the model so far, from its /metrics: (answers 200, prompt tokens,
+    completion tokens)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        text = response.read().decode()
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if f'model="{MODEL}"' not in name:
+            continue
+        if name.startswith("llmgw_requests_total{") and 'status="200"' in name:
+            found["ok"] = int(float(value))
+        elif name.startswith("llmgw_tokens_total{"):
+            found["prompt" if 'kind="prompt"' in name else "completion"] = int(float(value))
+    return found.get("ok", 0), found.get("prompt", 0), found.get("completion", 0)
+
+
 # --- what the targets need ------------------------------------------------------------------------------
 
 
