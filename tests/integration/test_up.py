@@ -96,7 +96,7 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         # what the demo model cannot do is refused in the gateway's words (the engine would answer 501 and 500),
         # and what its engine refuses is the client's 400, not a 502
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=secret, max_retries=0, timeout=60)
-        assert json.loads(cli("ctl", "models", "--json"))[0]["capabilities"] == ["chat", "completions"]
+        assert json.loads(cli("ctl", "models", "--json"))[0]["capabilities"] == ["chat", "completions", "messages", "responses"]
         with pytest.raises(openai.BadRequestError, match="model smollm2 does not serve embeddings"):
             c.embeddings.create(model="smollm2", input="hello")
         picture = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
