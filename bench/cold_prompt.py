@@ -1,11 +1,11 @@
 """What a smaller engine batch costs a long cold prompt: its time to first token at each batch size, side by side.
 
     .venv/bin/python bench/cold_prompt.py --url http://127.0.0.1:8000 --token TOKEN [--words 1500] [--runs 5]
-                                          [--batches default,128] [--engine xllamacpp]
+                                          [--batches 2048,default,256] [--engine xllamacpp]
 
 Against a running llmgw (`llmgw up` with its demo model's file in the mirror) and an admin's API token: for each
-batch size a profile (`--batch-size N`, or none: the engine's own default, 2048 for llama.cpp; one thread, one
-slot, the same context) and a model of the demo file on it, then --runs prompts of --words distinct random words
+batch size a profile (`--batch-size N`, or `default`: none, so llmgw's engine default, 128 for llama.cpp and
+xllamacpp; 2048 is llama.cpp's own; one thread, one slot, the same context) and a model of the demo file on it, then --runs prompts of --words distinct random words
 each (nothing of one is in the engine's cache from another), `max_tokens` 1, one at a time, through the gateway.
 Prints the median and p99 time to the answer and each batch's ratio to the first's; removes what it made.
 """
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--token", required=True)
     parser.add_argument("--words", type=int, default=1500)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--batches", default="default,128")
+    parser.add_argument("--batches", default="2048,default,256")
     parser.add_argument("--engine", default="xllamacpp")
     parser.add_argument("--file", default="SmolLM2-135M-Instruct.Q4_1.gguf")
     args = parser.parse_args()

@@ -295,8 +295,9 @@ class Llmgw(Instance):
     def __init__(self, o):
         super().__init__("routing", env={"LLMGW_ROUTING_LOAD_FACTOR": str(o.load_factor)})
         extra = ["--extra", o.engine_extra] if o.engine_extra else []
+        batch = ["--batch-size", str(o.batch_size)] if o.batch_size else []
         self.cli("ctl", "profile", "add", "bench", "--context-size", str(o.context), "--parallel", str(o.parallel),
-                 "--threads", str(o.threads), "--batch-size", str(o.batch_size), *extra)
+                 "--threads", str(o.threads), *batch, *extra)
         self.cli("ctl", "model", "add", MODEL, "--file", str(gguf_path()), "--engine", "xllamacpp", "--profile", "bench",
                  "--replicas", "3", "--max-tokens", "none")
         self.wait(lambda: len(self.ready(MODEL)) == 3, 300, "3 ready replicas")
@@ -344,9 +345,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--parallel", type=int, default=2, help="slots per replica")
     p.add_argument("--threads", type=int, default=1, help="threads per replica")
-    p.add_argument("--batch-size", type=int, default=128,
-                   help="prompt tokens an engine takes per step (llama.cpp's --batch-size; its default 2048 makes a "
-                        "turn whose prompt is cached wait behind a whole cold prefill in the same step)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="prompt tokens an engine takes per step (llama.cpp's --batch-size; default: none in the "
+                        "profile, so llmgw's engine default, 128; llama.cpp's own 2048 makes a turn whose prompt is "
+                        "cached wait behind a whole cold prefill in the same step)")
     p.add_argument("--context", type=int, default=16384, help="per replica, shared by its slots")
     p.add_argument("--engine-extra", default="", metavar="FLAGS",
                    help="more engine flags for the replicas' profile, e.g. '--param slot_prompt_similarity=0.7'")
@@ -370,7 +372,7 @@ def main() -> None:
     try:
         fleet = Fleet(llmgw.ready(MODEL), llmgw.engine_key, o.load_factor)
         print(f"llmgw at {llmgw.url}; replicas {', '.join(sorted(fleet.urls))}; parallel {o.parallel}, "
-              f"threads {o.threads}, batch {o.batch_size}, context {o.context}; prefix's load factor {o.load_factor}"
+              f"threads {o.threads}, batch {o.batch_size or 'llmgw default'}, context {o.context}; prefix's load factor {o.load_factor}"
               + (f"; engine flags {o.engine_extra}" if o.engine_extra else ""))
         # warm up: every replica loads its weights into the page cache and runs once
         asyncio.run(run_policy("random", workload("distinct", seed - 1, o)[:3], o, llmgw.url, llmgw.key, fleet, 0))

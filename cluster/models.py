@@ -144,6 +144,9 @@ class EngineVersion(models.Model):
     device = models.CharField(max_length=8, choices=Device.choices, default=Device.CPU)
     binary = models.CharField(max_length=500, blank=True, default="")  # empty: found on PATH on the node
     command = models.TextField(blank=True, default="")  # the `command` kind's template
+    # What a `command` engine serves, of agents.engines.CAPABILITIES, as its operator declares; empty: whatever a
+    # request asks (the engine refuses what it cannot). Other kinds' drivers read it from the profile.
+    serves = models.JSONField(default=list, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -258,6 +261,8 @@ class Model(models.Model):
 
     def capabilities(self) -> tuple[str, ...]:
         """What its replicas serve (agents.engines.CAPABILITIES), as its engine's driver reads its profile."""
+        if self.engine.serves:  # an operator's declaration (a command engine's)
+            return tuple(c for c in CAPABILITIES if c in self.engine.serves)
         try:
             driver = driver_for(self.engine.kind)
         except ValueError:

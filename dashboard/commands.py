@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ctl profile remove": ("profile-remove", "DELETE /api/v1/profiles/{name}/"),
     "ctl engines": ("engines", "GET /api/v1/engines/"),
     "ctl engine add": ("engine-add", "POST /api/v1/engines/"),
+    "ctl engine set": ("engine-set", "PATCH /api/v1/engines/{name}/"),
     "ctl engine-key show": ("engine-key-show", "GET /api/v1/engine-key/"),
     "ctl engine-key rotate": ("engine-key-rotate", "POST /api/v1/engine-key/rotate/"),
     "ctl settings": ("settings-set", "PATCH /api/v1/settings/"),

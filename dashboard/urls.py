@@ -24,6 +24,7 @@ urlpatterns = [
     path("profiles/set/", views.profile_set, name="profile-set"),
     path("profiles/<str:name>/remove/", views.profile_remove, name="profile-remove"),
     path("engines/add/", views.engine_add, name="engine-add"),
+    path("engines/set/", views.engine_set, name="engine-set"),
     path("mirror/import/", views.mirror_import, name="mirror-import"),
     path("mirror/upload/", views.mirror_upload, name="mirror-upload"),
     path("keys/create/", views.key_create, name="key-create"),

@@ -146,10 +146,10 @@ def _profiles(request) -> dict:
 
 
 def _engines(request) -> dict:
-    from agents.engines import DRIVERS
+    from agents.engines import CAPABILITIES, DRIVERS
 
     return {"engines": EngineVersion.objects.annotate(used=Count("models")).order_by("name"), "kinds": sorted(DRIVERS),
-            "devices": EngineVersion.Device.choices}
+            "devices": EngineVersion.Device.choices, "capabilities": CAPABILITIES}
 
 
 def _mirror(request) -> dict:
@@ -491,8 +491,16 @@ def engine_add(request):
     engine = operations.add_engine(
         request.POST.get("name", "").strip(), request.POST.get("kind", "").strip(), _actor(request),
         version=request.POST.get("version", "").strip(), device=request.POST.get("device", "cpu").strip(),
-        binary=request.POST.get("binary", "").strip(), command=request.POST.get("command", "").strip())
+        binary=request.POST.get("binary", "").strip(), command=request.POST.get("command", "").strip(),
+        serves=request.POST.getlist("serves"))
     return f"engine {engine.name} added"
+
+
+@action("engines")
+def engine_set(request):
+    name = request.POST.get("name", "").strip()
+    engine = operations.set_engine(name, _actor(request), serves=request.POST.getlist("serves"))
+    return f"engine {engine.name} serves {', '.join(engine.serves) or 'what a request asks (nothing declared)'}"
 
 
 @action("mirror")

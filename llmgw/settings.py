@@ -223,7 +223,8 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "cluster.api.schema.document_refusals"],
-    "ENUM_NAME_OVERRIDES": {"RoutingEnum": "cluster.models.Model.Routing"},
+    "ENUM_NAME_OVERRIDES": {"RoutingEnum": "cluster.models.Model.Routing", "CapabilityEnum": "agents.engines.CAPABILITIES",
+                            "SurfaceEnum": "agents.engines.SURFACES"},
     # what a client over the network may use (the in-process one is the host's own `llmgw` command)
     "AUTHENTICATION_WHITELIST": [
         "cluster.api.permissions.BearerTokenAuthentication",

@@ -124,6 +124,8 @@ def test_what_a_change_prints_is_the_same_from_anywhere(cluster, tmp_path):
     both("ctl", "drain", "n-{}")
     both("ctl", "undrain", "n-{}")
     both("ctl", "engine", "add", "e-{}", "--kind", "llama.cpp", "--version", "b2")
+    both("ctl", "engine", "add", "c-{}", "--kind", "command", "--command", "srv {port}", "--serves", "rerank,chat")
+    both("ctl", "engine", "set", "c-{}", "--serves", "none")
     both("ctl", "profile", "add", "p-{}", "--threads", "2", "--extra", "--flash-attn on")
     both("ctl", "profile", "set", "p-{}", "--context-size", "8192")
     both("ctl", "model", "add", "m-{}", "--file", sha, "--engine", "e-{}", "--profile", "p-{}", "--replicas", "0")
@@ -161,6 +163,7 @@ CHANGES = [
     (["ctl", "keys", "create", "k9"], "create keys"),
     (["ctl", "keys", "revoke", "team"], "revoke keys"),
     (["ctl", "profile", "add", "p9"], "add profiles"),
+    (["ctl", "engine", "set", "llama.cpp", "--serves", "chat"], "change engines"),
     (["ctl", "settings", "--drain-grace", "5"], "change the cluster settings"),
     (["ctl", "engine-key", "rotate"], "rotate the engine key"),
     (["user", "add", "u9", "--role", "viewer"], "add users"),
@@ -187,6 +190,28 @@ def test_adding_a_model_says_how_it_scales_in_plain_words(cluster):
                     "llmgw ctl replicas --model lazy\n")
     said = run("ctl", "model", "add", "fixed", "--file", sha, "--engine", "llama.cpp", "--memory", "1GiB")
     assert said.startswith("model fixed added: smol.gguf on llama.cpp, 1.0 GiB each; 1 replica(s); watch with: ")
+
+
+def test_what_a_command_engine_serves_is_declared_in_one_line(cluster):
+    said = run("ctl", "engine", "add", "ranker", "--kind", "command", "--command", "srv {port}", "--serves",
+               "rerank,embeddings")
+    assert said == "engine ranker (command, cpu) added, serving embeddings,rerank\n"
+    assert run("ctl", "engine", "set", "ranker", "--serves", "chat,messages") == "engine ranker serves chat,messages\n"
+    assert "ranker     command    -        cpu     chat,messages  srv {port}" in run("ctl", "engines")
+    events = Event.objects.count()
+    for args, error in (
+        (["--serves", "chats"], "argument --serves: unknown capability 'chats' (known: chat, completions, embeddings, "
+                                "messages, responses, rerank, images, audio)"),
+        ([], "nothing to change: give --serves"),
+    ):
+        with pytest.raises(CommandError) as refused:
+            run("ctl", "engine", "set", "ranker", *args)
+        assert str(refused.value).endswith(error), str(refused.value)
+    with pytest.raises(CommandError) as refused:
+        remote(cluster, "ctl", "engine", "set", "llama.cpp", "--serves", "chat")
+    assert str(refused.value) == ("only a command engine declares what it serves: a llama.cpp engine's models serve "
+                                  "what its driver reads from their profile")
+    assert Event.objects.count() == events
 
 
 def test_a_key_for_a_model_that_does_not_exist_is_refused_in_one_line(cluster):

@@ -445,11 +445,23 @@ class ProfileCreateSerializer(ProfileUpdateSerializer):
 # Engines
 
 
+SERVES_HELP = ("for kind command: what its models serve, of the capabilities; empty: what a request asks (the engine "
+               "refuses what it cannot). Other kinds' models serve what their profile says.")
+
+
 class EngineSerializer(serializers.ModelSerializer):
+    serves = serializers.ListField(child=serializers.ChoiceField(choices=CAPABILITIES), read_only=True,
+                                   help_text=SERVES_HELP)
+
     class Meta:
         model = EngineVersion
-        fields = ["name", "kind", "version", "device", "binary", "command", "updated_at"]
+        fields = ["name", "kind", "version", "device", "binary", "command", "serves", "updated_at"]
         read_only_fields = fields
+
+
+class EngineUpdateSerializer(StrictSerializer):
+    serves = serializers.ListField(child=serializers.ChoiceField(choices=CAPABILITIES), required=False,
+                                   max_length=len(CAPABILITIES), help_text=SERVES_HELP)
 
 
 class EngineCreateSerializer(StrictSerializer):
@@ -466,6 +478,8 @@ class EngineCreateSerializer(StrictSerializer):
         trim_whitespace=False,
         help_text="the command kind's template, e.g. '{python} server.py --port {port} --model {model_path}'",
     )
+    serves = serializers.ListField(child=serializers.ChoiceField(choices=CAPABILITIES), default=list,
+                                   max_length=len(CAPABILITIES), help_text=SERVES_HELP)
 
 
 # Model files

@@ -24,6 +24,7 @@ from cluster.api.serializers import (
     EngineKeyRotatedSerializer,
     EngineKeyShownSerializer,
     EngineSerializer,
+    EngineUpdateSerializer,
     EventSerializer,
     ModelFileImportSerializer,
     ModelFileSerializer,
@@ -266,6 +267,19 @@ class EngineViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewS
         with refused():
             engine = operations.add_engine(data.pop("name"), data.pop("kind"), self.actor, **data)
         return self.shown(engine, status.HTTP_201_CREATED)
+
+    @extend_schema(request=EngineUpdateSerializer, responses={200: EngineSerializer})
+    def update(self, request, name=None):
+        """Change what a command engine serves; fields left out stay as they are (PUT and PATCH alike)."""
+        engine = self.get_object()
+        data = self.parsed(EngineUpdateSerializer)
+        with refused():
+            engine = operations.set_engine(engine.name, self.actor, **data)
+        return self.shown(engine)
+
+    @extend_schema(request=EngineUpdateSerializer, responses={200: EngineSerializer})
+    def partial_update(self, request, name=None):
+        return self.update(request, name=name)
 
 
 class ModelFileViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewSet):

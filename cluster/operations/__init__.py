@@ -6,7 +6,7 @@ importable from here. Client keys and usage are the gateway's (gateway.operation
 """
 
 from cluster.errors import Conflict, NotFound, OperationError, Unavailable
-from cluster.operations.engines import add_engine
+from cluster.operations.engines import add_engine, set_engine
 from cluster.operations.files import import_model_file, import_uploaded_file, resolve_file
 from cluster.operations.models import (
     DEFAULT_MAX_CHOICES,
@@ -72,6 +72,7 @@ __all__ = [
     "resolve_file",
     "restart_replicas",
     "rotate_engine_key",
+    "set_engine",
     "set_model",
     "set_profile",
     "set_settings",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from django.db import IntegrityError, transaction
+from django.db.models import QuerySet
 
 from cluster.errors import Conflict, NotFound, OperationError
 from cluster.models import NAME_HINT, NAME_RE
@@ -22,9 +23,11 @@ def check_name(kind: str, name: str) -> None:
 
 
 def get_named(model_cls, kind: str, name: str):
+    """The row named `name` of a model class (or of a queryset, e.g. one locked for update); NotFound if none."""
+    rows = model_cls if isinstance(model_cls, QuerySet) else model_cls.objects
     try:
-        return model_cls.objects.get(name=name)
-    except model_cls.DoesNotExist:
+        return rows.get(name=name)
+    except rows.model.DoesNotExist:
         raise NotFound(f"no {kind} named {name!r}") from None
 
 

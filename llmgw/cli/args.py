@@ -79,6 +79,20 @@ def aliases_arg(text: str) -> list[str]:
     return [alias.strip() for alias in text.split(",") if alias.strip()]
 
 
+def serves_arg(text: str) -> list[str]:
+    """`--serves chat,embeddings`: what a command engine serves, of agents.engines.CAPABILITIES; `''` or `none`:
+    nothing declared (whatever a request asks)."""
+    from agents.engines import CAPABILITIES
+
+    if text.strip().lower() == "none":
+        return []
+    serves = [word.strip() for word in text.split(",") if word.strip()]
+    for word in serves:
+        if word not in CAPABILITIES:
+            raise argparse.ArgumentTypeError(f"unknown capability {word!r} (known: {', '.join(CAPABILITIES)})")
+    return serves
+
+
 def duration_arg(text: str) -> int:
     """`--idle-after 15m`: seconds, for argparse (a bad value is its one-line error)."""
     try:

@@ -1,4 +1,4 @@
-"""`ctl profiles`, `ctl profile add|set|remove`, `ctl engines` and `ctl engine add`: what engines run with."""
+"""`ctl profiles`, `ctl profile add|set|remove`, `ctl engines` and `ctl engine add|set`: what engines run with."""
 
 from __future__ import annotations
 
@@ -65,13 +65,26 @@ def engines_list(o, out):
     if o.get("json"):
         return as_json(engines, out)
     used = _used_by(api, "engine")
-    rows = [[e["name"], e["kind"], e["version"] or "-", e["device"], e["binary"] or e["command"] or "(on PATH)",
-             used[e["name"]]] for e in engines]
-    table(["NAME", "KIND", "VERSION", "DEVICE", "BINARY / COMMAND", "MODELS"], rows, out)
+    rows = [[e["name"], e["kind"], e["version"] or "-", e["device"], _serves(e),
+             e["binary"] or e["command"] or "(on PATH)", used[e["name"]]] for e in engines]
+    table(["NAME", "KIND", "VERSION", "DEVICE", "SERVES", "BINARY / COMMAND", "MODELS"], rows, out)
+
+
+def _serves(engine: dict) -> str:
+    if engine["serves"]:
+        return ",".join(engine["serves"])
+    return "(any)" if engine["kind"] == "command" else "(profile)"
 
 
 def engine_add(o, out):
     body = {"name": o["name"], "kind": o["kind"], "version": o["version"], "device": o["device"],
-            "binary": o["binary"], "command": o["command"]}
+            "binary": o["binary"], "command": o["command"], "serves": o.get("serves") or []}
     engine = o["api"].post("engines/", body, doing="add engines")
-    out.write(f"engine {engine['name']} ({engine['kind']}, {engine['device']}) added\n")
+    out.write(f"engine {engine['name']} ({engine['kind']}, {engine['device']}) added, serving {_serves(engine)}\n")
+
+
+def engine_set(o, out):
+    if o.get("serves") is None:
+        raise CliError("nothing to change: give --serves")
+    engine = o["api"].patch(f"engines/{o['name']}/", {"serves": o["serves"]}, doing="change engines")
+    out.write(f"engine {engine['name']} serves {_serves(engine)}\n")

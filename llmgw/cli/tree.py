@@ -21,6 +21,7 @@ from llmgw.cli.args import (
     UNSET,
     OneLineParser,
     aliases_arg,
+    serves_arg,
     duration_arg,
     max_choices_arg,
     max_logprobs_arg,
@@ -34,7 +35,7 @@ from llmgw.cli.keys import keys_create, keys_list, keys_revoke, usage_list
 from llmgw.cli.mirror import mirror_import, mirror_list
 from llmgw.cli.models import model_add, model_remove, model_set, models_list
 from llmgw.cli.nodes import drain, node_add, node_remove, node_token, nodes_list, undrain
-from llmgw.cli.profiles import engine_add, engines_list, profile_add, profile_remove, profile_set, profiles_list
+from llmgw.cli.profiles import engine_add, engine_set, engines_list, profile_add, profile_remove, profile_set, profiles_list
 from llmgw.cli.replicas import replicas_list, restart
 from llmgw.cli.system import status, system_restart, system_start, system_stop
 from llmgw.cli.users import user_add, users_list
@@ -353,17 +354,25 @@ def build(parser) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=usage_list)
 
-    engine = ctl.add_parser("engine", help="add an engine").add_subparsers(
+    engine = ctl.add_parser("engine", help="add an engine or change what one serves").add_subparsers(
         dest="engine_command", required=True, parser_class=OneLineParser, metavar="ACTION"
     )
     p = engine.add_parser("add", help="add an engine version")
+    SERVES_HELP = ("for kind command: what its models serve, comma-separated: chat, completions, embeddings, messages, "
+                   "responses, rerank, images, audio (default: whatever a request asks)")
     p.add_argument("name")
     p.add_argument("--kind", required=True, help="llama.cpp, xllamacpp, vllm or command")
     p.add_argument("--version", default="")
     p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--binary", default="", help="path to the engine binary on the nodes (default: on PATH)")
     p.add_argument("--command", default="", help="for kind command: a template with {port}, {model_path}, …")
+    p.add_argument("--serves", type=serves_arg, default=None, metavar="CAPABILITY,...", help=SERVES_HELP)
     p.set_defaults(func=engine_add)
+    p = engine.add_parser("set", help="change what a command engine serves")
+    p.add_argument("name")
+    p.add_argument("--serves", type=serves_arg, default=None, metavar="CAPABILITY,...|none",
+                   help=SERVES_HELP + "; '' or none: nothing declared")
+    p.set_defaults(func=engine_set)
 
     for path, leaf in _leaves(parser):
         if path not in OWN_SERVER and path.split(" ")[0] not in LOCAL:

@@ -11,7 +11,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from cluster import mirror, operations, queries
-from cluster.models import Event, Model, ModelFile, Node, Profile, Replica
+from agents.engines import CAPABILITIES
+from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
 from cluster.operations import Conflict, NotFound, OperationError
 from tests.factories import make_file, make_model, make_node, make_replica, row_counts
 
@@ -287,6 +288,40 @@ def test_add_engine_kinds_and_templates(db):
     with pytest.raises(OperationError, match="already exists"):
         operations.add_engine("llama.cpp", "llama.cpp", ACTOR)
     assert row_counts() == before
+
+
+def test_a_command_engine_declares_what_its_models_serve(db):
+    engine = operations.add_engine("reranker", "command", ACTOR, command="{python} r.py --port {port}",
+                                   serves=["rerank", "embeddings", "rerank"])
+    assert engine.serves == ["embeddings", "rerank"]  # in CAPABILITIES' order, once each
+    assert "serving embeddings, rerank" in Event.objects.get(kind="engine.added", subject="reranker").message
+    model = operations.add_model("ranker", ACTOR, file=make_file().sha256, engine="reranker")
+    assert model.capabilities() == ("embeddings", "rerank")
+
+    operations.set_engine("reranker", ACTOR, serves=["chat", "messages"])
+    model.refresh_from_db()
+    assert model.engine.serves == ["chat", "messages"] and model.capabilities() == ("chat", "messages")
+    assert Event.objects.get(kind="engine.edited", subject="reranker").message == (
+        "engine reranker edited: serving chat, messages")
+    operations.set_engine("reranker", ACTOR, serves=["messages", "chat"])  # no change: no Event
+    assert Event.objects.filter(kind="engine.edited").count() == 1
+
+    operations.set_engine("reranker", ACTOR, serves=[])  # nothing declared: whatever a request asks
+    model.refresh_from_db()
+    assert model.capabilities() == CAPABILITIES
+
+    before = row_counts()
+    with pytest.raises(OperationError, match="unknown capability 'chats' in serves"):
+        operations.set_engine("reranker", ACTOR, serves=["chats"])
+    with pytest.raises(OperationError, match="only a command engine declares what it serves"):
+        operations.set_engine("llama.cpp", ACTOR, serves=["chat"])
+    with pytest.raises(OperationError, match="only a command engine declares"):
+        operations.add_engine("v", "vllm", ACTOR, serves=["rerank"])
+    with pytest.raises(OperationError, match="serves must be a list"):
+        operations.set_engine("reranker", ACTOR, serves="chat")
+    with pytest.raises(OperationError, match="no engine named 'nope'"):
+        operations.set_engine("nope", ACTOR, serves=["chat"])
+    assert row_counts() == before and EngineVersion.objects.get(name="reranker").serves == []
 
 
 # Models

@@ -7,7 +7,7 @@ import pytest
 from django.test import Client
 
 from cluster import operations
-from cluster.models import ClusterSettings, Event, Model, Node, Replica
+from cluster.models import ClusterSettings, EngineVersion, Event, Model, Node, Replica
 from dashboard.views import PAGES
 from gateway.models import ApiKey
 from tests.factories import make_file, make_model, make_node, make_replica, row_counts, session_for
@@ -270,6 +270,14 @@ def test_profiles_engines_mirror(op, tmp_path, settings):
     assert "profile long removed" in op.post("/profiles/long/remove/", **HTMX).content.decode()
     body = op.post("/engines/add/", {"name": "mine", "kind": "command", "command": "{python} x.py --port {port}"}, **HTMX).content.decode()
     assert "engine mine added" in body
+    body = op.post("/engines/add/", {"name": "ranker", "kind": "command", "command": "r {port}",
+                                     "serves": ["rerank", "embeddings"]}, **HTMX).content.decode()
+    assert "engine ranker added" in body and "embeddings, rerank" in body
+    body = op.post("/engines/set/", {"name": "ranker", "serves": ["chat"]}, **HTMX).content.decode()
+    assert "engine ranker serves chat" in body
+    body = op.post("/engines/set/", {"name": "llama.cpp", "serves": ["chat"]}, **HTMX).content.decode()
+    assert "only a command engine declares what it serves" in body
+    assert EngineVersion.objects.get(name="llama.cpp").serves == []
     path = tmp_path / "m.bin"
     path.write_bytes(b"x" * 1000)
     body = op.post("/mirror/import/", {"path": str(path)}, **HTMX).content.decode()

@@ -154,6 +154,29 @@ def test_a_node_gets_a_new_token_by_a_click(system, dash):
         system.cli("node", "remove", "dash-tok", check=False)
 
 
+def test_a_command_engine_is_added_and_says_what_it_serves_by_clicks(system, dash):
+    dash.go("engines")
+    form = dash.page.locator("form[hx-post$='/engines/add/']")
+    form.locator("input[name=name]").fill("dash-ranker")
+    form.locator("select[name=kind]").select_option("command")
+    form.locator("input[name=command]").fill("{python} ranker.py --port {port}")
+    for capability in ("rerank", "embeddings"):
+        form.locator(f"input[name=serves][value={capability}]").check()
+    form.locator("button", has_text="Add engine").click()
+    dash.page.wait_for_selector("text=engine dash-ranker added")
+    row = dash.page.locator("tr[data-engine=dash-ranker]")
+    row.locator("td", has_text="embeddings, rerank").wait_for()
+    for capability in ("rerank", "embeddings"):
+        form.locator(f"input[name=serves][value={capability}]").uncheck()
+    form.locator("input[name=serves][value=chat]").check()
+    form.locator("button", has_text="Change what it serves").click()
+    dash.page.wait_for_selector("text=engine dash-ranker serves chat")
+    row.locator("td", has_text="chat").wait_for()
+    (engine,) = [e for e in system.cli_json("ctl", "engines") if e["name"] == "dash-ranker"]
+    assert engine["serves"] == ["chat"]
+    assert dash.still_same_page()
+
+
 def test_create_a_key_see_it_once_and_use_it(system, dash):
     dash.go("keys")
     dash.page.fill("input[name=name]", "dash-key")

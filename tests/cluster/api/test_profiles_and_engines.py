@@ -91,12 +91,34 @@ def test_engine_list_retrieve_create(db, operator):
         ({"name": "v", "kind": "vllm", "device": "tpu"}, 400, ["device"]),
         ({"name": "vllm", "kind": "vllm"}, 409, ["already exists"]),
         ({"name": "VLLM", "kind": "vllm"}, 400, ["use lower-case letters"]),
+        ({"name": "c", "kind": "command", "command": "x {port}", "serves": ["chats"]}, 400, ["serves", "chats"]),
+        ({"name": "c", "kind": "command", "command": "x {port}", "serves": "chat"}, 400, ["serves", "list"]),
+        ({"name": "v", "kind": "vllm", "serves": ["rerank"]}, 422, ["only a command engine declares"]),
     ],
 )
 def test_engine_create_refusals(db, operator, body, status, words):
     before = row_counts()
     refused(operator.post(f"{API}/engines/", body, format="json"), status, *words)
     assert row_counts() == before
+
+
+def test_what_a_command_engine_serves_is_declared_and_changed(db, operator):
+    body = {"name": "ranker", "kind": "command", "command": "{python} r.py --port {port}", "serves": ["rerank"]}
+    created = operator.post(f"{API}/engines/", body, format="json")
+    assert created.status_code == 201 and created.json()["serves"] == ["rerank"], created.content
+    assert operator.get(f"{API}/engines/vllm/").json()["serves"] == []  # read from its models' profiles
+
+    changed = operator.patch(f"{API}/engines/ranker/", {"serves": ["responses", "chat"]}, format="json")
+    assert changed.status_code == 200 and changed.json()["serves"] == ["chat", "responses"], changed.content
+    assert Event.objects.filter(kind="engine.edited", subject="ranker").count() == 1
+
+    before = row_counts()
+    refused(operator.patch(f"{API}/engines/ranker/", {"serves": ["telepathy"]}, format="json"), 400, "serves")
+    refused(operator.patch(f"{API}/engines/ranker/", {"kind": "vllm"}, format="json"), 400, "kind")
+    refused(operator.patch(f"{API}/engines/vllm/", {"serves": ["chat"]}, format="json"), 422, "only a command engine")
+    refused(operator.patch(f"{API}/engines/nope/", {"serves": ["chat"]}, format="json"), 404, "no engine named")
+    assert row_counts() == before
+    assert operator.get(f"{API}/engines/ranker/").json()["serves"] == ["chat", "responses"]
 
 
 def test_engines_cannot_be_removed_over_the_api(db, operator):

@@ -51,6 +51,8 @@ def test_schema_covers_every_endpoint(schema):
         ("/api/v1/engines/", "get"),
         ("/api/v1/engines/", "post"),
         ("/api/v1/engines/{name}/", "get"),
+        ("/api/v1/engines/{name}/", "put"),
+        ("/api/v1/engines/{name}/", "patch"),
         ("/api/v1/model-files/", "get"),
         ("/api/v1/model-files/", "post"),
         ("/api/v1/model-files/{sha256}/", "get"),

@@ -8,7 +8,7 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from agents.ports import free_port
-from cluster.models import ClusterSettings, Profile
+from cluster.models import ClusterSettings, EngineVersion, Profile
 from gateway.runtime import runtime
 from tests.factories import make_model
 from tests.gateway.views.harness import ENGINE_KEY, add_key, chat, key_client, openai_error, post, ready_replica
@@ -27,11 +27,14 @@ def looks(content: list) -> list:
 @pytest.fixture
 def models(cluster):
     """On the same engine: `texty` (llama.cpp, the default profile: chat and completions only), `seeing`
-    (llama.cpp with a projector: images and audio too) and `pooled` (vLLM with --task embed: embeddings only)."""
+    (llama.cpp with a projector: images and audio too), `pooled` (vLLM with --task embed: embeddings only) and
+    `declared` (a command engine declaring embeddings and messages)."""
     Profile.objects.create(name="projector", extra_args=["--mmproj", "/models/mmproj.gguf"])
     Profile.objects.create(name="pooling", extra_args=["--task", "embed"])
+    EngineVersion.objects.create(name="mine", kind="command", command="{python} e.py --port {port}",
+                                 serves=["embeddings", "messages"])
     for name, engine, profile in (("texty", "llama.cpp", "default"), ("seeing", "llama.cpp", "projector"),
-                                  ("pooled", "vllm", "pooling")):
+                                  ("pooled", "vllm", "pooling"), ("declared", "mine", "default")):
         ready_replica(make_model(name, engine=engine, profile=profile), cluster.node, cluster.engine.port)
 
 
@@ -56,11 +59,14 @@ async def test_what_a_model_cannot_serve_is_refused_before_any_engine_sees_it(mo
     assert refused["message"] == "model pooled does not serve chat completions (it serves embeddings, rerank)"
     refused = openai_error(await post(client, "completions", {"model": "pooled", "prompt": "x"}), 400, "not_supported")
     assert refused["message"] == "model pooled does not serve text completions (it serves embeddings, rerank)"
+    refused = openai_error(await chat(client, "declared"), 400, "not_supported")
+    assert refused["message"] == "model declared does not serve chat completions (it serves embeddings, Anthropic Messages)"
 
     # what each does serve goes through
     assert (await chat(client, "texty", messages=looks([]))).status_code == 200
     assert (await chat(client, "seeing", messages=looks([IMAGE, AUDIO]))).status_code == 200
     assert (await post(client, "embeddings", {"model": "pooled", "input": "hi"})).status_code == 200
+    assert (await post(client, "embeddings", {"model": "declared", "input": "hi"})).status_code == 200
     assert (await post(client, "embeddings", {"model": "qwen", "input": "hi"})).status_code == 200
 
 
