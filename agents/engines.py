@@ -102,6 +102,19 @@ class EngineDriver:
         (a command) serves all of them as far as the gateway knows: it refuses what it cannot itself."""
         return CAPABILITIES
 
+    # requests one replica serves at once when its profile sets no --parallel (None: unknown)
+    default_slots: int | None = None
+
+    @classmethod
+    def slots(cls, args: dict) -> int | None:
+        """Requests a replica started with these profile args serves at once (its slots; None: llmgw cannot tell):
+        the gateway admits no more than that to it, and the rest wait in the gateway (gateway/admission.py). A
+        flag among the extra args comes later on the command line and wins."""
+        values = _flag_values(args, "--parallel") + _flag_values(args, "-np")
+        if values and values[-1].isdigit() and int(values[-1]) > 0:
+            return int(values[-1])
+        return args.get("parallel") or cls.default_slots
+
     @classmethod
     def context(cls, args: dict) -> int | None:
         """The tokens of context a replica started with these profile args has, as far as llmgw knows (None: it
@@ -197,6 +210,7 @@ def _help_words(binary: str) -> frozenset[str]:
 
 @register("llama.cpp")
 class LlamaCpp(EngineDriver):
+    default_slots = 4  # llama-server's -np -1: four slots
     # llama-server answers /health, /models and /v1/models without a key; /props needs it. Started without its
     # web UI where the binary knows --no-webui: it would answer `/` with the UI, key or no key.
     health_path = "/props"
@@ -247,6 +261,7 @@ class LlamaCpp(EngineDriver):
 
 @register("xllamacpp")
 class XLlamaCpp(EngineDriver):
+    default_slots = 1  # agents.xllamacpp_launcher's --parallel
     """llama.cpp's server from the PyPI package, run by `agents.xllamacpp_launcher` in this Python."""
 
     @classmethod
@@ -298,6 +313,13 @@ class XLlamaCpp(EngineDriver):
 @register("vllm")
 class Vllm(EngineDriver):
     POOLING_TASKS = ("embed", "embedding", "classify", "score", "reward")
+
+    @classmethod
+    def slots(cls, args: dict) -> int | None:
+        # vLLM batches up to --max-num-seqs sequences (hundreds by default) and schedules them itself: bounded
+        # only when the profile says so
+        values = _flag_values(args, "--max-num-seqs")
+        return int(values[-1]) if values and values[-1].isdigit() else None
 
     @classmethod
     def capabilities(cls, args: dict) -> tuple[str, ...]:

@@ -215,6 +215,10 @@ class Model(models.Model):
     # top log-probabilities per token (llama.cpp's n_probs, chat's top_logprobs, completions' logprobs; 0: none)
     max_logprobs = models.PositiveIntegerField(null=True, blank=True, default=DEFAULT_MAX_LOGPROBS)
     max_choices = models.PositiveIntegerField(null=True, blank=True, default=DEFAULT_MAX_CHOICES)  # n, best_of
+    # admission (gateway/admission.py): requests that may wait for a slot, and how long one may; None: the
+    # cluster's defaults (ClusterSettings)
+    queue_limit = models.PositiveIntegerField(null=True, blank=True)
+    max_wait_seconds = models.PositiveIntegerField(null=True, blank=True)
     routing = models.CharField(max_length=20, choices=Routing.choices, default=Routing.PREFIX)
     # other names a request may give for it (ALIAS_PATTERN), sorted; none is a model's name or another's alias
     # (cluster/operations/models.py checks, under a lock); the gateway looks a name up first, so none shadows one
@@ -268,6 +272,15 @@ class Model(models.Model):
         except ValueError:
             return CAPABILITIES
         return driver.capabilities(self.profile.args())
+
+    def slots(self) -> int | None:
+        """Requests one of its replicas serves at once, as its engine's driver reads its profile (None: not known,
+        so admission does not bound it)."""
+        try:
+            driver = driver_for(self.engine.kind)
+        except ValueError:
+            return None
+        return driver.slots(self.profile.args())
 
     def context(self) -> int | None:
         """Its replicas' tokens of context, as its engine's driver reads its profile (None: not known)."""
@@ -374,6 +387,9 @@ class ClusterSettings(models.Model):
     reconcile_interval_seconds = models.PositiveIntegerField(default=5)
     # an on-demand model's replica is evicted for another only once it has served this long (no thrash)
     min_resident_seconds = models.PositiveIntegerField(default=30)
+    # admission's defaults for a model that sets none: requests that may wait for a slot, and how long
+    queue_limit = models.PositiveIntegerField(default=512)
+    max_wait_seconds = models.PositiveIntegerField(default=120)
     engine_key = models.CharField(max_length=128, blank=True, default="")
     previous_engine_key = models.CharField(max_length=128, blank=True, default="")
     updated_at = models.DateTimeField(auto_now=True)

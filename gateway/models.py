@@ -19,6 +19,8 @@ class ApiKey(models.Model):
     rpm = models.PositiveIntegerField(null=True, blank=True)  # requests per minute
     tpm = models.PositiveIntegerField(null=True, blank=True)  # tokens per minute
     max_tokens = models.PositiveIntegerField(null=True, blank=True)  # per completion, below the model's own cap
+    # its requests' class when they wait for a slot (gateway/admission.py): interactive, standard or batch
+    priority = models.CharField(max_length=16, default="standard")
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)  # flushed from Redis, not written per request

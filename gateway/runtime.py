@@ -28,6 +28,7 @@ from cluster.models import Model
 from gateway import affinity
 from gateway import table as routing
 from gateway.accounting import Ledger
+from gateway.admission import Admission, capacity
 from gateway.engines_http import Pool
 
 log = logging.getLogger("llmgw.gateway")
@@ -102,6 +103,8 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
         self._spawned: set[asyncio.Task] = set()
         self.ledger = Ledger()
+        self.admission = Admission(self.redis)
+        self.headroom = settings.LLMGW_ADMISSION_HEADROOM
         self._looked_again = {"key": 0.0, "model": 0.0, "stopped": 0.0}
 
     def spawn(self, coro) -> None:
@@ -117,6 +120,7 @@ class Gateway:
             for task in self._tasks:
                 task.cancel()
             await asyncio.wait(self._tasks, timeout=0.5)
+        await self.admission.aclose()
         await self.engines.aclose()
         await self.redis.aclose()
 
@@ -129,6 +133,16 @@ class Gateway:
             return False
         self._looked_again[what] = now
         return True
+
+    def slots_of(self, model: str, exclude=()) -> list[tuple[str, int]]:
+        """The model's ready replicas not in `exclude`, each with the requests admission lets into it at once."""
+        route = self.table.find(model) if self.table is not None else None
+        if route is None or not route.slots:
+            return []
+        each = capacity(route.slots, self.headroom)
+        found = [(u.replica, each) for u in route.ready if u.replica not in exclude]
+        random.shuffle(found)  # of those with the most free slots, admission takes the first: any of them
+        return found
 
     # the routing table
 

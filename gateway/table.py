@@ -55,6 +55,9 @@ class ModelRoute:
     max_logprobs: int | None = None  # top log-probabilities per token a request may ask for (None: no cap)
     max_choices: int | None = None  # choices a request may ask for (None: no cap)
     aliases: tuple[str, ...] = ()  # other names a request may give for it
+    slots: int | None = None  # requests each replica takes at once (None: not known, admission leaves it be)
+    queue_limit: int = 512  # requests that may wait for a slot
+    max_wait: int = 120  # seconds one may wait for a slot
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class KeyInfo:
     expires_at: float | None
     revoked: bool
     max_tokens: int | None = None  # a completion's cap, below the model's
+    priority: str = "standard"  # its requests' class (gateway/admission.py)
 
 
 @dataclass(frozen=True)
@@ -147,7 +151,9 @@ def load() -> Table:
         models[name] = ModelRoute(name, m.wait_seconds, upstreams, coming.get(name, 0) + missing, serves, m.max_tokens,
                                   m.routing, Ring(u.replica for u in upstreams), m.autoscaled,
                                   no_room.get(name, "") if name not in making_room else "", m.context(),
-                                  m.max_logprobs, m.max_choices, tuple(m.aliases))
+                                  m.max_logprobs, m.max_choices, tuple(m.aliases), m.slots(),
+                                  m.queue_limit if m.queue_limit is not None else cluster.queue_limit,
+                                  m.max_wait_seconds if m.max_wait_seconds is not None else cluster.max_wait_seconds)
     # each alias names one model (the operations check); were a race to give one to two, the first by name has it
     aliases = {alias: name for name in sorted(models, reverse=True) for alias in models[name].aliases}
     keys = {
@@ -161,8 +167,9 @@ def load() -> Table:
             max_tokens=k["max_tokens"],
             expires_at=k["expires_at"].timestamp() if k["expires_at"] else None,
             revoked=k["revoked_at"] is not None,
+            priority=k["priority"],
         )
         for k in ApiKey.objects.values("id", "name", "prefix", "key_hash", "allowed_models", "rpm", "tpm", "max_tokens",
-                                   "expires_at", "revoked_at")
+                                   "expires_at", "revoked_at", "priority")
     }
     return Table(serving_stopped=cluster.serving_stopped, models=models, keys=keys, aliases=aliases)

@@ -17,7 +17,7 @@ import time
 
 from cluster import throttle
 from cluster.clients import address_of
-from gateway import affinity, metrics
+from gateway import admission, affinity, metrics
 from gateway import prompt
 from gateway.accounting import check_limits, settle_tokens
 from gateway.engines_http import ConnectFailed, ConnectTimeout, ReadTimeout, Unreachable, UpstreamError
@@ -130,6 +130,9 @@ class Call:
         self.reserved = 0  # tokens reserved against its key's tpm limit when it was admitted
         self.reserved_minute: int | None = None  # the minute they were reserved in (None: no tpm limit)
         self.usage_known = False  # the engine said what the request used
+        self.rank = admission.RANK[admission.DEFAULT_CLASS]  # its class when it waits for a slot
+        self.lease: admission.Lease | None = None  # the slot it holds (gateway/admission.py)
+        self.admits = True  # it takes a slot of an engine (counting tokens takes none)
 
     @property
     def label(self) -> str:
@@ -202,6 +205,7 @@ async def _proxy(call, request, endpoint: str):
         if table.serving_stopped:
             raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)
         call.key = await _authenticate(gw, table, request)
+        call.rank = admission.rank_of(call.key.priority, request.header("x-llmgw-priority"))
         raw, body = _parse(await request.read_body(), surface)
         call.model = body["model"]
         route = table.find(call.model)
@@ -219,6 +223,7 @@ async def _proxy(call, request, endpoint: str):
         measured = prompt.size(endpoint, body)
         check_context(call.model, route.context, measured)
         call.prompt_about = measured.about if surface.path != "messages/count_tokens" else 0
+        call.admits = surface.path != "messages/count_tokens"
         if route.routing == PREFIX:
             session = next((v for h in SESSION_HEADERS if (v := request.header(h))), "")
             call.affinity = affinity.session_key(session) if session else affinity.request_key(endpoint, body)
@@ -328,6 +333,10 @@ async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = N
             if route is None:
                 raise GatewayError(404, "model_not_found", f"no model named {call.model!r}")
             upstream = await gw.choose(route, tried, call.affinity)
+            if upstream is not None and gw.admission.enabled and route.slots and call.admits:
+                upstream = await _admit(gw, call, route, tried)
+                if upstream is None:
+                    continue  # its replica went away as it was granted: admitted again
             if upstream is not None:
                 return upstream
             now = time.monotonic()
@@ -355,9 +364,48 @@ async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = N
             gw.wait_end(call.model)
 
 
+async def _admit(gw, call, route, tried):
+    """A slot on a ready replica of the route, waiting for one in the model's queue (gateway/admission.py); the
+    upstream it is on (None: that replica is gone from the table since)."""
+    ring = route.ring.walk(call.affinity) if call.affinity is not None and route.routing == PREFIX else ()
+    prefs = [name for name in ring if name not in tried]
+    if gw.unreachable:  # tried last
+        prefs = [n for n in prefs if n not in gw.unreachable] + [n for n in prefs if n in gw.unreachable]
+    waiting = False
+
+    def waits() -> None:  # the autoscaler counts it (cluster.inflight)
+        nonlocal waiting
+        if route.autoscaled:
+            waiting = True
+            gw.spawn(gw.wait_begin(call.model))
+
+    try:
+        call.lease = await gw.admission.admit(
+            call.model, lambda: gw.slots_of(call.model, tried), key=str(call.key.id),
+            rank=admission.RANK["interactive"] if tried else call.rank, cost=admission.service(call.prompt_about, 0),
+            prefs=prefs, queue_limit=route.queue_limit, max_wait=route.max_wait, on_wait=waits)
+    finally:
+        if waiting:
+            gw.wait_end(call.model)
+    now = gw.table.find(call.model)
+    upstream = next((u for u in (now.ready if now else ()) if u.replica == call.lease.replica), None)
+    if upstream is None:
+        _release(gw, call)
+    return upstream
+
+
+def _release(gw, call) -> None:
+    """The request's slot back, with the service it had (its tokens, as far as they are known)."""
+    if call.lease is not None:
+        lease, call.lease = call.lease, None
+        served = admission.service(call.prompt or call.prompt_about, call.completion or call.passed)
+        gw.spawn(gw.admission.release(lease, gw.slots_of(lease.model), served))
+
+
 def _done(gw, call, upstream) -> None:
     gw.end(upstream.replica)
     metrics.of(call.model).inflight.dec()
+    _release(gw, call)
 
 
 async def _send(gw, call, surface, payload):
@@ -440,12 +488,13 @@ async def _once(gw, call, surface, payload):
         if not whole:
             passing = True
             return _pass_on(gw, call, upstream, response, content)
+        if status == 200:
+            _take_usage(call, surface, content)  # before its slot goes back: the key's service counts it
     finally:
         if not passing:
             response.release()  # read to the end: back to the pool; else closed
             _done(gw, call, upstream)
     if status == 200:
-        _take_usage(call, surface, content)
         gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
         await call.settle()  # before the answer: the key's next request sees what this one used
     call.finish(status)
@@ -470,10 +519,10 @@ def _pass_on(gw, call, upstream, response, head: bytes) -> Streamed:
             response.release()
         else:
             response.close()
-        _done(gw, call, upstream)
         if status != 200 and not call.completion:  # cut short: the engine had generated it all; its usage never came
             call.prompt = call.prompt_about
             call.completion = max(0, call.reserved - call.prompt_about)  # with a tpm limit: what it may have used
+        _done(gw, call, upstream)
         gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
         call.finish(status)
 

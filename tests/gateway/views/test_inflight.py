@@ -12,7 +12,7 @@ from asgiref.sync import sync_to_async
 from gateway import metrics
 from gateway.urls import application
 from gateway.runtime import runtime
-from tests.factories import make_model
+from tests.factories import make_model, make_profile
 from tests.gateway.views.harness import (
     MESSAGES,
     asgi_scope,
@@ -42,10 +42,12 @@ async def test_in_flight_counts_concurrent_requests_and_returns_to_zero(client, 
         await shared_in_flight_becomes(replica, 0)
 
     # streams the engine is still writing are counted, here and for the other web processes
-    slow = await sync_to_async(lambda: ready_replica(make_model("slow"), cluster.node, slow_engine.port))()
+    # four slots: admission lets all four streams into the engine at once (gateway/admission.py)
+    slow = await sync_to_async(lambda: ready_replica(make_model("slow", profile=make_profile(parallel=4).name),
+                                                     cluster.node, slow_engine.port))()
     await gw.refresh()
     streams = await asyncio.gather(*(chat(client, model="slow", stream=True) for _ in range(4)))
-    assert [r.status_code for r in streams] == [200] * 4
+    assert [r.status_code for r in streams] == [200] * 4, [r.content for r in streams]
     assert gw.local == {slow.name: 4}
     await shared_in_flight_becomes(slow.name, 4)
     await asyncio.gather(*(read(r) for r in streams))

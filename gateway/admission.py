@@ -1,0 +1,483 @@
+"""Admission: at most a model's capacity in its engines; the rest waits here, in a fair order, bounded.
+
+A replica takes as many requests at once as its engine has slots (its profile's `parallel`): a request beyond
+that waits inside the engine, first come first served, where nothing can order, bound or see it. So the gateway
+lets a request through only with a slot: a lease on one replica, held in Redis (a sorted set per replica,
+member -> when it lapses), so every web process of every control plane counts the same slots, and a process that
+dies leaks none (its leases lapse LEASE_TTL after it last renewed them).
+
+A request that finds no free slot takes a ticket in its model's queue (Redis too) and waits. Whenever a slot
+frees, a ticket is added, or a waiter looks again, the queue is dispatched (one Lua script: atomic, whichever
+process runs it), granting free slots to tickets in this order:
+
+1. by class: `interactive`, `standard`, `batch` (the key's, or lower with `X-Llmgw-Priority`); a ticket that
+   has waited PROMOTE_AFTER rises one class for each such wait, so nothing starves;
+2. between keys of a class, the key with the least attained service first: its tokens served over a decaying
+   window (TAU), completion tokens weighing OUTPUT_WEIGHT times a prompt's (VTC's and llm-d's measure), counted
+   from the moment a request is granted (its prompt) and settled when it ends;
+3. within a key, first come first served.
+
+A slot a lower class could take is held back (HOLD_BACK slots of the model) while a higher class was admitted
+within HOLD: a quiet interactive key then never waits for a batch request to finish. The grant names the
+replica: with `prefix` routing the first on the request's ring walk that has a free slot (a conversation keeps
+its cache when its replica is free), else the one with the most free slots.
+
+A grant is published on the waiter's process's channel (pub/sub), so it wakes at once; a waiter also looks
+again every LOOK_EVERY seconds (a message lost, a replica come ready). A ticket whose process stopped renewing it
+lapses after TICKET_TTL; a waiter that gives up (its client gone, its wait over) cancels it, returning a slot
+granted in the meantime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+
+from django.conf import settings
+
+from gateway.errors import GatewayError
+
+log = logging.getLogger("llmgw.gateway")
+
+CLASSES = ("interactive", "standard", "batch")
+DEFAULT_CLASS = "standard"
+RANK = {name: rank for rank, name in enumerate(CLASSES)}
+
+LEASE_TTL = 30.0  # seconds a slot outlives the last renewal by its holder
+TICKET_TTL = 10.0  # seconds a waiting ticket outlives the last renewal by its waiter
+RENEW_EVERY = 3.0
+LOOK_EVERY = 0.5  # a waiter dispatches again this often: a replica came ready, a grant's message was lost
+PROMOTE_AFTER = 15.0  # a ticket rises one class per this many seconds waited
+HOLD = 10.0  # seconds a class counts as active after its last admission, holding slots back from lower classes
+HOLD_BACK = 1  # slots of a model a lower class may not take while a higher one is active
+TAU = 60.0  # seconds: attained service decays by e over this
+OUTPUT_WEIGHT = 2  # a completion token's weight in attained service, against a prompt token's 1
+
+PREFIX = "llmgw:adm:"
+SERVICE = PREFIX + "service"  # key id -> "<attained service>|<at ms>", across models
+GRANT_TTL = 120  # seconds a grant's record waits for its waiter to read it
+
+
+def _keys(model: str) -> tuple[str, str, str, str]:
+    """A model's queue (ticket -> seq), its tickets (ticket -> fields), when each class was last admitted, and its
+    ticket counter."""
+    base = f"{PREFIX}{model}:"
+    return base + "queue", base + "tickets", base + "active", base + "seq"
+
+
+def slots_key(replica: str) -> str:
+    return f"{PREFIX}slots:{replica}"
+
+
+def grant_key(ticket: str) -> str:
+    return f"{PREFIX}grant:{ticket}"
+
+
+def channel(process: str) -> str:
+    return f"{PREFIX}granted:{process}"
+
+
+# KEYS: queue, tickets, active, seq, service, then each replica's slots. ARGV: op, now (ms), lease ttl (ms), promote
+# (ms), hold (ms), tau (ms), hold back, queue limit, output weight, replica count, then name and capacity per
+# replica, then the op's own. A ticket's fields: rank|key|cost|expires (ms)|enqueued (ms)|process|prefs (names, ,).
+# A lease's member: ticket|rank|key.
+SCRIPT = r"""
+local queue, tickets, active, seqkey, service = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local op = ARGV[1]
+local now, lease_ttl, promote, hold, tau = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local hold_back, limit, weight, nrep = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local names, caps, index, free, holders = {}, {}, {}, {}, {}
+local at = 11
+for i = 1, nrep do
+  names[i] = ARGV[at]; caps[i] = tonumber(ARGV[at + 1]); index[ARGV[at]] = i; at = at + 2
+end
+local args = {}
+for i = at, #ARGV do args[#args + 1] = ARGV[i] end
+
+local function split(s)
+  local out = {}
+  for part in string.gmatch(s .. '|', '([^|]*)|') do out[#out + 1] = part end
+  return out
+end
+
+local function attained(key, cache)
+  if cache[key] ~= nil then return cache[key] end
+  local v = redis.call('HGET', service, key)
+  local value = 0
+  if v then
+    local f = split(v)
+    value = tonumber(f[1]) * math.exp(-(now - tonumber(f[2])) / tau)
+  end
+  cache[key] = value
+  return value
+end
+
+local function add_service(key, amount, cache)
+  if key == '' then return end
+  local value = math.max(0, attained(key, cache) + amount)
+  cache[key] = value
+  redis.call('HSET', service, key, string.format('%.3f|%d', value, now))
+end
+
+local function count_slots()
+  for i = 1, nrep do
+    local k = KEYS[5 + i]
+    redis.call('ZREMRANGEBYSCORE', k, '-inf', now)
+    local members = redis.call('ZRANGE', k, 0, -1)
+    free[i] = caps[i] - #members
+    for _, m in ipairs(members) do
+      local rank = tonumber(split(m)[2]) or 1
+      holders[rank] = (holders[rank] or 0) + 1
+    end
+  end
+end
+
+-- how many of the free slots a class may take: HOLD_BACK of them (less those a higher active class already holds)
+-- stay for a higher class admitted within HOLD
+local function may_take(rank, total)
+  local held = 0
+  local higher_active = false
+  for r = 0, rank - 1 do
+    local last = tonumber(redis.call('HGET', active, tostring(r)) or '0')
+    if now - last < hold then higher_active = true end
+    held = held + (holders[r] or 0)
+  end
+  if not higher_active then return total end
+  return total - math.max(0, hold_back - held)
+end
+
+local function grant(id, f, replica, cache, wanted)
+  local i = index[replica]
+  local rank = f[1]
+  redis.call('ZADD', KEYS[5 + i], now + lease_ttl, id .. '|' .. rank .. '|' .. f[2])
+  redis.call('PEXPIRE', KEYS[5 + i], lease_ttl * 2)
+  free[i] = free[i] - 1
+  holders[tonumber(rank)] = (holders[tonumber(rank)] or 0) + 1
+  redis.call('ZREM', queue, id)
+  redis.call('HDEL', tickets, id)
+  if id ~= wanted then  -- the caller's own ticket is answered by the script itself
+    redis.call('SET', ARGV[#ARGV - 1] .. id, replica, 'EX', 120)
+    redis.call('PUBLISH', ARGV[#ARGV] .. f[6], id .. '|' .. replica)
+  end
+  redis.call('HSET', active, rank, now)
+  add_service(f[2], tonumber(f[3]), cache)
+end
+
+local function pick_replica(f)
+  if f[7] ~= '' then
+    for name in string.gmatch(f[7], '([^,]+)') do
+      local i = index[name]
+      if i and free[i] > 0 then return name end
+    end
+    return nil
+  end
+  local best, most = nil, 0
+  for i = 1, nrep do
+    if free[i] > most then best, most = names[i], free[i] end
+  end
+  return best
+end
+
+local function dispatch(cache, wanted)
+  local got = nil
+  local waiting = {}
+  for _, id in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
+    local v = redis.call('HGET', tickets, id)
+    local f = v and split(v)
+    if not f or tonumber(f[4]) < now then
+      redis.call('ZREM', queue, id)
+      redis.call('HDEL', tickets, id)
+    else
+      waiting[#waiting + 1] = {id, f, #waiting}
+    end
+  end
+  while #waiting > 0 do
+    local total = 0
+    for i = 1, nrep do total = total + math.max(0, free[i]) end
+    if total <= 0 then break end
+    local best, best_at, order = nil, nil, nil
+    for n, w in ipairs(waiting) do
+      local f = w[2]
+      local rank = math.max(0, tonumber(f[1]) - math.floor((now - tonumber(f[5])) / promote))
+      local key = {rank, attained(f[2], cache), w[3]}
+      if order == nil or key[1] < order[1] or (key[1] == order[1] and (key[2] < order[2] or (key[2] == order[2] and key[3] < order[3]))) then
+        best, best_at, order = w, n, key
+      end
+    end
+    if may_take(order[1], total) <= 0 then break end
+    local replica = pick_replica(best[2])
+    if replica == nil then
+      table.remove(waiting, best_at)  -- its replicas are full: the others may still go
+    else
+      grant(best[1], best[2], replica, cache, wanted)
+      table.remove(waiting, best_at)
+      if best[1] == wanted then got = replica end
+    end
+  end
+  return got
+end
+
+count_slots()
+local cache = {}
+if op == 'admit' then
+  -- args: ticket, fields..., then the grant prefix and channel prefix
+  local id = args[1]
+  local fields = args[2]
+  redis.call('PEXPIRE', queue, 3600000)
+  local f = split(fields)
+  if redis.call('ZCARD', queue) >= limit then
+    dispatch(cache, nil)
+    if redis.call('ZCARD', queue) >= limit then return {-1, ''} end
+  end
+  redis.call('HSET', tickets, id, fields)
+  redis.call('ZADD', queue, redis.call('INCR', seqkey), id)
+  local got = dispatch(cache, id)
+  if got then return {1, got} end
+  return {0, tostring(redis.call('ZCARD', queue))}
+elseif op == 'release' then
+  -- args: replica, member, key, service to add, grant prefix, channel prefix
+  local k = args[1]
+  redis.call('ZREM', k, args[2])
+  add_service(args[3], tonumber(args[4]), cache)
+  for i = 1, nrep do
+    if KEYS[5 + i] == k then free[i] = free[i] + 1 end
+  end
+  dispatch(cache, nil)
+  return {1, ''}
+elseif op == 'cancel' then
+  -- args: ticket, grant prefix, channel prefix
+  local id = args[1]
+  if redis.call('ZREM', queue, id) == 1 then
+    redis.call('HDEL', tickets, id)
+    return {0, ''}
+  end
+  local replica = redis.call('GET', ARGV[#ARGV - 1] .. id)
+  if replica then
+    redis.call('DEL', ARGV[#ARGV - 1] .. id)
+    return {1, replica}
+  end
+  return {-1, ''}
+elseif op == 'look' then
+  -- args: ticket (or ''), grant prefix, channel prefix
+  local got = dispatch(cache, args[1])
+  if got then return {1, got} end
+  local replica = args[1] ~= '' and redis.call('GET', ARGV[#ARGV - 1] .. args[1])
+  if replica then return {1, replica} end
+  return {0, ''}
+end
+return {-2, ''}
+"""
+
+
+# keeps waiting tickets alive, and only those still waiting (a granted one is not brought back). KEYS: queue,
+# tickets; ARGV: ticket, fields, ticket, fields, ...
+RENEW_TICKETS = r"""
+for i = 1, #ARGV, 2 do
+  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+end
+return 0
+"""
+
+
+@dataclass
+class Lease:
+    """A slot held on a replica: release it when the request ends."""
+
+    model: str
+    replica: str
+    member: str
+    key: str
+    cost: int  # the attained service counted at the grant
+
+
+class Admission:
+    """One web process's side of admission: its waiters, its leases and tickets kept alive, its grants heard."""
+
+    def __init__(self, redis):
+        self.redis = redis
+        self.process = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self._script = redis.register_script(SCRIPT)
+        self._renew_tickets = redis.register_script(RENEW_TICKETS)
+        self.waiters: dict[str, asyncio.Future] = {}
+        self.leases: dict[str, Lease] = {}  # by member
+        self.tickets: dict[str, tuple[str, str]] = {}  # ticket -> (model, its fields but the expiry)
+        self._tasks: list[asyncio.Task] = []
+        self.enabled = settings.LLMGW_ADMISSION
+
+    def start(self) -> None:
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._hear(), context=contextvars.Context()),
+                           loop.create_task(self._renew(), context=contextvars.Context())]
+
+    async def aclose(self) -> None:
+        while not all(task.done() for task in self._tasks):
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.wait(self._tasks, timeout=0.5)
+
+    async def _run(self, op: str, model: str, replicas: list[tuple[str, int]], *args, queue_limit: int = 0):
+        queue, tickets, active, seq = _keys(model)
+        keys = [queue, tickets, active, seq, SERVICE, *(slots_key(name) for name, _ in replicas)]
+        argv = [op, int(time.time() * 1000), int(LEASE_TTL * 1000), int(PROMOTE_AFTER * 1000), int(HOLD * 1000),
+                int(TAU * 1000), HOLD_BACK, queue_limit, OUTPUT_WEIGHT, len(replicas)]
+        for name, capacity in replicas:
+            argv += [name, capacity]
+        argv += [*args, PREFIX + "grant:", PREFIX + "granted:"]
+        status, value = await self._script(keys=keys, args=argv)
+        return int(status), value.decode() if isinstance(value, bytes) else str(value)
+
+    async def admit(self, model: str, replicas, *, key: str, rank: int, cost: int, prefs: list[str],
+                    queue_limit: int, max_wait: float, on_wait=None) -> Lease:
+        """A slot on one of `replicas()` ((name, capacity) each, as they are now), waiting for it at most
+        `max_wait` seconds (`on_wait()` is called when it must). Raises a 429 when the queue is full, a 503 when
+        the wait is over; a cancellation (the client gone) gives the ticket up."""
+        self.start()
+        ticket = f"{self.process}:{secrets.token_hex(6)}"
+        fields = f"{rank}|{key}|{cost}|{{expires}}|{int(time.time() * 1000)}|{self.process}|{','.join(prefs)}"
+        future = asyncio.get_running_loop().create_future()
+        self.waiters[ticket] = future
+        self.tickets[ticket] = (model, fields)
+        started = time.monotonic()
+        try:
+            status, value = await self._run("admit", model, replicas(), ticket, self._expiring(fields),
+                                            queue_limit=queue_limit)
+            if status == -1:
+                raise GatewayError(429, "queue_full",
+                                   f"model {model} has {queue_limit} requests waiting already; try again shortly", 2)
+            replica = value if status == 1 else None
+            direct = replica is not None  # granted by its own admission: no record of the grant was made
+            if replica is None and on_wait is not None:
+                on_wait()
+            while replica is None:
+                left = max_wait - (time.monotonic() - started)
+                if left <= 0:
+                    raise GatewayError(503, "queue_timeout",
+                                       f"model {model} had no free slot for {max_wait:g}s; try again shortly", 5)
+                try:
+                    replica = await asyncio.wait_for(asyncio.shield(future), min(left, LOOK_EVERY))
+                except TimeoutError:
+                    status, value = await self._run("look", model, replicas(), ticket)
+                    replica = value if status == 1 else None
+        except BaseException:
+            self.waiters.pop(ticket, None)
+            self.tickets.pop(ticket, None)
+            await self._give_up(model, replicas(), ticket, key, rank, cost)
+            raise
+        self.waiters.pop(ticket, None)
+        self.tickets.pop(ticket, None)
+        if not direct:  # granted by a dispatch: its record is not needed any more
+            self._forget_grant(ticket)
+        lease = Lease(model, replica, f"{ticket}|{rank}|{key}", key, cost)
+        self.leases[lease.member] = lease
+        return lease
+
+    async def _give_up(self, model, replicas, ticket, key, rank, cost) -> None:
+        """The ticket out of the queue, and a slot granted to it meanwhile back (shielded: it runs even as the
+        request is cancelled)."""
+
+        async def cancel():
+            status, replica = await self._run("cancel", model, replicas, ticket)
+            if status == 1:  # granted meanwhile: released, as the request that never ran
+                await self.release(Lease(model, replica, f"{ticket}|{rank}|{key}", key, cost), replicas, 0)
+
+        try:
+            await asyncio.shield(asyncio.get_running_loop().create_task(cancel(), context=contextvars.Context()))
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # it lapses in TICKET_TTL (a ticket) or LEASE_TTL (a slot)
+            log.warning("could not give up a place in %s's queue (%s)", model, exc)
+
+    async def release(self, lease: Lease, replicas: list[tuple[str, int]], served: int) -> None:
+        """The slot back, the request's service settled (`served`: its attained service, of which `lease.cost` was
+        counted at the grant), and the queue dispatched."""
+        self.leases.pop(lease.member, None)
+        if all(name != lease.replica for name, _ in replicas):  # gone from the table: its slots still counted
+            replicas = [*replicas, (lease.replica, 0)]
+        try:
+            await self._run("release", lease.model, replicas, slots_key(lease.replica), lease.member, lease.key,
+                            served - lease.cost)
+        except Exception as exc:  # the lease lapses in LEASE_TTL
+            log.warning("could not release a slot of %s (%s)", lease.replica, exc)
+
+    def _forget_grant(self, ticket: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.redis.delete(grant_key(ticket)), context=contextvars.Context())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # it expires anyway
+
+    @staticmethod
+    def _expiring(fields: str) -> str:
+        return fields.replace("{expires}", str(int((time.time() + TICKET_TTL) * 1000)), 1)
+
+    async def _hear(self) -> None:
+        """Grants for this process's waiters, as they are made."""
+        delay = 1.0
+        while True:
+            try:
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(channel(self.process))
+                    delay = 1.0
+                    while True:
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
+                        if message is None:
+                            continue
+                        ticket, _, replica = message["data"].decode().rpartition("|")
+                        future = self.waiters.get(ticket)
+                        if future is not None and not future.done():
+                            future.set_result(replica)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # waiters still look every LOOK_EVERY
+                log.warning("admission grants feed interrupted (%s); retrying", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30)
+
+    async def _renew(self) -> None:
+        """This process's leases and tickets kept alive: those of a process that dies lapse."""
+        while True:
+            await asyncio.sleep(RENEW_EVERY)
+            try:
+                now = time.time()
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for lease in list(self.leases.values()):
+                        pipe.zadd(slots_key(lease.replica), {lease.member: int((now + LEASE_TTL) * 1000)}, xx=True)
+                        pipe.pexpire(slots_key(lease.replica), int(LEASE_TTL * 2000))
+                    await pipe.execute()
+                by_model: dict[str, list[str]] = {}
+                for ticket, (model, fields) in list(self.tickets.items()):
+                    by_model.setdefault(model, []).extend([ticket, self._expiring(fields)])
+                for model, pairs in by_model.items():
+                    queue, tickets, _, _ = _keys(model)
+                    await self._renew_tickets(keys=[queue, tickets], args=pairs)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("could not renew admission leases (%s)", exc)
+
+
+def rank_of(key_class: str, header: str) -> int:
+    """The request's class: its key's, or a lower one its header asks for (never a higher one)."""
+    rank = RANK.get(key_class, RANK[DEFAULT_CLASS])
+    if header:
+        asked = RANK.get(header.strip().lower())
+        if asked is None:
+            raise GatewayError(400, "invalid_request",
+                               f"X-Llmgw-Priority must be one of {', '.join(CLASSES)}, not {header[:32]!r}")
+        rank = max(rank, asked)
+    return rank
+
+
+def service(prompt: int, completion: int) -> int:
+    """A request's attained service: its tokens, a completion token weighing OUTPUT_WEIGHT."""
+    return prompt + OUTPUT_WEIGHT * completion
+
+
+def capacity(slots: int, headroom: float) -> int:
+    """A replica's admitted requests: its slots and a headroom (a fraction of them, rounded up)."""
+    return slots + math.ceil(slots * headroom)

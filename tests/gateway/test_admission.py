@@ -1,0 +1,189 @@
+"""Admission (gateway/admission.py) on real Redis: slots shared by every process, the queue's order (class, least
+attained service between keys, first come within a key), its bounds, and nothing leaked by a waiter that gives up
+or a process that dies."""
+
+import asyncio
+import secrets
+
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+from django.conf import settings
+
+from gateway import admission
+from gateway.admission import Admission
+from gateway.errors import GatewayError
+
+pytestmark = pytest.mark.asyncio
+
+INTERACTIVE, STANDARD, BATCH = (admission.RANK[c] for c in admission.CLASSES)
+
+
+@pytest_asyncio.fixture
+async def processes():
+    """Two web processes' admissions on one Redis."""
+    clients = [aioredis.Redis.from_url(settings.REDIS_URL) for _ in range(2)]
+    made = [Admission(c) for c in clients]
+    yield made
+    for a, c in zip(made, clients):
+        await a.aclose()
+        await c.aclose()
+
+
+@pytest.fixture
+def model():
+    return f"m-{secrets.token_hex(4)}"  # no other test's queue
+
+
+def replicas(*caps: int, model: str = ""):
+    names = [(f"{model}-r{i}", cap) for i, cap in enumerate(caps)]
+    return lambda: names
+
+
+async def admit(a, model, reps, key="k1", rank=STANDARD, cost=10, prefs=(), limit=100, wait=10.0, on_wait=None):
+    return await a.admit(model, reps, key=key, rank=rank, cost=cost, prefs=list(prefs), queue_limit=limit,
+                         max_wait=wait, on_wait=on_wait)
+
+
+def start(a, model, reps, **kw):
+    return asyncio.create_task(admit(a, model, reps, **kw))
+
+
+async def settled(tasks, n: int, timeout: float = 5.0) -> list:
+    """The first `n` of `tasks` to finish, in the order they did."""
+    done_order = []
+    pending = set(tasks)
+    async with asyncio.timeout(timeout):
+        while len(done_order) < n:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            done_order += sorted(done, key=tasks.index)
+    return done_order[:n]
+
+
+async def test_two_processes_never_admit_past_a_replicas_slots(processes, model):
+    one, two = processes
+    reps = replicas(2, model=model)
+    held = [await admit(one, model, reps), await admit(two, model, reps)]
+    waiting = [start(one, model, reps), start(two, model, reps)]
+    await asyncio.sleep(0.3)
+    assert not any(t.done() for t in waiting)
+    await one.release(held[0], reps(), 10)
+    (first,) = await settled(waiting, 1)
+    await asyncio.sleep(0.3)
+    assert sum(t.done() for t in waiting) == 1  # one slot freed, one admitted
+    await two.release(held[1], reps(), 10)
+    await settled(waiting, 2)
+    assert {t.result().replica for t in waiting} == {f"{model}-r0"}
+
+
+async def test_a_quiet_key_goes_before_a_flood_that_queued_first(processes, model):
+    one, two = processes
+    reps = replicas(1, model=model)
+    holding = await admit(one, model, reps, key="flood", cost=1000)
+    flood = [start(one, model, reps, key="flood", cost=1000) for _ in range(4)]
+    await asyncio.sleep(0.2)
+    quiet = start(two, model, reps, key="quiet", cost=10)
+    await asyncio.sleep(0.2)
+    await one.release(holding, reps(), 1000)
+    (first,) = await settled([*flood, quiet], 1)
+    assert first is quiet  # the least attained service, though it came last
+    await two.release(quiet.result(), reps(), 10)
+    (second,) = await settled(flood, 1)
+    assert second is flood[0]  # within a key: first come, first served
+    for t in flood:
+        t.cancel()
+
+
+async def test_a_higher_class_goes_first_and_a_slot_is_held_back_for_it(processes, model):
+    one, two = processes
+    reps = replicas(2, model=model)
+    # an interactive request was admitted a moment ago and is done
+    done = await admit(two, model, reps, key="quiet", rank=INTERACTIVE)
+    await two.release(done, reps(), 10)
+    batch = [start(one, model, reps, key="batch", rank=BATCH) for _ in range(3)]
+    await asyncio.sleep(0.3)
+    assert sum(t.done() for t in batch) == 1  # one of the two slots stays free for the interactive class
+    quiet = await admit(two, model, reps, key="quiet", rank=INTERACTIVE, wait=0.5)
+    assert quiet.replica == f"{model}-r0"
+    await two.release(quiet, reps(), 10)
+    for t in batch:
+        t.cancel()
+
+
+async def test_a_lower_class_takes_what_a_higher_one_leaves_idle(processes, model):
+    one, _ = processes
+    reps = replicas(2, model=model)
+    both = [await admit(one, model, reps, key="batch", rank=BATCH, wait=0.5) for _ in range(2)]
+    assert len(both) == 2  # no interactive request lately: no slot held back
+
+
+async def test_the_queue_is_bounded_in_length_and_in_time(processes, model):
+    one, _ = processes
+    reps = replicas(1, model=model)
+    await admit(one, model, reps)
+    waiting = [start(one, model, reps) for _ in range(2)]
+    await asyncio.sleep(0.2)
+    with pytest.raises(GatewayError) as full:
+        await admit(one, model, reps, limit=2)
+    assert (full.value.status, full.value.code, full.value.retry_after) == (429, "queue_full", 2)
+    with pytest.raises(GatewayError) as late:
+        await admit(one, model, reps, limit=3, wait=0.3)
+    assert (late.value.status, late.value.code, late.value.retry_after) == (503, "queue_timeout", 5)
+    assert "no free slot for 0.3s" in late.value.message
+    for t in waiting:
+        t.cancel()
+
+
+async def test_a_waiter_that_gives_up_leaves_the_queue_and_returns_a_slot_granted_meanwhile(processes, model):
+    one, two = processes
+    reps = replicas(1, model=model)
+    held = await admit(one, model, reps)
+    gone = start(two, model, reps, key="gone")
+    await asyncio.sleep(0.2)
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+    queue, *_ = admission._keys(model)
+    assert await one.redis.zcard(queue) == 0
+    await one.release(held, reps(), 10)
+    # the slot is free again: nobody holds it
+    again = await admit(one, model, reps, wait=0.5)
+    await one.release(again, reps(), 10)
+
+
+async def test_a_process_that_dies_leaks_no_slot(processes, model, monkeypatch):
+    one, two = processes
+    monkeypatch.setattr(admission, "LEASE_TTL", 1.0)
+    reps = replicas(1, model=model)
+    await admit(one, model, reps)  # never released, never renewed (its process is gone)
+    one.leases.clear()
+    lease = await admit(two, model, reps, wait=3.0)
+    assert lease.replica == f"{model}-r0"
+
+
+async def test_prefix_preferences_pick_the_first_replica_with_a_free_slot(processes, model):
+    one, _ = processes
+    reps = replicas(1, 1, 1, model=model)
+    home, second, third = f"{model}-r1", f"{model}-r2", f"{model}-r0"
+    first = await admit(one, model, reps, prefs=[home, second, third])
+    assert first.replica == home
+    assert (await admit(one, model, reps, prefs=[home, second, third])).replica == second
+
+
+async def test_a_request_that_must_wait_says_so(processes, model):
+    one, _ = processes
+    reps = replicas(1, model=model)
+    said = []
+    await admit(one, model, reps, on_wait=lambda: said.append("first"))
+    waiting = start(one, model, reps, on_wait=lambda: said.append("second"))
+    await asyncio.sleep(0.2)
+    assert said == ["second"]
+    waiting.cancel()
+
+
+def test_a_request_may_lower_its_class_and_never_raise_it():
+    assert admission.rank_of("standard", "") == STANDARD
+    assert admission.rank_of("standard", "batch") == BATCH
+    assert admission.rank_of("batch", "Interactive") == BATCH
+    with pytest.raises(GatewayError) as bad:
+        admission.rank_of("standard", "urgent")
+    assert bad.value.status == 400 and "X-Llmgw-Priority must be one of interactive, standard, batch" in bad.value.message
