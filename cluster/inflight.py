@@ -8,6 +8,7 @@ gateway (gateway.runtime) writes them; this module names the keys and adds them 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 PREFIX = "llmgw:inflight:"
@@ -60,3 +61,38 @@ def last_requests(client) -> dict[str, float]:
         except ValueError:
             continue
     return out
+
+
+# Admission's queues (gateway.admission writes them): per model a sorted set of waiting tickets and a hash of their
+# fields (`rank|key|cost|expires ms|enqueued ms|process|prefs`), and per replica a sorted set of the slots held.
+ADMISSION_PREFIX = "llmgw:adm:"
+
+
+def queue_keys(model: str) -> tuple[str, str]:
+    """A model's queue (ticket -> arrival) and its tickets (ticket -> fields)."""
+    return f"{ADMISSION_PREFIX}{model}:queue", f"{ADMISSION_PREFIX}{model}:tickets"
+
+
+def queued(client, models) -> dict[str, tuple[int, float | None]]:
+    """Requests waiting for a slot of each model, and since when (epoch seconds) the oldest has waited; a ticket
+    that lapsed (its process gone) is not counted."""
+    now_ms = time.time() * 1000
+    pipe = client.pipeline(transaction=False)
+    names = list(models)
+    for name in names:
+        pipe.hvals(queue_keys(name)[1])
+    found = {}
+    for name, values in zip(names, pipe.execute()):
+        n, oldest = 0, None
+        for value in values:
+            fields = value.decode().split("|")
+            try:
+                expires, enqueued = float(fields[3]), float(fields[4]) / 1000
+            except (IndexError, ValueError):
+                continue
+            if expires < now_ms:
+                continue
+            n += 1
+            oldest = enqueued if oldest is None else min(oldest, enqueued)
+        found[name] = (n, oldest)
+    return found

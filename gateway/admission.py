@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
+from cluster.inflight import ADMISSION_PREFIX, queue_keys
 from gateway.errors import GatewayError
 
 log = logging.getLogger("llmgw.gateway")
@@ -60,7 +61,7 @@ HOLD_BACK = 1  # slots of a model a lower class may not take while a higher one 
 TAU = 60.0  # seconds: attained service decays by e over this
 OUTPUT_WEIGHT = 2  # a completion token's weight in attained service, against a prompt token's 1
 
-PREFIX = "llmgw:adm:"
+PREFIX = ADMISSION_PREFIX
 SERVICE = PREFIX + "service"  # key id -> "<attained service>|<at ms>", across models
 GRANT_TTL = 120  # seconds a grant's record waits for its waiter to read it
 
@@ -68,8 +69,8 @@ GRANT_TTL = 120  # seconds a grant's record waits for its waiter to read it
 def _keys(model: str) -> tuple[str, str, str, str]:
     """A model's queue (ticket -> seq), its tickets (ticket -> fields), when each class was last admitted, and its
     ticket counter."""
-    base = f"{PREFIX}{model}:"
-    return base + "queue", base + "tickets", base + "active", base + "seq"
+    queue, tickets = queue_keys(model)
+    return queue, tickets, f"{PREFIX}{model}:active", f"{PREFIX}{model}:seq"
 
 
 def slots_key(replica: str) -> str:

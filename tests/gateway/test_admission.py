@@ -4,6 +4,7 @@ or a process that dies."""
 
 import asyncio
 import secrets
+import time
 
 import pytest
 import pytest_asyncio
@@ -187,3 +188,25 @@ def test_a_request_may_lower_its_class_and_never_raise_it():
     with pytest.raises(GatewayError) as bad:
         admission.rank_of("standard", "urgent")
     assert bad.value.status == 400 and "X-Llmgw-Priority must be one of interactive, standard, batch" in bad.value.message
+
+
+async def test_the_queue_is_seen_by_whoever_asks(processes, model):
+    """What `ctl models`, the API and the dashboard show: requests waiting and since when the oldest has."""
+    import redis
+
+    from cluster import inflight
+
+    one, _ = processes
+    reps = replicas(1, model=model)
+    await admit(one, model, reps)
+    waiting = [start(one, model, reps) for _ in range(2)]
+    await asyncio.sleep(0.2)
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    n, since = inflight.queued(client, [model, "nothing"])[model]
+    assert n == 2 and 0 < time.time() - since < 5
+    assert inflight.queued(client, ["nothing"]) == {"nothing": (0, None)}
+    for t in waiting:
+        t.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert inflight.queued(client, [model])[model] == (0, None)
+    client.close()
