@@ -371,22 +371,33 @@ async def _admit(gw, call, route, tried):
     prefs = [name for name in ring if name not in tried]
     if gw.unreachable:  # tried last
         prefs = [n for n in prefs if n not in gw.unreachable] + [n for n in prefs if n in gw.unreachable]
-    waiting = False
+    waiting = queued = False
+    priority = admission.CLASSES[call.rank]
 
-    def waits() -> None:  # the autoscaler counts it (cluster.inflight)
-        nonlocal waiting
+    def waits() -> None:  # counted in the metrics; the autoscaler counts it too (cluster.inflight)
+        nonlocal waiting, queued
+        queued = True
+        metrics.QUEUED.labels(call.model, priority).inc()
         if route.autoscaled:
             waiting = True
             gw.spawn(gw.wait_begin(call.model))
 
+    began = time.monotonic()
     try:
         call.lease = await gw.admission.admit(
             call.model, lambda: gw.slots_of(call.model, tried), key=str(call.key.id),
             rank=admission.RANK["interactive"] if tried else call.rank, cost=admission.service(call.prompt_about, 0),
             prefs=prefs, queue_limit=route.queue_limit, max_wait=route.max_wait, on_wait=waits)
+    except GatewayError as exc:
+        metrics.REJECTED.labels(call.model, priority, exc.code).inc()
+        raise
     finally:
+        if queued:
+            metrics.QUEUED.labels(call.model, priority).dec()
         if waiting:
             gw.wait_end(call.model)
+    metrics.ADMITTED.labels(call.model, priority).inc()
+    metrics.QUEUE_WAIT.labels(call.model, priority).observe(time.monotonic() - began)
     now = gw.table.find(call.model)
     upstream = next((u for u in (now.ready if now else ()) if u.replica == call.lease.replica), None)
     if upstream is None:

@@ -3,8 +3,9 @@ autoscaled models (least recently used first) are stopped to make it, on one nod
 
 Never a fixed model's replica, never one below its model's minimum, never one being replaced, and never one that
 has served less than the minimum residency (`Snapshot.min_resident`: two models that do not fit together take
-turns instead of evicting each other). A replica with requests in flight is evicted only once the model asking
-has waited that minimum too: it then admits no new request (it drains) and stops when its last one is answered.
+turns instead of evicting each other). A replica with requests in flight, or of a model with requests waiting in
+the gateway's queue for a slot (gateway/admission.py), is evicted only once the model asking has waited that
+minimum too: it then admits no new request (it drains) and stops when its last one is answered.
 The requests for the model asking wait in the gateway meanwhile (its replica is `waiting_for_room`); where nothing
 could ever be evicted they are answered at once, and the reason names what blocked it.
 """
@@ -129,6 +130,12 @@ class Evictions:
                 holding.append(f"replica {r.name} of model {owner.name} has requests in flight; it stops taking new "
                                f"ones at {_clock(m.waiting_since + s.min_resident)} UTC, once model {m.name} has "
                                f"waited {s.min_resident:g}s")
+            elif owner.waiting and waited < s.min_resident:
+                # its own requests queued for a slot are served first: two models asked for at once take turns
+                # of at least the minimum residency, not a swap per request
+                holding.append(f"model {owner.name} has {owner.waiting} request(s) waiting for a slot; replica "
+                               f"{r.name} serves them until {_clock(m.waiting_since + s.min_resident)} UTC, once model "
+                               f"{m.name} has waited {s.min_resident:g}s")
             else:
                 idle = "idle" if not busy else f"{busy} request(s) in flight, admitting no new one"
                 evict.append(Evict(r.id, m.name, f"room for model {m.name} ({format_size(need)} on "

@@ -1,8 +1,8 @@
 """The autoscaler's rule, pure: a model's configuration, the state it kept and what the gateways see now in, the
 replicas it wants out, with the reason and the figures when that number changes.
 
-- Load is requests in flight plus requests waiting for a replica, all web processes together, averaged over the
-  window (weighted by time, from the samples kept in the state).
+- Load is requests in flight plus requests waiting for a replica or for a slot (gateway/admission.py), all web
+  processes together, averaged over the window (weighted by time, from the samples kept in the state).
 - At zero, a request waiting or in flight wakes the model: one replica (or its minimum).
 - On demand (min 0): no request for `idle_after` and nothing in flight or waiting, down to zero.
 - Above `target` requests per replica over a whole window, with every wanted replica ready, one more (up to max).

@@ -92,6 +92,20 @@ def test_one_with_requests_in_flight_only_once_the_other_has_waited_the_minimum(
     assert evict.inflight == 2 and "2 request(s) in flight, admitting no new one" in evict.reason
 
 
+def test_a_model_with_requests_queued_for_a_slot_serves_them_before_it_is_swapped_out():
+    busy = resident(1, "a", NOW, waiting=3, waiting_since=NOW - 2)
+    replicas = [rep(1, 1, 1, READY, mem=6 * GiB, changed=NOW - 600)]
+    s = snap([node(1, ram=8 * GiB)], [busy, asked(2, "b", since=NOW - 5)], replicas, min_resident=RESIDENT)
+    actions = plan(s)
+    assert not of(actions, Evict)
+    u = waiting_replica(actions, 2)
+    assert u.waiting_for_room and "model a has 3 request(s) waiting for a slot; replica r1 serves them until" in u.reason
+    # bounded: once the model asking has waited the minimum residency, the swap happens
+    s = snap([node(1, ram=8 * GiB)], [busy, asked(2, "b", since=NOW - 31)], replicas, min_resident=RESIDENT)
+    [evict] = of(plan(s), Evict)
+    assert evict.replica_id == 1
+
+
 def test_a_model_nobody_waits_for_evicts_nothing():
     s = snap([node(1, ram=8 * GiB)], [resident(1, "a", NOW - 500), asked(2, "b", waiting=0, since=None)],
              [rep(1, 1, 1, READY, mem=6 * GiB, changed=NOW - 600)], min_resident=RESIDENT)
