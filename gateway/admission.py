@@ -309,6 +309,7 @@ class Admission:
         self.waiters: dict[str, asyncio.Future] = {}
         self.leases: dict[str, Lease] = {}  # by member
         self.tickets: dict[str, tuple[str, str]] = {}  # ticket -> (model, its fields but the expiry)
+        self._looked: dict[str, float] = {}  # model -> when this process last dispatched its queue to look
         self._tasks: list[asyncio.Task] = []
         self.enabled = settings.LLMGW_ADMISSION
 
@@ -365,8 +366,7 @@ class Admission:
                 try:
                     replica = await asyncio.wait_for(asyncio.shield(future), min(left, LOOK_EVERY))
                 except TimeoutError:
-                    status, value = await self._run("look", model, replicas(), ticket)
-                    replica = value if status == 1 else None
+                    replica = await self._look(model, replicas, ticket)
         except BaseException:
             self.waiters.pop(ticket, None)
             self.tickets.pop(ticket, None)
@@ -379,6 +379,17 @@ class Admission:
         lease = Lease(model, replica, f"{ticket}|{rank}|{key}", key, cost)
         self.leases[lease.member] = lease
         return lease
+
+    async def _look(self, model: str, replicas, ticket: str) -> str | None:
+        """Dispatch the model's queue again (a replica may have come ready, a release been missed), once per
+        LOOK_EVERY in this process however many of its requests wait; then whether this ticket was granted."""
+        now = time.monotonic()
+        if now - self._looked.get(model, 0.0) >= LOOK_EVERY * 0.9:
+            self._looked[model] = now
+            status, value = await self._run("look", model, replicas(), ticket)
+            return value if status == 1 else None
+        found = await self.redis.get(grant_key(ticket))
+        return found.decode() if found else None
 
     async def _give_up(self, model, replicas, ticket, key, rank, cost) -> None:
         """The ticket out of the queue, and a slot granted to it meanwhile back (shielded: it runs even as the

@@ -181,7 +181,7 @@ async def test_a_request_that_must_wait_says_so(processes, model):
     waiting.cancel()
 
 
-def test_a_request_may_lower_its_class_and_never_raise_it():
+async def test_a_request_may_lower_its_class_and_never_raise_it():
     assert admission.rank_of("standard", "") == STANDARD
     assert admission.rank_of("standard", "batch") == BATCH
     assert admission.rank_of("batch", "Interactive") == BATCH
