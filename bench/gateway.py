@@ -19,6 +19,8 @@ Responses too, with llama.cpp's server's events and the same --chunks text delta
                   reconciler running nothing changes the rows;
 - llmgw-uvicorn   the same application under uvicorn with uvloop and httptools, as `llmgw up --server uvicorn`
                   runs it;
+- llmgw-noadm     the same with admission off (LLMGW_ADMISSION=0): what admission's two Redis round trips per
+                  request cost (the model's profile has 256 slots, so no request waits for one);
 - nginx           Debian's nginx (apt-get installs it when missing), `proxy_pass` to a keepalive upstream,
                   `proxy_buffering off`, one worker, run as our child with its own config, `daemon off`;
 - litellm         LiteLLM's proxy, `litellm[proxy]==1.108.7` in its own virtual environment (made when missing,
@@ -101,7 +103,7 @@ from targets import (  # noqa: E402
 )
 
 FAKE = ROOT / "bench" / "fake_upstream.py"
-ALL_TARGETS = ("direct", "llmgw-daphne", "llmgw-uvicorn", "llmgw-2w", "nginx", "litellm")
+ALL_TARGETS = ("direct", "llmgw-daphne", "llmgw-uvicorn", "llmgw-noadm", "llmgw-2w", "nginx", "litellm")
 CHAT_ONLY = ("litellm",)  # LiteLLM translates Messages and Responses into chat: another benchmark
 
 
@@ -227,7 +229,8 @@ def main(argv=None) -> int:
             port = free_port()
             from llmgw.web import web_argv  # exactly what `llmgw up --server SERVER` runs
 
-            child = children.start(target, web_argv("127.0.0.1", port, server), env, proxy=True)
+            own = dict(env, LLMGW_ADMISSION="0") if target == "llmgw-noadm" else env
+            child = children.start(target, web_argv("127.0.0.1", port, server), own, proxy=True)
             wait_ready(child, port, client_key, 60)
             return port, client_key
 
@@ -272,7 +275,7 @@ def main(argv=None) -> int:
             return port, client_key
 
         starters = {"llmgw-daphne": ("daphne", start_llmgw), "llmgw-uvicorn": ("uvicorn", start_llmgw),
-                    "llmgw-2w": ("uvicorn", start_llmgw_workers),
+                    "llmgw-noadm": ("uvicorn", start_llmgw), "llmgw-2w": ("uvicorn", start_llmgw_workers),
                     "nginx": ("nginx", start_nginx), "litellm": ("uvicorn", start_litellm)}
         running.append(("direct", "fake", upstream_port, engine_key))
         for target in targets[1:]:
@@ -309,7 +312,7 @@ def main(argv=None) -> int:
                             names = ["fake-upstream"] if target == "direct" else [
                                 n for n in children if n == target or n.startswith(f"{target}-")]
                             pids = [children[n].pid for n in names]
-                            counts = target in ("llmgw-daphne", "llmgw-uvicorn")  # one process: one /metrics
+                            counts = target in ("llmgw-daphne", "llmgw-uvicorn", "llmgw-noadm")  # one process: one /metrics
                             before = metrics_counts(port, metrics_token) if counts else None
                             asyncio.run(run_cell(cell, port, request, count, warmup if round_ == 0 else 2 * conc,
                                                  o.time_limit, lambda: sum(cpu_seconds(pid) for pid in pids)))

@@ -192,7 +192,8 @@ def setup_child(upstream_port: int) -> None:
     now = timezone.now()
     cluster = ClusterSettings.load()  # makes the engine key, as a real cluster has one
     engine = EngineVersion.objects.get(name="xllamacpp")  # from migration 0002
-    profile = Profile.objects.get(name="default")
+    # slots for every concurrency measured: admission admits each request at once (what it costs, not a queue)
+    profile = Profile.objects.create(name="bench", parallel=256)
     file = ModelFile.objects.create(
         sha256=hashlib.sha256(b"bench/gateway.py").hexdigest(), name="bench.gguf", size=gib, format="gguf", gguf={}
     )
