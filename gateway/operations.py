@@ -138,7 +138,7 @@ def set_key(name: str, actor: str, **values) -> ApiKey:
 
 
 def _setting_shown(field: str, value) -> str:
-    """A changed setting in the key.edited Event, in the words `ctl keys set` prints it."""
+    """A changed setting in the key.edited Event, in the key.created Event's words: `rpm no limit`, `all models`."""
     if field == "allowed_models":
         return f"models {', '.join(value)}" if value else "all models"
     if field == "expires_at":
