@@ -40,6 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ctl settings": ("settings-set", "PATCH /api/v1/settings/"),
     "ctl keys list": ("keys", "GET /api/v1/keys/"),
     "ctl keys create": ("key-create", "POST /api/v1/keys/"),
+    "ctl keys set": ("key-set", "PATCH /api/v1/keys/{name}/"),
     "ctl keys revoke": ("key-revoke", "POST /api/v1/keys/{name}/revoke/"),
     "ctl usage": ("keys", "GET /api/v1/usage/"),
     "ctl events": ("events", "GET /api/v1/events/"),

@@ -28,6 +28,7 @@ urlpatterns = [
     path("mirror/import/", views.mirror_import, name="mirror-import"),
     path("mirror/upload/", views.mirror_upload, name="mirror-upload"),
     path("keys/create/", views.key_create, name="key-create"),
+    path("keys/set/", views.key_set, name="key-set"),
     path("keys/<str:name>/revoke/", views.key_revoke, name="key-revoke"),
     path("users/add/", views.user_add, name="user-add"),
     path("settings/set/", views.settings_set, name="settings-set"),

@@ -29,6 +29,7 @@ from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFi
 from cluster.operations import OperationError
 from cluster.roles import ROLES, WRITE_ROLES, can_change, role_of
 from gateway import operations as gateway_operations
+from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import ApiKey
 
 PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirror", "keys", "users", "events",
@@ -166,7 +167,8 @@ def _keys(request) -> dict:
         u["tokens"] += row["prompt_tokens"] + row["completion_tokens"]
     for k in keys:
         k.used = usage.get(k.name, {"requests": 0, "tokens": 0})
-    return {"keys": keys, "models": Model.objects.order_by("name").values_list("name", flat=True)}
+    return {"keys": keys, "models": Model.objects.order_by("name").values_list("name", flat=True),
+            "priorities": CLASSES, "default_priority": DEFAULT_CLASS}
 
 
 def _users(request) -> dict:
@@ -521,21 +523,56 @@ def mirror_upload(request):
     return f"{model_file.name} {'uploaded' if created else 'already in the mirror'}: sha256 {model_file.sha256}"
 
 
+def _expires_in(request):
+    """`expires_days` as a moment: None when blank."""
+    if not request.POST.get("expires_days", "").strip():
+        return None
+    days = _int(request, "expires_days", "expires in days")
+    if not 1 <= days <= 36500:
+        raise FormError("expires in days: from 1 to 36500")
+    return timezone.now() + timedelta(days=days)
+
+
 @action("keys")
 def key_create(request):
-    expires = None
-    if request.POST.get("expires_days", "").strip():
-        days = _int(request, "expires_days", "expires in days")
-        if not 1 <= days <= 36500:
-            raise FormError("expires in days: from 1 to 36500")
-        expires = timezone.now() + timedelta(days=days)
     key, secret = gateway_operations.create_key(
         request.POST.get("name", "").strip(), _actor(request), models=_names(request, "models"),
         rpm=_int(request, "rpm", "requests per minute", blank_ok=True),
-        tpm=_int(request, "tpm", "tokens per minute", blank_ok=True), expires_at=expires,
-        max_tokens=_int(request, "max_tokens", "max tokens per completion", blank_ok=True))
+        tpm=_int(request, "tpm", "tokens per minute", blank_ok=True), expires_at=_expires_in(request),
+        max_tokens=_int(request, "max_tokens", "max tokens per completion", blank_ok=True),
+        priority=request.POST.get("priority", "").strip() or DEFAULT_CLASS)  # the operation refuses an unknown one
     return f"key {key.name} created; copy it now, it is not shown again", {
         "once": {"label": f"key {key.name}", "value": secret}}
+
+
+def _key_fields(request) -> dict:
+    """What the Change a key form gives: a blank field stays as it is; `none` clears a limit, `never` the expiry,
+    `all` the models."""
+    values = {}
+    if request.POST.get("priority", "").strip():
+        values["priority"] = request.POST["priority"].strip()
+    if request.POST.get("models", "").strip():
+        values["models"] = [] if request.POST["models"].strip().lower() == "all" else _names(request, "models")
+    for field, label in (("rpm", "requests per minute"), ("tpm", "tokens per minute"),
+                         ("max_tokens", "max tokens per completion")):
+        raw = request.POST.get(field, "").strip()
+        if raw:
+            values[field] = None if raw.lower() == "none" else _int(request, field, label)
+    if request.POST.get("expires_days", "").strip().lower() == "never":
+        values["expires_at"] = None
+    elif request.POST.get("expires_days", "").strip():
+        values["expires_at"] = _expires_in(request)
+    return values
+
+
+@action("keys")
+def key_set(request):
+    name = request.POST.get("name", "").strip()
+    values = _key_fields(request)
+    if not values:
+        raise FormError("nothing to change: fill in what to change")
+    gateway_operations.set_key(name, _actor(request), **values)
+    return f"key {name} changed"
 
 
 @action("keys")

@@ -16,9 +16,12 @@ from cluster.api.base import INT_MAX, NamedViewSet, NameField, StrictSerializer,
 from cluster.api.errors import refused
 from cluster.api.schema import UNKNOWN_FILTER
 from gateway import operations
+from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import ApiKey
 
 KEY_STATES = ["active", "revoked", "expired"]
+PRIORITY_HELP = ("its requests' class when they wait for a slot: interactive first, then standard, then batch "
+                 "(a request may lower its own with X-Llmgw-Priority)")
 
 
 class ApiKeySerializer(serializers.ModelSerializer):
@@ -28,6 +31,7 @@ class ApiKeySerializer(serializers.ModelSerializer):
         read_only=True,
         help_text="models it may use; empty: all",
     )
+    priority = serializers.ChoiceField(choices=CLASSES, read_only=True, help_text=PRIORITY_HELP)
     state = serializers.SerializerMethodField(help_text="active, revoked or expired")
 
     class Meta:
@@ -39,6 +43,7 @@ class ApiKeySerializer(serializers.ModelSerializer):
             "rpm",
             "tpm",
             "max_tokens",
+            "priority",
             "expires_at",
             "revoked_at",
             "last_used_at",
@@ -77,6 +82,25 @@ class ApiKeyCreateSerializer(StrictSerializer):
         min_value=1, max_value=INT_MAX, allow_null=True, default=None,
         help_text="most tokens a completion may generate with this key, below the model's own cap; null: the model's",
     )
+    priority = serializers.ChoiceField(choices=CLASSES, default=DEFAULT_CLASS, help_text=PRIORITY_HELP)
+
+
+class ApiKeyUpdateSerializer(StrictSerializer):
+    """What `PUT`/`PATCH /keys/{name}/` changes: the fields given; those left out stay as they are."""
+
+    priority = serializers.ChoiceField(choices=CLASSES, required=False, help_text=PRIORITY_HELP)
+    models = serializers.ListField(child=NameField(), required=False, help_text="model names; empty: all")
+    rpm = serializers.IntegerField(
+        min_value=1, max_value=INT_MAX, allow_null=True, required=False, help_text="requests per minute; null: no limit"
+    )
+    tpm = serializers.IntegerField(
+        min_value=1, max_value=INT_MAX, allow_null=True, required=False, help_text="tokens per minute; null: no limit"
+    )
+    max_tokens = serializers.IntegerField(
+        min_value=1, max_value=INT_MAX, allow_null=True, required=False,
+        help_text="most tokens a completion may generate with this key, below the model's own cap; null: the model's",
+    )
+    expires_at = serializers.DateTimeField(allow_null=True, required=False, help_text="null: never")
 
 
 class UsageSerializer(serializers.Serializer):
@@ -102,6 +126,19 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewS
             key, secret = operations.create_key(data.pop("name"), self.actor, **data)
         key.key = secret
         return Response(NewApiKeySerializer(key).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=ApiKeyUpdateSerializer, responses={200: ApiKeySerializer})
+    def update(self, request, name=None):
+        """Change what is given; fields left out stay as they are (PUT and PATCH alike). A revoked key stays so."""
+        key = self.get_object()
+        data = self.parsed(ApiKeyUpdateSerializer)
+        with refused():
+            key = operations.set_key(key.name, self.actor, **data)
+        return self.shown(key)
+
+    @extend_schema(request=ApiKeyUpdateSerializer, responses={200: ApiKeySerializer})
+    def partial_update(self, request, name=None):
+        return self.update(request, name=name)
 
     @extend_schema(request=None, responses={200: ApiKeySerializer})
     @action(detail=True, methods=["post"])

@@ -1,4 +1,4 @@
-"""Client keys for /v1/ and the usage they run up: created (the secret shown once), revoked, reported.
+"""Client keys for /v1/ and the usage they run up: created (the secret shown once), changed, revoked, reported.
 
 Operations like cluster.operations: each validates, changes state in one transaction, writes an Event, and
 tells every web process's gateway to reload its routing table after commit.
@@ -14,7 +14,37 @@ from cluster.errors import Conflict, NotFound, OperationError
 from cluster.events import record
 from cluster.models import Model
 from cluster.operations.validation import check_count, check_name, created, get_named
+from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import ApiKey, Usage
+
+KEY_SETTINGS = ("priority", "rpm", "tpm", "max_tokens", "models", "expires_at")  # what set_key changes
+
+
+def _check_priority(priority) -> str:
+    if priority not in CLASSES:
+        raise OperationError(f"priority is one of {', '.join(CLASSES)}, not {str(priority)[:40]!r}")
+    return priority
+
+
+def _check_models(models) -> list[str]:
+    if not isinstance(models, (list, tuple)) or not all(isinstance(m, str) for m in models):
+        raise OperationError("models must be a list of model names")
+    for model_name in models:
+        check_name("model", model_name)
+    return sorted(set(models))
+
+
+def _check_expiry(expires_at):
+    if expires_at is not None and expires_at <= timezone.now():
+        raise OperationError(f"the expiry {expires_at:%Y-%m-%d %H:%M} is in the past")
+    return expires_at
+
+
+def _check_models_exist(models: list[str]) -> None:
+    known = set(Model.objects.filter(name__in=models).values_list("name", flat=True))
+    missing = [m for m in models if m not in known]
+    if missing:  # a typo would make a key for no model at all
+        raise NotFound(f"no model{'s' if len(missing) > 1 else ''} named {', '.join(map(repr, missing))}")
 
 
 def create_key(
@@ -25,28 +55,24 @@ def create_key(
     tpm: int | None = None,
     expires_at=None,
     max_tokens: int | None = None,
+    priority: str = DEFAULT_CLASS,
 ) -> tuple[ApiKey, str]:
     """A new client key for /v1/. The secret is returned once and stored only as a hash."""
     check_name("key", name)
-    models = sorted(set(models or []))
-    for model_name in models:
-        check_name("model", model_name)
+    models = _check_models(models or [])
     if rpm is not None:
         check_count("rpm", rpm, 1)
     if tpm is not None:
         check_count("tpm", tpm, 1)
     if max_tokens is not None:
         check_count("max tokens", max_tokens, 1)
-    if expires_at is not None and expires_at <= timezone.now():
-        raise OperationError(f"the expiry {expires_at:%Y-%m-%d %H:%M} is in the past")
+    _check_priority(priority)
+    _check_expiry(expires_at)
     secret = ApiKey.new_secret()
     with transaction.atomic():
         if ApiKey.objects.filter(name=name).exists():
             raise Conflict(f"a key named {name!r} already exists")
-        known = set(Model.objects.filter(name__in=models).values_list("name", flat=True))
-        missing = [m for m in models if m not in known]
-        if missing:  # a typo would make a key for no model at all
-            raise NotFound(f"no model{'s' if len(missing) > 1 else ''} named {', '.join(map(repr, missing))}")
+        _check_models_exist(models)
         key = created(f"a key named {name!r} already exists", lambda: ApiKey.objects.create(
             name=name,
             prefix=secret[:14],
@@ -55,6 +81,7 @@ def create_key(
             rpm=rpm,
             tpm=tpm,
             max_tokens=max_tokens,
+            priority=priority,
             expires_at=expires_at,
         ))
         limits = ", ".join(
@@ -65,12 +92,61 @@ def create_key(
                 f"{tpm} tokens/min" if tpm else "",
                 f"at most {max_tokens} tokens per completion" if max_tokens else "",
                 f"expires {expires_at:%Y-%m-%d %H:%M}" if expires_at else "",
+                f"priority {priority}" if priority != DEFAULT_CLASS else "",
             )
             if part
         )
         record("key.created", actor, f"key {name} ({key.prefix}…) created: {limits}", subject=name)
         notify.routing_changed()
     return key, secret
+
+
+def set_key(name: str, actor: str, **values) -> ApiKey:
+    """Change what is given of KEY_SETTINGS; what is left out stays. None for rpm, tpm, max_tokens or expires_at
+    is no limit (never expires); an empty (or None) models list is every model. A revoked key stays as it is."""
+    unknown = sorted(set(values) - set(KEY_SETTINGS))
+    if unknown:
+        raise OperationError(f"a key has no setting {', '.join(unknown)} (it has {', '.join(KEY_SETTINGS)})")
+    clean = {}
+    if "priority" in values:
+        clean["priority"] = _check_priority(values["priority"])
+    for field, label in (("rpm", "rpm"), ("tpm", "tpm"), ("max_tokens", "max tokens")):
+        if field in values:
+            clean[field] = None if values[field] is None else check_count(label, values[field], 1)
+    if "models" in values:
+        clean["allowed_models"] = _check_models(values["models"] or [])
+    if "expires_at" in values:
+        clean["expires_at"] = _check_expiry(values["expires_at"])
+    with transaction.atomic():
+        key = get_named(ApiKey.objects.select_for_update(), "key", name)
+        if key.revoked_at is not None:
+            raise Conflict(f"key {name} is revoked: create a new one")
+        if "allowed_models" in clean:
+            _check_models_exist(clean["allowed_models"])
+        changed = {field: value for field, value in clean.items() if getattr(key, field) != value}
+        if not changed:
+            return key
+        # conditional: a revocation that commits meanwhile wins, and this change is refused
+        if not ApiKey.objects.filter(pk=key.pk, revoked_at__isnull=True).update(**changed):
+            raise Conflict(f"key {name} is revoked: create a new one")
+        for field, value in changed.items():
+            setattr(key, field, value)
+        shown = ", ".join(_setting_shown(field, value) for field, value in changed.items())
+        record("key.edited", actor, f"key {name} ({key.prefix}…) edited: {shown}", subject=name)
+        notify.routing_changed()
+    return key
+
+
+def _setting_shown(field: str, value) -> str:
+    """A changed setting in the key.edited Event, in the key.created Event's words: `rpm no limit`, `all models`."""
+    if field == "allowed_models":
+        return f"models {', '.join(value)}" if value else "all models"
+    if field == "expires_at":
+        return f"expires {value:%Y-%m-%d %H:%M}" if value else "never expires"
+    label = {"max_tokens": "max tokens"}.get(field, field)
+    if value is None:
+        return f"{label} the model's" if field == "max_tokens" else f"{label} no limit"
+    return f"{label} {value}"
 
 
 def revoke_key(name: str, actor: str) -> ApiKey:

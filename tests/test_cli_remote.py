@@ -132,7 +132,9 @@ def test_what_a_change_prints_is_the_same_from_anywhere(cluster, tmp_path):
     both("ctl", "model", "set", "m-{}", "--min-replicas", "0", "--max-replicas", "2", "--idle-after", "10m")
     both("ctl", "restart", "--model", "m-{}")
     both("ctl", "model", "remove", "m-{}")
-    both("ctl", "keys", "create", "k-{}", "--rpm", "10", "--expires", "2099-01-01")
+    both("ctl", "keys", "create", "k-{}", "--rpm", "10", "--expires", "2099-01-01", "--priority", "batch")
+    both("ctl", "keys", "set", "k-{}", "--priority", "interactive", "--rpm", "none", "--models", "smol",
+         "--expires", "never")
     both("ctl", "keys", "revoke", "k-{}")
     both("user", "add", "u-{}", "--role", "viewer")
     both("node", "remove", "n-{}")
@@ -161,6 +163,7 @@ CHANGES = [
     (["ctl", "model", "remove", "smol"], "remove models"),
     (["ctl", "restart", "--all"], "restart replicas"),
     (["ctl", "keys", "create", "k9"], "create keys"),
+    (["ctl", "keys", "set", "team", "--priority", "batch"], "change keys"),
     (["ctl", "keys", "revoke", "team"], "revoke keys"),
     (["ctl", "profile", "add", "p9"], "add profiles"),
     (["ctl", "engine", "set", "llama.cpp", "--serves", "chat"], "change engines"),
@@ -223,6 +226,47 @@ def test_a_key_for_a_model_that_does_not_exist_is_refused_in_one_line(cluster):
             command("ctl", "keys", "create", "k", "--models", "smol", "nosuch")
         assert str(refused.value) == "no model named 'nosuch'"
     assert (ApiKey.objects.count(), Event.objects.count()) == (keys, events)
+
+
+def test_a_key_is_changed_and_says_what_changed_in_one_line(cluster):
+    from gateway.models import ApiKey
+
+    said = run("ctl", "keys", "create", "nightly", "--priority", "batch", "--tpm", "100")
+    assert said.startswith("key nightly created (priority batch); the key (shown once, keep it): sk-llmgw-")
+    assert run("ctl", "keys", "set", "nightly", "--priority", "interactive", "--rpm", "60") == (
+        "key nightly changed: priority interactive, rpm 60\n")
+    said = run("ctl", "keys", "set", "nightly", "--tpm", "none", "--max-tokens", "32", "--models", "smol",
+               "--expires", "2099-01-02T03:04:00Z")
+    assert said == "key nightly changed: models smol, tpm none, max tokens 32, expires 2099-01-02 03:04\n"
+    assert run("ctl", "keys", "set", "nightly", "--models", "all", "--expires", "never", "--max-tokens", "none") == (
+        "key nightly changed: models all, max tokens none, expires never\n")
+    key = ApiKey.objects.get(name="nightly")
+    assert (key.priority, key.rpm, key.tpm, key.max_tokens, key.allowed_models, key.expires_at) == (
+        "interactive", 60, None, None, [], None)
+    listed = run("ctl", "keys", "list").splitlines()
+    assert listed[0].split()[:5] == ["NAME", "PREFIX", "MODELS", "PRIORITY", "RPM"]
+    assert [line.split()[3] for line in listed[1:]] == ["interactive", "standard"]  # nightly, team
+
+    events = Event.objects.count()
+    for args, error in (
+        ([], "nothing to change: give --priority, --rpm, --tpm, --max-tokens, --models or --expires"),
+        (["--priority", "urgent"], "argument --priority: invalid choice: 'urgent' (choose from "),
+        (["--rpm", "lots"], "argument --rpm: 'lots' is not a whole number or none"),
+        (["--tpm", "0"], "argument --tpm: '0': at least 1"),
+        (["--expires", "soon"], "--expires wants a date like 2026-12-31 or 2026-12-31T18:00:00Z, not 'soon'"),
+        (["--expires", ""], "--expires wants a date like 2026-12-31 or 2026-12-31T18:00:00Z, or never"),
+        (["--models", "smol,nosuch"], "no model named 'nosuch'"),
+    ):
+        with pytest.raises(CommandError) as refused:
+            run("ctl", "keys", "set", "nightly", *args)
+        assert error in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+    run("ctl", "keys", "revoke", "nightly")
+    events += 1
+    for command in (run, lambda *args: remote(cluster, *args)):
+        with pytest.raises(CommandError) as refused:
+            command("ctl", "keys", "set", "nightly", "--rpm", "5")
+        assert str(refused.value) == "key nightly is revoked: create a new one"
+    assert Event.objects.count() == events
 
 
 def test_an_operator_changes_the_cluster_and_only_an_admin_adds_users_or_sees_the_engine_key(cluster):
@@ -329,10 +373,12 @@ def test_the_choices_the_command_offers_are_the_servers():
     """The command tree is Django-free (a laptop's install), so it names the choices itself: they are the API's."""
     from cluster.operations import DEFAULT_MAX_CHOICES, DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_TOKENS, ROUTINGS
     from cluster.roles import ROLES
+    from gateway.admission import CLASSES, DEFAULT_CLASS
     from llmgw.cli import args
 
     assert (args.ROUTINGS, args.ROLES, args.DEFAULT_MAX_TOKENS) == (ROUTINGS, ROLES, DEFAULT_MAX_TOKENS)
     assert (args.DEFAULT_MAX_LOGPROBS, args.DEFAULT_MAX_CHOICES) == (DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_CHOICES)
+    assert (args.PRIORITIES, args.DEFAULT_PRIORITY) == (CLASSES, DEFAULT_CLASS)
 
 
 def test_what_works_on_this_machine_says_so_when_a_server_is_configured(monkeypatch):

@@ -12,6 +12,8 @@ from llmgw.cli.client import CliError
 # as cluster.operations and cluster.roles have them (tests/test_cli_remote.py checks they agree)
 ROUTINGS = ("prefix", "least-inflight")
 ROLES = ("admin", "operator", "viewer")
+PRIORITIES = ("interactive", "standard", "batch")  # gateway.admission.CLASSES
+DEFAULT_PRIORITY = "standard"
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_MAX_LOGPROBS = 20
 DEFAULT_MAX_CHOICES = 8
@@ -69,6 +71,17 @@ def cap_arg(least: int):
 max_tokens_arg = cap_arg(1)  # `--max-tokens N|none`
 max_choices_arg = cap_arg(1)  # `--max-choices N|none`
 max_logprobs_arg = cap_arg(0)  # `--max-logprobs N|none` (0: no log-probabilities at all)
+limit_arg = cap_arg(1)  # a key's `--rpm N|none`, `--tpm N|none`
+
+
+def models_arg(text: str) -> list[str]:
+    """A key's `--models qwen,smollm2`: the names, comma-separated (the server checks each); `all`: every model."""
+    if text.strip().lower() == "all":
+        return []
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("name models, comma-separated, or all")
+    return names
 
 
 def aliases_arg(text: str) -> list[str]:

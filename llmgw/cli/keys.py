@@ -1,16 +1,51 @@
-"""`ctl keys create|list|revoke` and `ctl usage`: client keys for /v1/ and what they used."""
+"""`ctl keys create|set|list|revoke` and `ctl usage`: client keys for /v1/ and what they used."""
 
 from __future__ import annotations
 
-from llmgw.cli.args import parse_when
+from llmgw.cli.args import DEFAULT_PRIORITY, UNSET, parse_when
+from llmgw.cli.client import CliError
 from llmgw.cli.output import age, as_json, moment, now, table
 
 
 def keys_create(o, out):
     body = {"name": o["name"], "models": o["models"] or [], "rpm": o["rpm"], "tpm": o["tpm"],
-            "expires_at": parse_when(o["expires"], "--expires"), "max_tokens": o["max_tokens"]}
+            "expires_at": parse_when(o["expires"], "--expires"), "max_tokens": o["max_tokens"],
+            "priority": o.get("priority") or DEFAULT_PRIORITY}
     key = o["api"].post("keys/", body, doing="create keys")
-    out.write(f"key {key['name']} created; the key (shown once, keep it): {key['key']}\n")
+    priority = f" (priority {key['priority']})" if key["priority"] != DEFAULT_PRIORITY else ""
+    out.write(f"key {key['name']} created{priority}; the key (shown once, keep it): {key['key']}\n")
+
+
+def _expires(text: str) -> str | None:
+    if text.strip().lower() == "never":
+        return None
+    if not text.strip():  # not "never" by accident
+        raise CliError("--expires wants a date like 2026-12-31 or 2026-12-31T18:00:00Z, or never")
+    return parse_when(text, "--expires")
+
+
+def _shown(field: str, key: dict) -> str:
+    """A setting as `ctl keys set` prints it changed: `rpm 60`, `rpm none`, `models all`, `expires never`."""
+    if field == "models":
+        return f"models {','.join(key['models']) or 'all'}"
+    if field == "expires_at":
+        expires = moment(key["expires_at"])
+        return f"expires {expires:%Y-%m-%d %H:%M}" if expires else "expires never"
+    value = key[field]
+    return f"{field.replace('_', ' ')} {'none' if value is None else value}"
+
+
+def keys_set(o, out):
+    values = {field: o[field] for field in ("priority", "models") if o.get(field) is not None}
+    for limit in ("rpm", "tpm", "max_tokens"):  # None is a value here: no limit
+        if o.get(limit, UNSET) is not UNSET:
+            values[limit] = o[limit]
+    if o.get("expires") is not None:
+        values["expires_at"] = _expires(o["expires"])
+    if not values:
+        raise CliError("nothing to change: give --priority, --rpm, --tpm, --max-tokens, --models or --expires")
+    key = o["api"].patch(f"keys/{o['name']}/", values, doing="change keys")
+    out.write(f"key {key['name']} changed: {', '.join(_shown(field, key) for field in values)}\n")
 
 
 def keys_list(o, out):
@@ -21,10 +56,11 @@ def keys_list(o, out):
     rows = []
     for k in keys:
         expires = moment(k["expires_at"])
-        rows.append([k["name"], k["prefix"] + "…", ", ".join(k["models"]) or "all", k["rpm"] or "-", k["tpm"] or "-",
-                     k["max_tokens"] or "-", f"{expires:%Y-%m-%d %H:%M}" if expires else "never", k["state"],
-                     age(k["last_used_at"], at) + (" ago" if k["last_used_at"] else "")])
-    table(["NAME", "PREFIX", "MODELS", "RPM", "TPM", "MAX TOKENS", "EXPIRES", "STATE", "LAST USED"], rows, out)
+        rows.append([k["name"], k["prefix"] + "…", ", ".join(k["models"]) or "all", k["priority"], k["rpm"] or "-",
+                     k["tpm"] or "-", k["max_tokens"] or "-", f"{expires:%Y-%m-%d %H:%M}" if expires else "never",
+                     k["state"], age(k["last_used_at"], at) + (" ago" if k["last_used_at"] else "")])
+    table(["NAME", "PREFIX", "MODELS", "PRIORITY", "RPM", "TPM", "MAX TOKENS", "EXPIRES", "STATE", "LAST USED"], rows,
+          out)
 
 
 def keys_revoke(o, out):

@@ -16,6 +16,8 @@ from llmgw.cli.args import (
     DEFAULT_MAX_CHOICES,
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_TOKENS,
+    DEFAULT_PRIORITY,
+    PRIORITIES,
     ROLES,
     ROUTINGS,
     UNSET,
@@ -23,15 +25,17 @@ from llmgw.cli.args import (
     aliases_arg,
     serves_arg,
     duration_arg,
+    limit_arg,
     max_choices_arg,
     max_logprobs_arg,
     max_tokens_arg,
+    models_arg,
 )
 from llmgw.cli.completion import add_completion
 from llmgw.cli.login import login, logout
 from llmgw.cli.cluster_settings import engine_key_rotate, engine_key_show, settings_show_or_set
 from llmgw.cli.events import events_list
-from llmgw.cli.keys import keys_create, keys_list, keys_revoke, usage_list
+from llmgw.cli.keys import keys_create, keys_list, keys_revoke, keys_set, usage_list
 from llmgw.cli.mirror import mirror_import, mirror_list
 from llmgw.cli.models import model_add, model_remove, model_set, models_list
 from llmgw.cli.nodes import drain, node_add, node_remove, node_token, nodes_list, undrain
@@ -46,6 +50,8 @@ service_cmd = "llmgw.cli.service:service"
 # commands that do not talk to a server: they run on this machine, or keep the login
 YES_HELP = (f"go ahead with a change that adds more than {CONFIRM_ABOVE} replicas at once (without it, such a change "
             "is refused: a typo must not start hundreds of engines)")
+PRIORITY_HELP = ("its requests' class when they wait for a slot: interactive first, then standard, then batch (a "
+                 "request may lower its own with the header X-Llmgw-Priority)")
 ALIAS_HELP = ("other names a request may give for the model, comma-separated: the vendor names agents ask for, e.g. "
               "claude-sonnet-4-5,gpt-5-codex")
 LOCAL = ("up", "agent", "service", "completion", "login", "logout")
@@ -339,7 +345,21 @@ def build(parser) -> None:
     p.add_argument("--expires", default=None, help="date (and time) it stops working")
     p.add_argument("--max-tokens", type=max_tokens_arg, default=None, metavar="N",
                    help="most tokens a completion may generate with this key (below the model's own cap)")
+    p.add_argument("--priority", choices=PRIORITIES, default=DEFAULT_PRIORITY,
+                   help=PRIORITY_HELP + f" (default {DEFAULT_PRIORITY})")
     p.set_defaults(func=keys_create)
+    p = keys.add_parser("set", help="change a key's priority, limits, models or expiry")
+    p.add_argument("name")
+    p.add_argument("--priority", choices=PRIORITIES, default=None, help=PRIORITY_HELP)
+    p.add_argument("--rpm", type=limit_arg, default=UNSET, metavar="N|none", help="requests per minute; none: no limit")
+    p.add_argument("--tpm", type=limit_arg, default=UNSET, metavar="N|none", help="tokens per minute; none: no limit")
+    p.add_argument("--max-tokens", type=max_tokens_arg, default=UNSET, metavar="N|none",
+                   help="most tokens a completion may generate with this key; none: the model's own cap")
+    p.add_argument("--models", type=models_arg, default=None, metavar="NAME,...|all",
+                   help="only these models, comma-separated; all: every model")
+    p.add_argument("--expires", default=None, metavar="WHEN|never",
+                   help="date (and time) it stops working; never: it does not expire")
+    p.set_defaults(func=keys_set)
     p = keys.add_parser("list", help="list keys")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=keys_list)

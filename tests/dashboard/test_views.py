@@ -250,6 +250,53 @@ def test_keys_create_once_list_and_revoke(op):
     assert "key team-a revoked" in body and "revoked" in body
 
 
+def keys_now() -> list:
+    return list(ApiKey.objects.order_by("name").values_list(
+        "name", "priority", "rpm", "tpm", "max_tokens", "allowed_models", "expires_at", "revoked_at"))
+
+
+def test_keys_create_with_a_priority_and_change_it(op):
+    make_model("smol")
+    page = op.get("/keys/").content.decode()
+    assert "Change a key" in page and '<option selected>standard</option>' in page
+    op.post("/keys/create/", {"name": "nightly", "priority": "batch", "rpm": "10"}, **HTMX)
+    assert ApiKey.objects.get(name="nightly").priority == "batch"
+    assert '<td class="priority">batch</td>' in op.get("/keys/", **HTMX).content.decode()
+
+    form = {"name": "nightly", "priority": "interactive", "rpm": "none", "tpm": "500", "max_tokens": "",
+            "models": "smol", "expires_days": "7"}
+    body = op.post("/keys/set/", form, **HTMX).content.decode()
+    assert "key nightly changed" in body and '<td class="priority">interactive</td>' in body
+    key = ApiKey.objects.get(name="nightly")
+    assert (key.priority, key.rpm, key.tpm, key.max_tokens, key.allowed_models) == ("interactive", None, 500, None,
+                                                                                    ["smol"])
+    assert key.expires_at is not None
+    assert Event.objects.get(kind="key.edited", subject="nightly").actor.startswith("user:operator")
+    op.post("/keys/set/", {"name": "nightly", "models": "all", "expires_days": "never"}, **HTMX)
+    key.refresh_from_db()
+    assert (key.allowed_models, key.expires_at, key.priority, key.tpm) == ([], None, "interactive", 500)
+
+
+@pytest.mark.parametrize("form, said", [
+    ({"name": "nightly"}, "nothing to change"),
+    ({"name": "nightly", "priority": "urgent"}, "priority is one of interactive, standard, batch"),
+    ({"name": "nightly", "rpm": "lots"}, "requests per minute: &#x27;lots&#x27; is not a whole number"),
+    ({"name": "nightly", "tpm": "0"}, "tpm must be a whole number from 1"),
+    ({"name": "nightly", "expires_days": "0"}, "expires in days: from 1 to 36500"),
+    ({"name": "nightly", "models": "nosuch", "priority": "batch"}, "no model named &#x27;nosuch&#x27;"),
+    ({"name": "nope", "rpm": "5"}, "no key named &#x27;nope&#x27;"),
+    ({"name": "gone", "rpm": "5"}, "key gone is revoked"),
+])
+def test_a_refused_key_change_is_a_message_and_changes_nothing(op, form, said):
+    op.post("/keys/create/", {"name": "nightly", "rpm": "10"}, **HTMX)
+    op.post("/keys/create/", {"name": "gone"}, **HTMX)
+    op.post("/keys/gone/revoke/", **HTMX)
+    before, events = keys_now(), Event.objects.count()
+    body = op.post("/keys/set/", form, **HTMX).content.decode()
+    assert "msg error" in body and said in body, body
+    assert (keys_now(), Event.objects.count()) == (before, events)
+
+
 def test_settings_and_engine_key_rotation(op):
     body = op.post("/settings/set/", {"drain_grace_seconds": "120", "reconcile_interval_seconds": "2"}, **HTMX).content.decode()
     assert "settings saved" in body

@@ -17,7 +17,8 @@ from tests.rest import API, refused
 
 def state() -> dict:
     """Everything a keys, usage or system request could change: equal before and after a refused one."""
-    keys = {k.name: (k.key_hash, k.revoked_at, k.rpm, k.tpm) for k in ApiKey.objects.all()}
+    keys = {k.name: (k.key_hash, k.revoked_at, k.rpm, k.tpm, k.max_tokens, k.priority, k.allowed_models, k.expires_at)
+            for k in ApiKey.objects.all()}
     return {
         "keys": keys,
         "usage": list(Usage.objects.values_list("key__name", "model", "hour", "requests")),
@@ -60,7 +61,14 @@ def test_create_shows_the_key_once_and_stores_only_its_hash(operator):
 def test_create_with_defaults(operator):
     shown = operator.post(f"{API}/keys/", {"name": "all"}, format="json").json()
     assert (shown["models"], shown["rpm"], shown["tpm"], shown["expires_at"]) == ([], None, None, None)
+    assert shown["priority"] == "standard"
     assert ApiKey.objects.get(name="all").allowed_models == []
+
+
+def test_create_with_a_priority(operator):
+    shown = operator.post(f"{API}/keys/", {"name": "nightly", "priority": "batch"}, format="json").json()
+    assert shown["priority"] == "batch" and ApiKey.objects.get(name="nightly").priority == "batch"
+    assert operator.get(f"{API}/keys/nightly/").json()["priority"] == "batch"
 
 
 @pytest.mark.parametrize(
@@ -82,6 +90,8 @@ def test_create_with_defaults(operator):
         ({"name": "k", "expires_at": "tomorrow"}, 400, ["expires_at", "Datetime has wrong format"]),
         ({"name": "k", "expires_at": "2001-01-01T00:00:00Z"}, 422, ["in the past"]),
         ({"name": "k", "secret": "mine"}, 400, ["secret", "unknown field"]),
+        ({"name": "k", "priority": "urgent"}, 400, ["priority", "not a valid choice"]),
+        ({"name": "k", "priority": None}, 400, ["priority", "may not be null"]),
     ],
 )
 def test_create_refusals_change_nothing(operator, body, status, words):
@@ -126,6 +136,7 @@ def test_list_shows_state_and_no_secrets(viewer):
         "rpm",
         "tpm",
         "max_tokens",
+        "priority",
         "expires_at",
         "revoked_at",
         "last_used_at",
@@ -161,10 +172,59 @@ def test_revoke(operator):
     assert state() == before
 
 
-def test_keys_cannot_be_edited_or_deleted(operator):
+@pytest.mark.parametrize("method", ["patch", "put"])
+def test_change_a_key(operator, method):
+    make_model("qwen")
+    operations.create_key("ci", "test", rpm=10, tpm=500)
+    expires = (timezone.now() + timedelta(days=3)).replace(microsecond=0)
+    body = {"priority": "interactive", "rpm": 60, "tpm": None, "models": ["qwen"], "expires_at": expires}
+    response = getattr(operator, method)(f"{API}/keys/ci/", body, format="json")
+    assert response.status_code == 200, response.content
+    shown = response.json()
+    assert (shown["priority"], shown["rpm"], shown["tpm"], shown["models"]) == ("interactive", 60, None, ["qwen"])
+    assert datetime.fromisoformat(shown["expires_at"]) == expires and shown["max_tokens"] is None
+    assert shown == operator.get(f"{API}/keys/ci/").json()
+    event = Event.objects.get(kind="key.edited")
+    assert event.subject == "ci" and event.actor.startswith("user:operator-") and "priority interactive" in event.message
+
+    # what is left out stays; an empty body changes nothing
+    shown = operator.patch(f"{API}/keys/ci/", {"max_tokens": 64}, format="json").json()
+    assert (shown["priority"], shown["rpm"], shown["max_tokens"], shown["models"]) == ("interactive", 60, 64, ["qwen"])
+    before = state()
+    assert operator.patch(f"{API}/keys/ci/", {}, format="json").status_code == 200
+    assert state() == before
+
+
+@pytest.mark.parametrize(
+    "path, body, status, words",
+    [
+        ("ci", {"priority": "urgent"}, 400, ["priority", "not a valid choice"]),
+        ("ci", {"priority": None}, 400, ["priority", "may not be null"]),
+        ("ci", {"rpm": 0}, 400, ["rpm", "greater than or equal to 1"]),
+        ("ci", {"tpm": "lots"}, 400, ["tpm", "must be a whole number"]),
+        ("ci", {"max_tokens": 2**40}, 400, ["max_tokens", "less than or equal"]),
+        ("ci", {"models": "qwen"}, 400, ["models", "list"]),
+        ("ci", {"models": None}, 400, ["models", "may not be null"]),
+        ("ci", {"expires_at": "tomorrow"}, 400, ["expires_at", "Datetime has wrong format"]),
+        ("ci", {"name": "other"}, 400, ["name", "unknown field"]),
+        ("ci", {"rpm": 5, "models": ["nosuch"]}, 422, ["no model named 'nosuch'"]),
+        ("ci", {"expires_at": "2001-01-01T00:00:00Z"}, 422, ["in the past"]),
+        ("gone", {"rpm": 5}, 409, ["key gone is revoked"]),
+        ("nope", {"rpm": 5}, 404, ["no key named 'nope'"]),
+    ],
+)
+def test_change_refusals_change_nothing(operator, path, body, status, words):
+    operations.create_key("ci", "test", rpm=10)
+    operations.create_key("gone", "test")
+    operations.revoke_key("gone", "test")
+    before = state()
+    refused(operator.patch(f"{API}/keys/{path}/", body, format="json"), status, *words)
+    assert state() == before
+
+
+def test_keys_cannot_be_deleted(operator):
     operations.create_key("ci", "test")
     before = state()
-    assert operator.patch(f"{API}/keys/ci/", {"rpm": 5}, format="json").status_code == 405
     assert operator.delete(f"{API}/keys/ci/").status_code == 405
     assert state() == before
 
@@ -172,6 +232,7 @@ def test_keys_cannot_be_edited_or_deleted(operator):
 WRITES = [
     ("post", "keys/", {"name": "mine"}),
     ("post", "keys/ci/revoke/", None),
+    ("patch", "keys/ci/", {"priority": "batch"}),
     ("post", "system/stop/", None),
     ("post", "system/start/", None),
 ]
@@ -201,6 +262,7 @@ def test_anonymous_may_not_look(db, path):
 
 def test_admin_may_create_and_revoke(admin):
     assert admin.post(f"{API}/keys/", {"name": "a"}, format="json").status_code == 201
+    assert admin.patch(f"{API}/keys/a/", {"priority": "batch"}, format="json").status_code == 200
     assert admin.post(f"{API}/keys/a/revoke/").status_code == 200
 
 

@@ -191,6 +191,26 @@ def test_create_a_key_see_it_once_and_use_it(system, dash):
     assert dash.page.locator("tr[data-key=dash-key]").count() == 1
 
 
+def test_create_a_batch_key_and_make_it_interactive_by_clicks(system, dash):
+    dash.go("keys")
+    create = dash.page.locator("#key-create-form")
+    create.locator("input[name=name]").fill("dash-prio")
+    create.locator("select[name=priority]").select_option("batch")
+    create.locator("button", has_text="Create key").click()
+    dash.page.locator("#once-value").wait_for()
+    dash.page.locator("tr[data-key=dash-prio] td.priority", has_text="batch").wait_for()
+    change = dash.page.locator("#key-set-form")
+    change.locator("input[name=name]").fill("dash-prio")
+    change.locator("select[name=priority]").select_option("interactive")
+    change.locator("input[name=rpm]").fill("120")
+    change.locator("button", has_text="Change key").click()
+    dash.page.locator("tr[data-key=dash-prio] td.priority", has_text="interactive").wait_for()
+    assert "key dash-prio changed" in dash.message()
+    (key,) = [k for k in system.cli_json("ctl", "keys", "list") if k["name"] == "dash-prio"]
+    assert (key["priority"], key["rpm"], key["state"]) == ("interactive", 120, "active")
+    assert dash.still_same_page()
+
+
 def test_stop_then_start_from_the_overview(system, dash):
     secret = system.cli("ctl", "keys", "create", "dash-stop").stdout.split()[-1]
     client = openai.OpenAI(base_url=system.url + "/v1", api_key=secret, max_retries=0, timeout=60)

@@ -63,6 +63,8 @@ def test_schema_covers_every_endpoint(schema):
         ("/api/v1/keys/", "get"),
         ("/api/v1/keys/", "post"),
         ("/api/v1/keys/{name}/", "get"),
+        ("/api/v1/keys/{name}/", "put"),
+        ("/api/v1/keys/{name}/", "patch"),
         ("/api/v1/keys/{name}/revoke/", "post"),
         ("/api/v1/usage/", "get"),
         ("/api/v1/system/stop/", "post"),
