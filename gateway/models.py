@@ -21,6 +21,10 @@ class ApiKey(models.Model):
     max_tokens = models.PositiveIntegerField(null=True, blank=True)  # per completion, below the model's own cap
     # its requests' class when they wait for a slot (gateway/admission.py): interactive, standard or batch
     priority = models.CharField(max_length=16, default="standard")
+    # tokens (prompt and completion) it may use per budget period (gateway/budgets.py); None: no budget
+    budget_tokens = models.PositiveBigIntegerField(null=True, blank=True)
+    budget_period = models.CharField(max_length=8, blank=True, default="")  # day, week or month (UTC)
+    max_concurrency = models.PositiveIntegerField(null=True, blank=True)  # its requests in flight at once
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)  # flushed from Redis, not written per request

@@ -14,10 +14,28 @@ from cluster.errors import Conflict, NotFound, OperationError
 from cluster.events import record
 from cluster.models import Model
 from cluster.operations.validation import check_count, check_name, created, get_named
+from gateway import budgets
 from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import ApiKey, Usage
 
-KEY_SETTINGS = ("priority", "rpm", "tpm", "max_tokens", "models", "expires_at")  # what set_key changes
+# what set_key changes
+KEY_SETTINGS = ("priority", "rpm", "tpm", "max_tokens", "models", "expires_at", "budget_tokens", "budget_period",
+                "max_concurrency")
+
+
+def _check_budget(tokens, period, had_period: str = "") -> dict:
+    """The budget's fields from what was given (None: not given; tokens 0 or "" : no budget)."""
+    if tokens is None and period is None:
+        return {}
+    if tokens in (0, "") or (tokens is None and period == ""):
+        return {"budget_tokens": None, "budget_period": ""}
+    period = period if period is not None else had_period
+    if period not in budgets.PERIODS:
+        raise OperationError(f"a budget's period is one of {', '.join(budgets.PERIODS)}, not {str(period)[:20]!r}")
+    clean = {"budget_period": period}
+    if tokens is not None:
+        clean["budget_tokens"] = check_count("budget tokens", tokens, 1, 10**15)
+    return clean
 
 
 def _check_priority(priority) -> str:
@@ -56,6 +74,9 @@ def create_key(
     expires_at=None,
     max_tokens: int | None = None,
     priority: str = DEFAULT_CLASS,
+    budget_tokens: int | None = None,
+    budget_period: str | None = None,
+    max_concurrency: int | None = None,
 ) -> tuple[ApiKey, str]:
     """A new client key for /v1/. The secret is returned once and stored only as a hash."""
     check_name("key", name)
@@ -68,6 +89,11 @@ def create_key(
         check_count("max tokens", max_tokens, 1)
     _check_priority(priority)
     _check_expiry(expires_at)
+    budget = _check_budget(budget_tokens, budget_period)
+    if budget.get("budget_period") and not budget.get("budget_tokens"):
+        raise OperationError("a budget needs its tokens, e.g. 2M/day")
+    if max_concurrency is not None:
+        check_count("max concurrency", max_concurrency, 1, 100_000)
     secret = ApiKey.new_secret()
     with transaction.atomic():
         if ApiKey.objects.filter(name=name).exists():
@@ -83,6 +109,8 @@ def create_key(
             max_tokens=max_tokens,
             priority=priority,
             expires_at=expires_at,
+            max_concurrency=max_concurrency,
+            **budget,
         ))
         limits = ", ".join(
             part
@@ -93,6 +121,8 @@ def create_key(
                 f"at most {max_tokens} tokens per completion" if max_tokens else "",
                 f"expires {expires_at:%Y-%m-%d %H:%M}" if expires_at else "",
                 f"priority {priority}" if priority != DEFAULT_CLASS else "",
+                _setting_shown("budget_tokens", key.budget_tokens, key.budget_period) if key.budget_tokens else "",
+                f"at most {max_concurrency} requests at once" if max_concurrency else "",
             )
             if part
         )
@@ -117,10 +147,17 @@ def set_key(name: str, actor: str, **values) -> ApiKey:
         clean["allowed_models"] = _check_models(values["models"] or [])
     if "expires_at" in values:
         clean["expires_at"] = _check_expiry(values["expires_at"])
+    if "max_concurrency" in values:
+        n = values["max_concurrency"]
+        clean["max_concurrency"] = None if n is None else check_count("max concurrency", n, 1, 100_000)
     with transaction.atomic():
         key = get_named(ApiKey.objects.select_for_update(), "key", name)
         if key.revoked_at is not None:
             raise Conflict(f"key {name} is revoked: create a new one")
+        if "budget_tokens" in values or "budget_period" in values:
+            clean.update(_check_budget(values.get("budget_tokens"), values.get("budget_period"), key.budget_period))
+            if clean.get("budget_period") and not (clean.get("budget_tokens") or key.budget_tokens):
+                raise OperationError("a budget needs its tokens, e.g. 2M/day")
         if "allowed_models" in clean:
             _check_models_exist(clean["allowed_models"])
         changed = {field: value for field, value in clean.items() if getattr(key, field) != value}
@@ -131,14 +168,22 @@ def set_key(name: str, actor: str, **values) -> ApiKey:
             raise Conflict(f"key {name} is revoked: create a new one")
         for field, value in changed.items():
             setattr(key, field, value)
-        shown = ", ".join(_setting_shown(field, value) for field, value in changed.items())
+        shown = ", ".join(_setting_shown(field, value, key.budget_period) for field, value in changed.items()
+                          if field != "budget_period" or "budget_tokens" not in changed)
         record("key.edited", actor, f"key {name} ({key.prefix}…) edited: {shown}", subject=name)
         notify.routing_changed()
     return key
 
 
-def _setting_shown(field: str, value) -> str:
+def _setting_shown(field: str, value, period: str = "") -> str:
     """A changed setting in the key.edited Event, in the key.created Event's words: `rpm no limit`, `all models`."""
+    if field in ("budget_tokens", "budget_period"):
+        tokens = value if field == "budget_tokens" else None
+        if field == "budget_period":
+            return f"budget per {value}" if value else "no budget"
+        return f"budget {budgets.shown(tokens)}/{period}" if tokens else "no budget"
+    if field == "max_concurrency":
+        return f"at most {value} requests at once" if value else "requests at once no limit"
     if field == "allowed_models":
         return f"models {', '.join(value)}" if value else "all models"
     if field == "expires_at":

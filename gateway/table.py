@@ -72,6 +72,9 @@ class KeyInfo:
     revoked: bool
     max_tokens: int | None = None  # a completion's cap, below the model's
     priority: str = "standard"  # its requests' class (gateway/admission.py)
+    budget_tokens: int | None = None  # tokens per budget period (gateway/budgets.py)
+    budget_period: str = ""
+    max_concurrency: int | None = None  # its requests in flight at once
 
 
 @dataclass(frozen=True)
@@ -168,8 +171,12 @@ def load() -> Table:
             expires_at=k["expires_at"].timestamp() if k["expires_at"] else None,
             revoked=k["revoked_at"] is not None,
             priority=k["priority"],
+            budget_tokens=k["budget_tokens"],
+            budget_period=k["budget_period"],
+            max_concurrency=k["max_concurrency"],
         )
         for k in ApiKey.objects.values("id", "name", "prefix", "key_hash", "allowed_models", "rpm", "tpm", "max_tokens",
-                                   "expires_at", "revoked_at", "priority")
+                                   "expires_at", "revoked_at", "priority", "budget_tokens", "budget_period",
+                                   "max_concurrency")
     }
     return Table(serving_stopped=cluster.serving_stopped, models=models, keys=keys, aliases=aliases)

@@ -1,0 +1,84 @@
+"""A key's token budget per period: the periods, their bounds, and what a key has spent in the current one.
+
+Periods are calendar periods in UTC: a day from midnight, a week from Monday, a month from its first day. What a
+key has spent is its usage in the database since the period began (gateway.models.Usage, per hour, flushed from
+the gateways within a minute); the gateway enforces the budget on a running count in Redis (gateway.accounting),
+seeded from this when Redis does not have it (a new period, a Redis that restarted), so spend survives a restart
+and a period that changes begins from the usage of the new period, not the old one's count.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+PERIODS = ("day", "week", "month")
+
+
+def period_start(period: str, now: dt.datetime) -> dt.datetime:
+    """The start of the period `now` is in (UTC)."""
+    now = now.astimezone(dt.timezone.utc)
+    day = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    if period == "day":
+        return day
+    if period == "week":
+        return day - dt.timedelta(days=day.weekday())
+    if period == "month":
+        return day.replace(day=1)
+    raise ValueError(f"a budget period is one of {', '.join(PERIODS)}, not {period!r}")
+
+
+def period_end(period: str, now: dt.datetime) -> dt.datetime:
+    """When the period `now` is in ends, and the budget resets."""
+    start = period_start(period, now)
+    if period == "day":
+        return start + dt.timedelta(days=1)
+    if period == "week":
+        return start + dt.timedelta(days=7)
+    return (start + dt.timedelta(days=32)).replace(day=1)
+
+
+def spent(key_id: int, period: str, now: dt.datetime) -> int:
+    """Tokens the key used in the period `now` is in, as the database has them."""
+    from django.db.models import Sum
+
+    from gateway.models import Usage
+
+    total = Usage.objects.filter(key_id=key_id, hour__gte=period_start(period, now)).aggregate(
+        p=Sum("prompt_tokens"), c=Sum("completion_tokens"))
+    return (total["p"] or 0) + (total["c"] or 0)
+
+
+def parse(text: str) -> tuple[int, str]:
+    """`2M/day`, `500000/week`, `1.5G/month`: (tokens, period); ValueError with a one-line message."""
+    amount, slash, period = text.strip().partition("/")
+    period = period.strip().lower()
+    if not slash or period not in PERIODS:
+        raise ValueError(f"a budget is TOKENS/PERIOD with PERIOD one of {', '.join(PERIODS)}, e.g. 2M/day, not {text!r}")
+    amount = amount.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(amount[-1:], 1)
+    number = amount[:-1] if scale > 1 else amount
+    try:
+        tokens = int(float(number) * scale) if "." in number else int(number) * scale
+    except ValueError:
+        raise ValueError(f"a budget's tokens are a number (with K, M or G), not {amount!r}") from None
+    if tokens < 1:
+        raise ValueError(f"a budget is at least 1 token, not {text!r}")
+    return tokens, period
+
+
+def shown(tokens: int) -> str:
+    """2000000 -> 2M; 1500 -> 1.5K."""
+    for unit, scale in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if tokens >= scale:
+            value = tokens / scale
+            return f"{value:g}{unit}" if value == round(value, 3) else f"{tokens}"
+    return str(tokens)
+
+
+def status(key, now: dt.datetime) -> dict | None:
+    """A key's budget as the API and the dashboard show it (None: it has none): tokens, period, spent in this
+    period (as the database has it: the gateways' counts reach it within a minute), and when it resets."""
+    if not key.budget_tokens or key.budget_period not in PERIODS:
+        return None
+    return {"tokens": key.budget_tokens, "period": key.budget_period,
+            "spent": spent(key.id, key.budget_period, now), "resets_at": period_end(key.budget_period, now)}
