@@ -1,11 +1,9 @@
 """The REST API for models: add, list with replica counts, edit, remove; refusals change nothing."""
 
-import time
-
 import pytest
 
 from cluster.models import Event, Model, Replica
-from tests.factories import make_model, make_replica, row_counts
+from tests.factories import make_model, make_replica, put_waiting, row_counts
 from tests.rest import API, refused
 
 # Models
@@ -218,30 +216,13 @@ def test_bad_scaling_is_refused_and_changes_nothing(cluster, operator, changes, 
 
 @pytest.fixture
 def queued_tickets():
-    """Put waiting tickets in a model's admission queue in Redis, as the gateway's admission writes them
-    (cluster.inflight: `rank|key|cost|expires ms|enqueued ms|process|prefs`); gone after the test."""
-    from django.conf import settings
+    """Put waiting requests in a model's admission queue in Redis (tests.factories.put_waiting); gone after."""
+    from cluster.locks import redis_client
 
-    import redis
-
-    from cluster.inflight import queue_keys
-
-    client = redis.Redis.from_url(settings.REDIS_URL)
     used = []
-
-    def put(model: str, *waited: float, lapsed: int = 0):
-        now_ms = time.time() * 1000
-        tickets = queue_keys(model)[1]
-        used.append(tickets)
-        for i, seconds in enumerate(waited):
-            client.hset(tickets, f"t{i}", f"1|key-1|10|{now_ms + 10_000:.0f}|{now_ms - seconds * 1000:.0f}|p|")
-        for i in range(lapsed):  # its process is gone: not counted
-            client.hset(tickets, f"gone{i}", f"1|key-1|10|{now_ms - 1000:.0f}|{now_ms - 99_000:.0f}|p|")
-
-    yield put
+    yield lambda model, *waited, **kw: used.append(put_waiting(redis_client(), model, *waited, **kw))
     if used:
-        client.delete(*used)
-    client.close()
+        redis_client().delete(*used)
 
 
 def test_queue_bounds_default_to_the_cluster_and_change_over_the_api(cluster, operator):

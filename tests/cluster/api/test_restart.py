@@ -182,3 +182,9 @@ def test_cli_settings(db):
 
     with pytest.raises(CommandError, match="reconcile_interval_seconds"):
         cli("ctl", "settings", "--reconcile-interval", "0")
+    out = cli("ctl", "settings", "--queue-limit", "64", "--max-wait", "2m")
+    assert "queue limit: 64\n" in out and "max wait seconds: 120\n" in out
+    with pytest.raises(CommandError, match="queue_limit"):
+        cli("ctl", "settings", "--queue-limit", "0")
+    with pytest.raises(CommandError, match="not a duration"):
+        cli("ctl", "settings", "--max-wait", "soon")
