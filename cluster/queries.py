@@ -4,6 +4,7 @@ dashboard show the same figures because they ask here."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
@@ -104,6 +105,44 @@ def scaling_shown(model: Model, asked: dict[str, datetime] | None = None) -> dic
     return shown
 
 
+def read_settings() -> ClusterSettings:
+    """The cluster settings to read a default from, never creating the row (ClusterSettings.load makes the engine
+    key, with an Event: a change no look should make); its defaults when it does not exist yet."""
+    return ClusterSettings.objects.filter(pk=1).first() or ClusterSettings()
+
+
+def queues(names) -> dict[str, tuple[int, float | None]] | None:
+    """Requests waiting in each named model's admission queue, and since when (epoch seconds) the oldest has
+    waited, read from Redis in one round trip for them all; None when Redis cannot be read (the doors then show
+    the waiting as unknown, not an error)."""
+    from cluster.inflight import queued
+    from cluster.locks import redis_client
+
+    try:
+        return queued(redis_client(), names)
+    except Exception as exc:  # Redis away
+        log.warning("could not read the models' queues (%s)", exc)
+        return None
+
+
+def queue_shown(model: Model, waiting: dict[str, tuple[int, float | None]] | None,
+                cluster: ClusterSettings | None = None, now: float | None = None) -> dict:
+    """A model's admission queue as every door shows it: the requests waiting (None: unknown, Redis away), how
+    long the oldest has waited (seconds; None: none waits), and its effective bounds (its own, else the cluster's
+    defaults). `waiting`: what queues() read for a page of models."""
+    cluster = cluster or ClusterSettings.load()
+    n, since = (None, None) if waiting is None else waiting.get(model.name, (0, None))
+    longest = None
+    if n and since is not None:
+        longest = round(max(0.0, (time.time() if now is None else now) - since), 1)
+    return {
+        "waiting": n,
+        "longest_wait_seconds": longest,
+        "queue_limit": model.queue_limit if model.queue_limit is not None else cluster.queue_limit,
+        "max_wait_seconds": model.max_wait_seconds if model.max_wait_seconds is not None else cluster.max_wait_seconds,
+    }
+
+
 def _demand(model: Model) -> Demand | None:
     try:
         return model.demand
@@ -145,6 +184,8 @@ def cluster_settings_shown(cluster: ClusterSettings | None = None) -> dict:
         "drain_grace_seconds": cluster.drain_grace_seconds,
         "reconcile_interval_seconds": cluster.reconcile_interval_seconds,
         "min_resident_seconds": cluster.min_resident_seconds,
+        "queue_limit": cluster.queue_limit,
+        "max_wait_seconds": cluster.max_wait_seconds,
         "serving_stopped": cluster.serving_stopped,
         "engine_key_fingerprint": ClusterSettings.fingerprint(cluster.engine_key),
     }

@@ -116,10 +116,13 @@ def _models(request) -> dict:
     for r in Replica.objects.exclude(state__in=Replica.TERMINAL).select_related("node").defer("log_tail").order_by("name"):
         replicas.setdefault(r.model_id, []).append(r)
     asked = queries.last_requests()
+    waiting, cluster = queries.queues([m.name for m in models]), queries.read_settings()
     for m in models:
         m.live = replicas.get(m.pk, [])
         m.scaling = queries.scaling_shown(m, asked)
+        m.queue = queries.queue_shown(m, waiting, cluster)
     return {
+        "cluster": cluster,
         "models": models,
         "files": ModelFile.objects.order_by("name"),
         "engines": EngineVersion.objects.order_by("name"),
@@ -394,6 +397,13 @@ def _model_fields(request) -> dict:
             values[cap] = None if raw.lower() == "none" else _int(request, cap, label)
     if request.POST.get("routing", "").strip():
         values["routing"] = request.POST["routing"].strip()  # the operation refuses one it does not know
+    # blank or default: the cluster's default (the edit form shows the model's own value, blank when it has none)
+    if "queue_limit" in request.POST:
+        raw = request.POST["queue_limit"].strip()
+        values["queue_limit"] = None if raw.lower() in ("", "default") else _int(request, "queue_limit", "queue limit")
+    if "max_wait" in request.POST:
+        raw = request.POST["max_wait"].strip()
+        values["max_wait_seconds"] = None if raw.lower() in ("", "default") else _duration(request, "max_wait", "max wait")
     return values
 
 
@@ -612,5 +622,7 @@ def settings_set(request):
         _actor(request),
         drain_grace_seconds=_int(request, "drain_grace_seconds", "drain grace", blank_ok=True),
         reconcile_interval_seconds=_int(request, "reconcile_interval_seconds", "reconcile interval", blank_ok=True),
-        min_resident_seconds=_int(request, "min_resident_seconds", "minimum residency", blank_ok=True))
+        min_resident_seconds=_int(request, "min_resident_seconds", "minimum residency", blank_ok=True),
+        queue_limit=_int(request, "queue_limit", "queue limit", blank_ok=True),
+        max_wait_seconds=_int(request, "max_wait_seconds", "max wait", blank_ok=True))
     return "settings saved"

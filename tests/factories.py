@@ -138,3 +138,21 @@ def seed_defaults() -> None:
     importlib.import_module("cluster.migrations.0002_defaults").forwards(apps, None)
     importlib.import_module("cluster.migrations.0004_engine_key").forwards(apps, None)
     Event.objects.filter(kind="engine_key.created").delete()  # as every test starts: see tests/conftest.py
+
+
+def put_waiting(client, model: str, *waited: float, lapsed: int = 0) -> str:
+    """Requests waiting in `model`'s admission queue in Redis, one per number of seconds it has waited, written as
+    the gateway's admission writes them (cluster.inflight: `rank|key|cost|expires ms|enqueued ms|process|prefs`);
+    `lapsed` more whose process is gone (not counted). The tickets' hash, for the test to delete."""
+    import time
+
+    from cluster.inflight import queue_keys
+
+    now_ms = time.time() * 1000
+    tickets = queue_keys(model)[1]
+    client.delete(tickets)
+    for i, seconds in enumerate(waited):
+        client.hset(tickets, f"t{i}", f"1|key-1|10|{now_ms + 60_000:.0f}|{now_ms - seconds * 1000:.0f}|p|")
+    for i in range(lapsed):
+        client.hset(tickets, f"gone{i}", f"1|key-1|10|{now_ms - 1000:.0f}|{now_ms - 99_000:.0f}|p|")
+    return tickets

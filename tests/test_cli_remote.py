@@ -130,6 +130,13 @@ def test_what_a_change_prints_is_the_same_from_anywhere(cluster, tmp_path):
     both("ctl", "profile", "set", "p-{}", "--context-size", "8192")
     both("ctl", "model", "add", "m-{}", "--file", sha, "--engine", "e-{}", "--profile", "p-{}", "--replicas", "0")
     both("ctl", "model", "set", "m-{}", "--min-replicas", "0", "--max-replicas", "2", "--idle-after", "10m")
+    both("ctl", "model", "set", "m-{}", "--queue-limit", "10", "--max-wait", "30s")
+    assert [(m.queue_limit, m.max_wait_seconds) for m in Model.objects.filter(name__in=["m-lcl", "m-rmt"])] == [
+        (10, 30), (10, 30)]
+    both("ctl", "model", "set", "m-{}", "--queue-limit", "default")
+    assert set(Model.objects.filter(name__in=["m-lcl", "m-rmt"]).values_list("queue_limit", "max_wait_seconds")) == {
+        (None, 30)}
+    both("ctl", "settings", "--queue-limit", "64", "--max-wait", "2m")
     both("ctl", "restart", "--model", "m-{}")
     both("ctl", "model", "remove", "m-{}")
     both("ctl", "keys", "create", "k-{}", "--rpm", "10", "--expires", "2099-01-01", "--priority", "batch")

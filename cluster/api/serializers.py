@@ -8,20 +8,11 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from agents.engines import CAPABILITIES, DRIVERS, SURFACES
-from agents.units import MAX_DURATION
+from agents.engines import CAPABILITIES, DRIVERS
 from cluster import queries
-from cluster.api.base import INT_MAX, AliasField, NameField, StrictSerializer, UserNameField
-from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
-from cluster.operations import (
-    DEFAULT_MAX_CHOICES,
-    DEFAULT_MAX_LOGPROBS,
-    DEFAULT_MAX_TOKENS,
-    MAX_ALIASES,
-    MAX_MEMORY,
-    MAX_REPLICAS,
-    PROFILE_MAXIMA,
-)
+from cluster.api.base import NameField, StrictSerializer, UserNameField
+from cluster.models import EngineVersion, Event, ModelFile, Node, Profile, Replica
+from cluster.operations import MAX_QUEUE_LIMIT, MAX_WAIT_SECONDS, PROFILE_MAXIMA
 from cluster.roles import ROLES
 
 # Nodes
@@ -149,211 +140,6 @@ class NewNodeSerializer(NodeSerializer):
     class Meta(NodeSerializer.Meta):
         fields = NodeSerializer.Meta.fields + ["token", "agent_command"]
         read_only_fields = fields
-
-
-# Models
-
-
-class ModelFileRefSerializer(serializers.ModelSerializer):
-    class Meta:
-        model = ModelFile
-        fields = ["sha256", "name"]
-        read_only_fields = fields
-
-
-STATES = Replica.State.values
-
-
-class ScalingShownSerializer(serializers.Serializer):
-    mode = serializers.ChoiceField(choices=["fixed", "autoscaled", "on-demand"])
-    ready = serializers.IntegerField(help_text="its ready replicas")
-    wanted = serializers.IntegerField(help_text="the replicas it wants now (the autoscaler's number when autoscaled)")
-    replicas_text = serializers.CharField(help_text="READY/WANT, with the range when autoscaled: 2/2 (1-3)")
-    min_replicas = serializers.IntegerField(allow_null=True)
-    max_replicas = serializers.IntegerField(allow_null=True)
-    target_inflight = serializers.IntegerField(allow_null=True)
-    idle_after_seconds = serializers.IntegerField(allow_null=True)
-    scale_down_delay_seconds = serializers.IntegerField(allow_null=True)
-    last_request_at = serializers.DateTimeField(allow_null=True, help_text="the last request the gateway saw for it "
-                                                "(fixed or autoscaled); null: none yet")
-    idle_at = serializers.DateTimeField(allow_null=True, help_text="on demand and loaded: when it goes to zero if "
-                                        "no request comes")
-
-
-ALIASES_HELP = (
-    "other names a request on /v1/ may give for the model (a client's vendor names: claude-sonnet-4-5,"
-    " gpt-5-codex), each listed by /v1/models; none is a model's name or another model's alias"
-)
-
-
-class ServedModelSerializer(serializers.ModelSerializer):
-    file = ModelFileRefSerializer(read_only=True)
-    engine = serializers.CharField(source="engine.name", read_only=True)
-    profile = serializers.CharField(source="profile.name", read_only=True)
-    memory_bytes = serializers.SerializerMethodField(help_text="per replica: the operator's figure, else estimated")
-    memory_estimated = serializers.SerializerMethodField(help_text="memory_bytes is an estimate from the file")
-    counting = serializers.IntegerField(
-        source="n_counting", read_only=True, help_text="replicas counting toward `replicas` now"
-    )
-    replica_states = serializers.SerializerMethodField(help_text="number of replicas in each state")
-    nodes = serializers.ListField(child=serializers.CharField(), read_only=True, help_text="allowed nodes; empty: any")
-    aliases = serializers.ListField(child=serializers.CharField(), read_only=True, help_text=ALIASES_HELP)
-    capabilities = serializers.SerializerMethodField(
-        help_text="what its engine serves with its profile: /v1/ APIs (chat, completions, embeddings, messages,"
-        " responses, rerank) and inputs beyond text (images, audio); the gateway refuses the rest with a 400"
-    )
-    serves = serializers.SerializerMethodField(
-        help_text="the /v1/ APIs it serves, of chat, completions, embeddings, messages (Anthropic's), responses"
-        " (OpenAI's Responses) and rerank: its capabilities without the inputs"
-    )
-    scaling_text = serializers.CharField(read_only=True, help_text="how it scales, in an operator's words")
-    scaling = serializers.SerializerMethodField(
-        help_text="how it scales: mode (fixed, autoscaled, on-demand), the replicas it wants now, its range and the "
-        "autoscaler's knobs (null for a fixed model), its last request, and when an on-demand model goes idle"
-    )
-
-    class Meta:
-        model = Model
-        fields = [
-            "name",
-            "file",
-            "engine",
-            "profile",
-            "capabilities",
-            "serves",
-            "replicas",
-            "memory_bytes",
-            "memory_estimated",
-            "nodes",
-            "aliases",
-            "wait_seconds",
-            "max_tokens",
-            "max_logprobs",
-            "max_choices",
-            "routing",
-            "min_replicas",
-            "max_replicas",
-            "target_inflight",
-            "idle_after_seconds",
-            "scale_down_delay_seconds",
-            "scaling",
-            "scaling_text",
-            "removing",
-            "placement_note",
-            "counting",
-            "replica_states",
-            "created_at",
-        ]
-        read_only_fields = fields
-
-    @extend_schema_field(ScalingShownSerializer)
-    def get_scaling(self, model: Model) -> dict:
-        asked = self.context.get("last_requests")
-        if asked is None:  # read once for a page of models
-            asked = self.context["last_requests"] = queries.last_requests()
-        return ScalingShownSerializer(queries.scaling_shown(model, asked)).data
-
-    @extend_schema_field(OpenApiTypes.INT64)
-    def get_memory_bytes(self, model: Model) -> int:
-        return model.memory_estimate()
-
-    @extend_schema_field(serializers.ListField(child=serializers.ChoiceField(choices=CAPABILITIES)))
-    def get_capabilities(self, model: Model) -> list[str]:
-        return list(model.capabilities())
-
-    @extend_schema_field(serializers.ListField(child=serializers.ChoiceField(choices=SURFACES)))
-    def get_serves(self, model: Model) -> list[str]:
-        return [c for c in model.capabilities() if c in SURFACES]
-
-    @extend_schema_field(OpenApiTypes.BOOL)
-    def get_memory_estimated(self, model: Model) -> bool:
-        return not model.memory_bytes
-
-    @extend_schema_field(serializers.DictField(child=serializers.IntegerField()))
-    def get_replica_states(self, model: Model) -> dict:
-        return {s: getattr(model, f"n_{s}") for s in STATES}
-
-
-MAX_LOGPROBS_HELP = (
-    "most top log-probabilities per token a request may ask for (llama.cpp's n_probs, chat's top_logprobs,"
-    " completions' logprobs), refused with a 400 past it; 0: none at all; null: no cap"
-)
-MAX_CHOICES_HELP = "most choices a request may ask for (n, best_of), refused with a 400 past it; null: no cap"
-
-
-ROUTING_HELP = (
-    "how the gateway picks among the ready replicas: prefix (requests sharing an opening, such as the turns of"
-    " a conversation, to the replica holding it in its cache, within a load bound) or least-inflight"
-)
-
-
-class ScalingFields(StrictSerializer):
-    """A model's replicas: fixed (`replicas`) or autoscaled (`min_replicas` to `max_replicas`, and the knobs)."""
-
-    min_replicas = serializers.IntegerField(
-        required=False, min_value=0, max_value=MAX_REPLICAS, allow_null=True,
-        help_text="autoscale from this many (0: on demand, loaded when a request asks for it); with max_replicas, "
-        "never with replicas")
-    max_replicas = serializers.IntegerField(required=False, min_value=1, max_value=MAX_REPLICAS, allow_null=True,
-                                            help_text="autoscale up to this many")
-    target_inflight = serializers.IntegerField(required=False, min_value=1, max_value=10_000, allow_null=True,
-                                               help_text="requests in flight per replica the autoscaler aims at")
-    idle_after_seconds = serializers.IntegerField(
-        required=False, min_value=0, max_value=MAX_DURATION, allow_null=True,
-        help_text="min_replicas 0: with no request this long the model goes to zero replicas")
-    scale_down_delay_seconds = serializers.IntegerField(
-        required=False, min_value=0, max_value=MAX_DURATION, allow_null=True,
-        help_text="below the target this long, one replica fewer")
-
-
-class ServedModelUpdateSerializer(ScalingFields):
-    file = serializers.CharField(
-        required=False, help_text="a sha256 (or 8+ hex digits of one), a file name in the mirror, or a path"
-    )
-    engine = serializers.CharField(required=False, help_text="engine name, e.g. llama.cpp")
-    profile = serializers.CharField(required=False)
-    replicas = serializers.IntegerField(required=False, min_value=0, max_value=MAX_REPLICAS)
-    memory_bytes = serializers.IntegerField(
-        required=False, min_value=0, max_value=MAX_MEMORY, allow_null=True, help_text="per replica; null or 0: estimate"
-    )
-    nodes = serializers.ListField(required=False, child=NameField(), help_text="node names allowed; empty: any")
-    aliases = serializers.ListField(required=False, child=AliasField(), max_length=MAX_ALIASES,
-                                    help_text=ALIASES_HELP + "; empty: none")
-    wait_seconds = serializers.IntegerField(required=False, min_value=0, max_value=3600)
-    max_tokens = serializers.IntegerField(
-        required=False, min_value=1, max_value=INT_MAX, allow_null=True,
-        help_text="most tokens a completion may generate; null: no cap of llmgw's",
-    )
-    max_logprobs = serializers.IntegerField(required=False, min_value=0, max_value=INT_MAX, allow_null=True,
-                                            help_text=MAX_LOGPROBS_HELP)
-    max_choices = serializers.IntegerField(required=False, min_value=1, max_value=INT_MAX, allow_null=True,
-                                           help_text=MAX_CHOICES_HELP)
-    routing = serializers.ChoiceField(choices=Model.Routing.choices, required=False, help_text=ROUTING_HELP)
-
-
-class ServedModelCreateSerializer(ScalingFields):
-    name = NameField()
-    file = serializers.CharField(help_text="a sha256 (or 8+ hex digits of one), a file name in the mirror, or a path")
-    engine = serializers.CharField(help_text="engine name, e.g. llama.cpp")
-    profile = serializers.CharField(default="default")
-    replicas = serializers.IntegerField(min_value=0, max_value=MAX_REPLICAS, allow_null=True, default=None,
-                                        help_text="a fixed number of replicas (1 when neither this nor a range is given)")
-    memory_bytes = serializers.IntegerField(
-        min_value=0, max_value=MAX_MEMORY, allow_null=True, default=None, help_text="per replica; null or 0: estimate"
-    )
-    nodes = serializers.ListField(child=NameField(), default=list, help_text="node names; empty: any")
-    aliases = serializers.ListField(child=AliasField(), default=list, max_length=MAX_ALIASES, help_text=ALIASES_HELP)
-    wait_seconds = serializers.IntegerField(min_value=0, max_value=3600, allow_null=True, default=None)
-    max_tokens = serializers.IntegerField(
-        min_value=1, max_value=INT_MAX, allow_null=True, default=DEFAULT_MAX_TOKENS,
-        help_text="most tokens a completion may generate, set when a client asks for none and lowered when it asks"
-        " for more; null: no cap of llmgw's",
-    )
-    max_logprobs = serializers.IntegerField(min_value=0, max_value=INT_MAX, allow_null=True,
-                                            default=DEFAULT_MAX_LOGPROBS, help_text=MAX_LOGPROBS_HELP)
-    max_choices = serializers.IntegerField(min_value=1, max_value=INT_MAX, allow_null=True,
-                                           default=DEFAULT_MAX_CHOICES, help_text=MAX_CHOICES_HELP)
-    routing = serializers.ChoiceField(choices=Model.Routing.choices, default=Model.Routing.PREFIX, help_text=ROUTING_HELP)
 
 
 # Replicas
@@ -637,6 +423,10 @@ class ClusterSettingsSerializer(serializers.Serializer):
     reconcile_interval_seconds = serializers.IntegerField(help_text="how often the reconciler runs")
     min_resident_seconds = serializers.IntegerField(
         help_text="how long an autoscaled model's replica serves before it may be evicted for another model")
+    queue_limit = serializers.IntegerField(help_text="requests that may wait for a model's slots, for a model that "
+                                           "sets none of its own (past it: 429 queue_full)")
+    max_wait_seconds = serializers.IntegerField(help_text="seconds a request may wait for a slot, for a model that "
+                                                "sets none of its own (past it: 503 queue_timeout)")
     serving_stopped = serializers.BooleanField(help_text="llmgw stop is in effect (change it with system stop/start)")
     engine_key_fingerprint = serializers.CharField(help_text="of the current engine key")
 
@@ -647,12 +437,15 @@ class ClusterSettingsUpdateSerializer(StrictSerializer):
     drain_grace_seconds = serializers.IntegerField(required=False, min_value=0, max_value=86400)
     reconcile_interval_seconds = serializers.IntegerField(required=False, min_value=1, max_value=3600)
     min_resident_seconds = serializers.IntegerField(required=False, min_value=0, max_value=86400)
+    queue_limit = serializers.IntegerField(required=False, min_value=1, max_value=MAX_QUEUE_LIMIT)
+    max_wait_seconds = serializers.IntegerField(required=False, min_value=1, max_value=MAX_WAIT_SECONDS)
 
     def validate(self, attrs):
         attrs = super().validate(attrs)
         if not attrs:
             raise serializers.ValidationError("name a setting to change: drain_grace_seconds, "
-                                              "reconcile_interval_seconds or min_resident_seconds")
+                                              "reconcile_interval_seconds, min_resident_seconds, queue_limit or "
+                                              "max_wait_seconds")
         return attrs
 
 

@@ -16,8 +16,13 @@ from cluster.api.base import BIGINT_MAX, NamedViewSet, actor_of, datetime_param,
 from cluster.api.errors import Refused, refused
 from cluster.api.parsers import JSONParser
 from cluster.api.schema import UNKNOWN_FILTER, ErrorSerializer
-from cluster.api.serializers import (
+from cluster.api.model_serializers import (
     STATES,
+    ServedModelCreateSerializer,
+    ServedModelSerializer,
+    ServedModelUpdateSerializer,
+)
+from cluster.api.serializers import (
     ClusterSettingsSerializer,
     ClusterSettingsUpdateSerializer,
     EngineCreateSerializer,
@@ -47,9 +52,6 @@ from cluster.api.serializers import (
     ReplicaSerializer,
     RestartQueuedSerializer,
     RestartSerializer,
-    ServedModelCreateSerializer,
-    ServedModelSerializer,
-    ServedModelUpdateSerializer,
     StatusSerializer,
     SystemRestartSerializer,
     UserCreateSerializer,

@@ -32,7 +32,7 @@ from cluster.operations.profiles import (
 from cluster.operations.restart import RestartQueued, drain_node, restart_replicas, staleness, undrain_node
 from cluster.operations.serving import rotate_engine_key, set_settings, start_serving, stop_serving
 from cluster.operations.users import add_user, api_token
-from cluster.operations.validation import MAX_MEMORY, MAX_REPLICAS
+from cluster.operations.validation import MAX_MEMORY, MAX_QUEUE_LIMIT, MAX_REPLICAS, MAX_WAIT_SECONDS
 from cluster.roles import ROLES
 
 __all__ = [
@@ -43,7 +43,9 @@ __all__ = [
     "GGUF_ENGINES",
     "MAX_ALIASES",
     "MAX_MEMORY",
+    "MAX_QUEUE_LIMIT",
     "MAX_REPLICAS",
+    "MAX_WAIT_SECONDS",
     "PROFILE_FIELDS",
     "PROFILE_MAXIMA",
     "ROLES",

@@ -25,7 +25,16 @@ from cluster.models import (
 )
 from cluster.operations.files import resolve_file
 from cluster.operations.profiles import DEFAULT_PROFILE
-from cluster.operations.validation import MAX_MEMORY, MAX_REPLICAS, check_count, check_name, created, get_named
+from cluster.operations.validation import (
+    MAX_MEMORY,
+    MAX_QUEUE_LIMIT,
+    MAX_REPLICAS,
+    MAX_WAIT_SECONDS,
+    check_count,
+    check_name,
+    created,
+    get_named,
+)
 
 GGUF_ENGINES = ("llama.cpp", "xllamacpp")
 DEFAULT_MAX_TOKENS = 4096  # a completion's cap unless the operator sets another (or none)
@@ -100,6 +109,12 @@ def _model_values(values: dict, actor: str) -> dict:
         if field in values:
             cap = values[field]
             clean[field] = None if cap is None else check_count(label, cap, least)
+    # None: the cluster's default (ClusterSettings), read by the gateway when it admits a request
+    for field, label, most in (("queue_limit", "queue limit", MAX_QUEUE_LIMIT),
+                               ("max_wait_seconds", "max wait (seconds)", MAX_WAIT_SECONDS)):
+        if field in values:
+            value = values[field]
+            clean[field] = None if value is None else check_count(label, value, 1, most)
     for field, label in (("min_replicas", "min replicas"), ("max_replicas", "max replicas")):
         if values.get(field) is not None:
             clean[field] = check_count(label, values[field], 0, MAX_REPLICAS)
@@ -187,8 +202,11 @@ def add_model(
     idle_after_seconds: int | None = None,
     scale_down_delay_seconds: int | None = None,
     aliases: list[str] | None = None,
+    queue_limit: int | None = None,
+    max_wait_seconds: int | None = None,
 ) -> Model:
-    """A new model: `replicas` fixed (1 unless given), or autoscaled between `min_replicas` and `max_replicas`."""
+    """A new model: `replicas` fixed (1 unless given), or autoscaled between `min_replicas` and `max_replicas`;
+    `queue_limit` and `max_wait_seconds` None: the cluster's defaults."""
     check_name("model", name)
     existing = Model.objects.filter(name=name).first()
     if existing:
@@ -215,6 +233,8 @@ def add_model(
                 "idle_after_seconds": idle_after_seconds,
                 "scale_down_delay_seconds": scale_down_delay_seconds,
                 "aliases": aliases or [],
+                "queue_limit": queue_limit,
+                "max_wait_seconds": max_wait_seconds,
             },
             actor,
         )
@@ -278,16 +298,22 @@ def set_model(name: str, actor: str, **values) -> Model:
             _start_demand(model, running)  # from the replicas it ran, within its range
         if not model.autoscaled and was_autoscaled:
             Demand.objects.filter(model=model).delete()
-        shown = ", ".join(f"{k}={_shown(v)}" for k, v in changed.items())
+        shown = ", ".join(f"{k}={_shown(k, v)}" for k, v in changed.items())
         record("model.edited", actor, f"model {name} edited: {shown}", subject=name)
         kick_reconciler()
     return model
 
 
-def _shown(value) -> str:
-    """A changed setting in the model.edited Event: a list as its items (`aliases=a,b`; `none` when empty)."""
+QUEUE_FIELDS = ("queue_limit", "max_wait_seconds")  # None: the cluster's default
+
+
+def _shown(key: str, value) -> str:
+    """A changed setting in the model.edited Event: a list as its items (`aliases=a,b`; `none` when empty), a
+    queue's bound left to the cluster as `default`."""
     if isinstance(value, list):
         return ",".join(value) or "none"
+    if value is None and key in QUEUE_FIELDS:
+        return "default"
     return str(getattr(value, "name", value))
 
 

@@ -7,7 +7,7 @@ from django.db import transaction
 from cluster.errors import Conflict, OperationError
 from cluster.events import kick_reconciler, record
 from cluster.models import ClusterSettings, Replica
-from cluster.operations.validation import check_count
+from cluster.operations.validation import MAX_QUEUE_LIMIT, MAX_WAIT_SECONDS, check_count
 
 
 def stop_serving(actor: str) -> ClusterSettings:
@@ -36,10 +36,12 @@ def start_serving(actor: str) -> ClusterSettings:
 
 
 def set_settings(actor: str, drain_grace_seconds: int | None = None, reconcile_interval_seconds: int | None = None,
-                 min_resident_seconds: int | None = None) -> ClusterSettings:
+                 min_resident_seconds: int | None = None, queue_limit: int | None = None,
+                 max_wait_seconds: int | None = None) -> ClusterSettings:
     """Change the cluster settings given (None: leave as is): how long a drain waits for requests in flight,
-    how often the reconciler runs, and how long an autoscaled model's replica serves before it may be evicted
-    for another model."""
+    how often the reconciler runs, how long an autoscaled model's replica serves before it may be evicted
+    for another model, and the default bounds of a model's admission queue (requests waiting, seconds each may
+    wait) for the models that set none of their own."""
     values = {}
     if drain_grace_seconds is not None:
         values["drain_grace_seconds"] = check_count("drain grace (seconds)", drain_grace_seconds, 0, 86400)
@@ -47,8 +49,13 @@ def set_settings(actor: str, drain_grace_seconds: int | None = None, reconcile_i
         values["reconcile_interval_seconds"] = check_count("reconcile interval (seconds)", reconcile_interval_seconds, 1, 3600)
     if min_resident_seconds is not None:
         values["min_resident_seconds"] = check_count("minimum residency (seconds)", min_resident_seconds, 0, 86400)
+    if queue_limit is not None:
+        values["queue_limit"] = check_count("queue limit", queue_limit, 1, MAX_QUEUE_LIMIT)
+    if max_wait_seconds is not None:
+        values["max_wait_seconds"] = check_count("max wait (seconds)", max_wait_seconds, 1, MAX_WAIT_SECONDS)
     if not values:
-        raise OperationError("name a setting to change: drain grace, reconcile interval or minimum residency")
+        raise OperationError("name a setting to change: drain grace, reconcile interval, minimum residency, queue "
+                             "limit or max wait")
     with transaction.atomic():
         cluster = ClusterSettings.objects.select_for_update().get(pk=ClusterSettings.load().pk)
         changed = {k: v for k, v in values.items() if getattr(cluster, k) != v}
@@ -56,7 +63,8 @@ def set_settings(actor: str, drain_grace_seconds: int | None = None, reconcile_i
             setattr(cluster, k, v)
         if changed:
             cluster.save(update_fields=[*changed, "updated_at"])
-            said = ", ".join(f"{k.replace('_seconds', '').replace('_', ' ')} {v}s" for k, v in changed.items())
+            said = ", ".join(f"{k.replace('_seconds', '').replace('_', ' ')} {v}{'s' if k.endswith('_seconds') else ''}"
+                             for k, v in changed.items())
             record("settings.changed", actor, f"settings changed: {said}", **changed)
             kick_reconciler()
     return cluster

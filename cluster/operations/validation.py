@@ -12,6 +12,8 @@ from cluster.models import NAME_HINT, NAME_RE
 
 MAX_REPLICAS = 1000
 MAX_MEMORY = 2**50  # a PiB: anything above is a typo
+MAX_QUEUE_LIMIT = 100_000  # requests that may wait for a model's slots (its own bound, or the cluster's default)
+MAX_WAIT_SECONDS = 3600  # seconds a request may wait for a slot
 INT_MAX = 2**31 - 1
 
 

@@ -112,3 +112,28 @@ def duration_arg(text: str) -> int:
         return parse_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def or_default(parse):
+    """An option that also takes `default`: None, the cluster's default (`--queue-limit N|default`)."""
+
+    def parse_or_default(text: str):
+        if text.strip().lower() == "default":
+            return None
+        return parse(text)
+
+    return parse_or_default
+
+
+def _queue_limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number or default") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1")
+    return value
+
+
+queue_limit_arg = or_default(_queue_limit)  # `--queue-limit N|default`
+max_wait_arg = or_default(duration_arg)  # `--max-wait 30s|default`

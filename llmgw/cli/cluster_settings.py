@@ -20,7 +20,8 @@ def engine_key_rotate(o, out):
 def settings_show_or_set(o, out):
     changes = {field: o.get(option) for option, field in (
         ("drain_grace", "drain_grace_seconds"), ("reconcile_interval", "reconcile_interval_seconds"),
-        ("min_resident", "min_resident_seconds")) if o.get(option) is not None}
+        ("min_resident", "min_resident_seconds"), ("queue_limit", "queue_limit"), ("max_wait", "max_wait_seconds"))
+        if o.get(option) is not None}
     api = o["api"]
     shown = api.patch("settings/", changes, doing="change the cluster settings") if changes else api.get("settings/")
     if o["json"]:

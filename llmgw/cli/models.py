@@ -20,13 +20,26 @@ def models_list(o, out):
         idle = moment(scaling["idle_at"])
         rows.append(
             [m["name"], m["engine"], m["profile"], ",".join(m["capabilities"]), m["routing"], scaling["mode"],
-             replicas, age(scaling["last_request_at"], at) + " ago" if scaling["last_request_at"] else "-",
+             replicas, *_queue_columns(m.get("queue")),
+             age(scaling["last_request_at"], at) + " ago" if scaling["last_request_at"] else "-",
              ("in " + format_age((idle - at).total_seconds())) if idle and idle > at else ("now" if idle else "-"),
              size(m["memory_bytes"]), ",".join(m["aliases"]) or "-",
              "removing" if m["removing"] else m["placement_note"]]
         )
-    table(["NAME", "ENGINE", "PROFILE", "SERVES", "ROUTING", "MODE", "READY/WANT", "LAST REQUEST", "IDLE", "MEMORY",
-           "ALIASES", "NOTE"], rows, out)
+    table(["NAME", "ENGINE", "PROFILE", "SERVES", "ROUTING", "MODE", "READY/WANT", "WAITING", "LONGEST WAIT",
+           "LAST REQUEST", "IDLE", "MEMORY", "ALIASES", "NOTE"], rows, out)
+
+
+def _queue_columns(queue: dict | None) -> tuple[str, str]:
+    """WAITING and LONGEST WAIT: the requests waiting for a slot (`-`: none; `?`: unknown, Redis away) and the
+    oldest's wait, e.g. 4.2s."""
+    waiting = (queue or {}).get("waiting")
+    if waiting is None:
+        return "?", "-"
+    if not waiting:
+        return "-", "-"
+    longest = queue.get("longest_wait_seconds")
+    return str(waiting), "-" if longest is None else f"{longest:.1f}s"
 
 
 SCALING_OPTIONS = {"min_replicas": "min_replicas", "max_replicas": "max_replicas", "target_inflight": "target_inflight",
@@ -50,6 +63,7 @@ def model_add(o, out):
         "replicas": o["replicas"], "nodes": o["nodes"] or [], "wait_seconds": o["wait"],
         "max_tokens": o["max_tokens"], "max_logprobs": o["max_logprobs"], "max_choices": o["max_choices"],
         "routing": o["routing"], "aliases": o.get("aliases") or [], **_scaling_values(o),
+        "queue_limit": o.get("queue_limit"), "max_wait_seconds": o.get("max_wait"),
     }
     if o["memory"]:
         body["memory_bytes"] = parse_size_arg(o["memory"])
@@ -77,12 +91,15 @@ def model_set(o, out):
     for cap in ("max_tokens", "max_logprobs", "max_choices"):  # None is a value here: no cap
         if o.get(cap, UNSET) is not UNSET:
             values[cap] = o[cap]
+    for option, field in (("queue_limit", "queue_limit"), ("max_wait", "max_wait_seconds")):
+        if o.get(option, UNSET) is not UNSET:  # None is a value here: the cluster's default
+            values[field] = o[option]
     values.update(_scaling_values(o))
     if not values:
         raise CliError(
             "nothing to change: give --replicas, --min-replicas, --max-replicas, --target-inflight, --idle-after, "
             "--scale-down-delay, --profile, --engine, --file, --memory, --nodes, --wait, --max-tokens, --max-logprobs, "
-            "--max-choices, --routing or --alias"
+            "--max-choices, --routing, --alias, --queue-limit or --max-wait"
         )
     if any(values.get(k) is not None for k in ("replicas", "min_replicas", "max_replicas")) and not o.get("yes"):
         _confirmed(o, o["api"].get(f"models/{o['name']}/"), values)

@@ -30,6 +30,8 @@ from llmgw.cli.args import (
     max_logprobs_arg,
     max_tokens_arg,
     models_arg,
+    max_wait_arg,
+    queue_limit_arg,
 )
 from llmgw.cli.completion import add_completion
 from llmgw.cli.login import login, logout
@@ -86,6 +88,16 @@ def scaling_args(p) -> None:
                    help="min 0: no request this long and it goes to zero, e.g. 15m (default)")
     p.add_argument("--scale-down-delay", type=duration_arg, metavar="DURATION",
                    help="below the target this long and it has one replica fewer, e.g. 5m (default)")
+
+def queue_args(p, default) -> None:
+    """A model's admission bounds; `default`: the cluster's (`ctl settings`)."""
+    p.add_argument("--queue-limit", type=queue_limit_arg, default=default, metavar="N|default",
+                   help="requests that may wait for a slot of its replicas, refused with a 429 past it "
+                        "(default: the cluster's, ctl settings)")
+    p.add_argument("--max-wait", type=max_wait_arg, default=default, metavar="DURATION|default",
+                   help="how long a request may wait for a slot, e.g. 30s, answered with a 503 past it "
+                        "(default: the cluster's, ctl settings)")
+
 
 def build(parser) -> None:
     """The whole `llmgw` command tree."""
@@ -255,6 +267,7 @@ def build(parser) -> None:
                         "least-inflight: the replica with the fewest requests in flight")
     p.add_argument("--alias", dest="aliases", type=aliases_arg, default=None, metavar="NAME,...",
                    help=ALIAS_HELP)
+    queue_args(p, default=None)
     p.add_argument("--yes", action="store_true", help=YES_HELP)
     p.set_defaults(func=model_add)
     p = model.add_parser("set", help="change a model")
@@ -276,6 +289,7 @@ def build(parser) -> None:
     p.add_argument("--routing", choices=ROUTINGS, help="how the gateway picks a replica: prefix or least-inflight")
     p.add_argument("--alias", dest="aliases", type=aliases_arg, default=None, metavar="NAME,...|none",
                    help=ALIAS_HELP + "; '' or none: no aliases")
+    queue_args(p, default=UNSET)
     p.add_argument("--yes", action="store_true", help=YES_HELP)
     p.set_defaults(func=model_set)
     p = model.add_parser("remove", help="stop all its replicas and remove it")
@@ -308,13 +322,17 @@ def build(parser) -> None:
     p.set_defaults(func=engine_key_rotate)
 
     p = ctl.add_parser("settings", help="show or change the cluster settings (drain grace, reconcile interval, "
-                                        "minimum residency)")
+                                        "minimum residency, a model's default queue limit and max wait)")
     p.add_argument("--drain-grace", type=int, default=None, metavar="SECONDS",
                    help="how long a draining replica gets for requests in flight")
     p.add_argument("--reconcile-interval", type=int, default=None, metavar="SECONDS",
                    help="how often the reconciler runs")
     p.add_argument("--min-resident", type=int, default=None, metavar="SECONDS",
                    help="how long an autoscaled model's replica serves before it may be evicted for another model")
+    p.add_argument("--queue-limit", type=int, default=None, metavar="N",
+                   help="requests that may wait for a model's slots, for models that set none (default 512)")
+    p.add_argument("--max-wait", type=duration_arg, default=None, metavar="DURATION",
+                   help="how long a request may wait for a slot, e.g. 2m, for models that set none (default 2m)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=settings_show_or_set)
 

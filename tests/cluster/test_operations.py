@@ -381,6 +381,10 @@ def test_add_model_with_everything(db):
         ({"max_logprobs": "5"}, OperationError, "max logprobs must be a whole number"),
         ({"max_choices": 0}, OperationError, "max choices must be a whole number from 1"),
         ({"max_choices": 2.5}, OperationError, "max choices must be a whole number"),
+        ({"queue_limit": 0}, OperationError, "queue limit must be a whole number from 1 to 100000"),
+        ({"queue_limit": 100_001}, OperationError, "queue limit must be a whole number from 1 to 100000"),
+        ({"max_wait_seconds": 3601}, OperationError, r"max wait \(seconds\) must be a whole number from 1 to 3600"),
+        ({"max_wait_seconds": "30s"}, OperationError, "max wait"),
         ({"engine": "xllamacpp", "file": "notes.txt"}, OperationError, "is not GGUF"),
     ],
 )
@@ -436,6 +440,51 @@ def test_set_model_caps_on_an_answer(db):
     assert row_counts() == before
     model.refresh_from_db()
     assert (model.max_logprobs, model.max_choices) == (0, None)
+
+
+def test_a_models_queue_bounds_default_to_the_clusters(db):
+    """queue_limit and max_wait_seconds: None (the cluster's defaults) unless given; set, and back to None; each
+    change in the model.edited event; a bad value changes nothing."""
+    make_file("qwen.gguf")
+    model = operations.add_model("m1", ACTOR, file="qwen.gguf", engine="llama.cpp")
+    assert (model.queue_limit, model.max_wait_seconds) == (None, None)
+    model = operations.add_model("m2", ACTOR, file="qwen.gguf", engine="llama.cpp", queue_limit=1, max_wait_seconds=3600)
+    assert (model.queue_limit, model.max_wait_seconds) == (1, 3600)
+    operations.set_model("m1", ACTOR, queue_limit=10, max_wait_seconds=30)
+    model = Model.objects.get(name="m1")
+    assert (model.queue_limit, model.max_wait_seconds, model.max_tokens) == (10, 30, 4096)
+    assert "queue_limit=10, max_wait_seconds=30" in Event.objects.get(kind="model.edited").message
+    operations.set_model("m1", ACTOR, queue_limit=None)
+    model.refresh_from_db()
+    assert (model.queue_limit, model.max_wait_seconds) == (None, 30)
+    assert "queue_limit=default" in Event.objects.filter(kind="model.edited").latest("id").message
+    before = row_counts()
+    for values, message in (({"queue_limit": 0}, "queue limit must be a whole number from 1 to 100000"),
+                            ({"max_wait_seconds": 0}, r"max wait \(seconds\) must be a whole number from 1 to 3600"),
+                            ({"queue_limit": 5, "max_wait_seconds": True}, "max wait")):
+        with pytest.raises(OperationError, match=message):
+            operations.set_model("m1", ACTOR, **values)
+    assert row_counts() == before
+    model.refresh_from_db()
+    assert (model.queue_limit, model.max_wait_seconds) == (None, 30)
+
+
+def test_cluster_queue_defaults(db):
+    cluster = operations.set_settings(ACTOR, queue_limit=64, max_wait_seconds=45)
+    assert (cluster.queue_limit, cluster.max_wait_seconds) == (64, 45)
+    event = Event.objects.get(kind="settings.changed")
+    assert "queue limit 64, max wait 45s" in event.message
+    assert queries.queue_shown(make_model("m1"), {}) == {
+        "waiting": 0, "longest_wait_seconds": None, "queue_limit": 64, "max_wait_seconds": 45}
+    before = row_counts()
+    for values, message in (({"queue_limit": 0}, "queue limit must be a whole number from 1 to 100000"),
+                            ({"max_wait_seconds": 3601}, "max wait"),
+                            ({"queue_limit": 8, "max_wait_seconds": -1}, "max wait")):
+        with pytest.raises(OperationError, match=message):
+            operations.set_settings(ACTOR, **values)
+    assert row_counts() == before
+    cluster.refresh_from_db()
+    assert (cluster.queue_limit, cluster.max_wait_seconds) == (64, 45)
 
 
 def test_set_model_refusals(db):

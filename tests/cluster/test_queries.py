@@ -528,3 +528,24 @@ def test_cpu_cores_in_use_are_shown_as_placement_counts_them(db):
     shown = session_for("viewer").get("/api/v1/nodes/n1/").json()
     assert (shown["cpus"], shown["cpus_used"]) == (4, 3)
     assert "CPU cores 3 / 4 used" in session_for("viewer").get("/nodes/").content.decode()
+
+
+def test_ctl_models_shows_the_requests_waiting_and_the_longest_wait(db):
+    from cluster.locks import redis_client
+    from tests.factories import put_waiting
+
+    make_model("busy")
+    make_model("quiet")
+    tickets = put_waiting(redis_client(), "busy", 4.2, 0.3, lapsed=1)
+    try:
+        table = cli("ctl", "models").splitlines()
+        shown = json.loads(cli("ctl", "models", "--json"))
+    finally:
+        redis_client().delete(tickets)
+    at = table[0].index("WAITING"), table[0].index("LONGEST WAIT")
+    rows = {line.split()[0]: line for line in table[1:]}
+    assert rows["busy"][at[0]:].split()[0] == "2" and re.fullmatch(r"4\.\ds", rows["busy"][at[1]:].split()[0])
+    assert rows["quiet"][at[0]:].split()[:2] == ["-", "-"]
+    queues = {m["name"]: m["queue"] for m in shown}
+    assert queues["busy"]["waiting"] == 2 and queues["busy"]["queue_limit"] == 512
+    assert queues["quiet"] == {"waiting": 0, "longest_wait_seconds": None, "queue_limit": 512, "max_wait_seconds": 120}

@@ -297,6 +297,40 @@ def test_a_refused_key_change_is_a_message_and_changes_nothing(op, form, said):
     assert (keys_now(), Event.objects.count()) == (before, events)
 
 
+def test_a_models_queue_bounds_and_the_requests_waiting(op):
+    """The add and edit forms set a model's queue limit and max wait (blank or default: the cluster's); the card
+    shows the requests waiting, the oldest's wait and the bounds in effect, in the live partial."""
+    from cluster.locks import redis_client
+    from tests.factories import put_waiting
+
+    f = make_file(name="tiny.gguf")
+    body = op.post("/models/add/", {"name": "chat", "file": f.sha256, "engine": "llama.cpp", "queue_limit": "",
+                                    "max_wait": "90s"}, **HTMX).content.decode()
+    assert "model chat added" in body
+    model = Model.objects.get(name="chat")
+    assert (model.queue_limit, model.max_wait_seconds) == (None, 90)
+    assert "at most 512 waiting (default), each at most 90s" in body and "queue 0" not in body
+    body = op.post("/models/chat/set/", {"queue_limit": "10", "max_wait": "default"}, **HTMX).content.decode()
+    assert "model chat changed" in body
+    model.refresh_from_db()
+    assert (model.queue_limit, model.max_wait_seconds) == (10, None)
+    assert 'name="queue_limit" type="number" min="1" max="100000" size="6" value="10"' in body
+    before = row_counts()
+    for bad, words in (({"queue_limit": "0"}, "queue limit must be a whole number from 1"),
+                       ({"queue_limit": "many"}, "queue limit: &#x27;many&#x27; is not a whole number"),
+                       ({"max_wait": "2h"}, "max wait (seconds) must be a whole number from 1 to 3600")):
+        assert words in op.post("/models/chat/set/", bad, **HTMX).content.decode()
+    assert row_counts() == before
+    tickets = put_waiting(redis_client(), "chat", 4.2, 1.0, 0.5)
+    try:
+        page = op.get("/models/", **HTMX).content.decode()
+    finally:
+        redis_client().delete(tickets)
+    shown = re.search(r"queue 3 waiting, longest (\d+\.\d) s", page)
+    assert shown and 4.2 <= float(shown.group(1)) < 10
+    assert "at most 10 waiting, each at most 2m (default)" in page
+
+
 def test_settings_and_engine_key_rotation(op):
     body = op.post("/settings/set/", {"drain_grace_seconds": "120", "reconcile_interval_seconds": "2"}, **HTMX).content.decode()
     assert "settings saved" in body
@@ -304,6 +338,11 @@ def test_settings_and_engine_key_rotation(op):
     assert (cluster.drain_grace_seconds, cluster.reconcile_interval_seconds) == (120, 2)
     assert "reconcile interval" in op.post("/settings/set/", {"reconcile_interval_seconds": "0"}, **HTMX).content.decode()
     assert ClusterSettings.load().reconcile_interval_seconds == 2
+    body = op.post("/settings/set/", {"queue_limit": "64", "max_wait_seconds": "30"}, **HTMX).content.decode()
+    assert "settings saved" in body and 'name="queue_limit" type="number" min="1" max="100000" value="64"' in body
+    assert (ClusterSettings.load().queue_limit, ClusterSettings.load().max_wait_seconds) == (64, 30)
+    assert "max wait" in op.post("/settings/set/", {"max_wait_seconds": "0"}, **HTMX).content.decode()
+    assert ClusterSettings.load().max_wait_seconds == 30
     key = cluster.engine_key
     assert "engine key rotated" in op.post("/settings/engine-key/rotate/", **HTMX).content.decode()
     assert ClusterSettings.load().engine_key != key

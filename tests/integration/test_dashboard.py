@@ -128,6 +128,21 @@ def test_restart_model_goes_queued_replacing_done_without_reloading(system, dash
     assert dash.still_same_page()
 
 
+def test_set_a_models_queue_limit_from_its_edit_form(system, dash):
+    dash.go("models")
+    edit = card(dash).locator(f"#edit-{MODEL}")
+    edit.locator("summary").click()
+    edit.locator("input[name=queue_limit]").fill("7")
+    edit.locator("input[name=max_wait]").fill("45s")
+    edit.locator("button", has_text="Save").click()
+    dash.page.wait_for_selector(f"text=model {MODEL} changed")
+    card(dash).locator(".queue", has_text="at most 7 waiting, each at most 45s").wait_for()
+    shown = {m["name"]: m for m in system.cli_json("ctl", "models")}[MODEL]
+    assert (shown["queue_limit"], shown["max_wait_seconds"]) == (7, 45)
+    assert (shown["queue"]["queue_limit"], shown["queue"]["waiting"]) == (7, 0)
+    assert dash.still_same_page()
+
+
 def test_drain_and_undrain_a_node(system, dash):
     dash.go("nodes")
     row = dash.page.locator("tr[data-node=n3]")

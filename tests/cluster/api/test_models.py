@@ -1,10 +1,9 @@
 """The REST API for models: add, list with replica counts, edit, remove; refusals change nothing."""
 
-
 import pytest
 
 from cluster.models import Event, Model, Replica
-from tests.factories import make_replica, row_counts
+from tests.factories import make_model, make_replica, put_waiting, row_counts
 from tests.rest import API, refused
 
 # Models
@@ -210,3 +209,85 @@ def test_bad_scaling_is_refused_and_changes_nothing(cluster, operator, changes, 
     before = row_counts()
     refused(operator.post(f"{API}/models/", body, format="json"), status, *words)
     assert row_counts() == before
+
+
+# Admission queue
+
+
+@pytest.fixture
+def queued_tickets():
+    """Put waiting requests in a model's admission queue in Redis (tests.factories.put_waiting); gone after."""
+    from cluster.locks import redis_client
+
+    used = []
+    yield lambda model, *waited, **kw: used.append(put_waiting(redis_client(), model, *waited, **kw))
+    if used:
+        redis_client().delete(*used)
+
+
+def test_queue_bounds_default_to_the_cluster_and_change_over_the_api(cluster, operator):
+    shown = operator.get(f"{API}/models/qwen2.5-7b/").json()
+    assert (shown["queue_limit"], shown["max_wait_seconds"]) == (None, None)
+    assert shown["queue"] == {"waiting": 0, "longest_wait_seconds": None, "queue_limit": 512, "max_wait_seconds": 120}
+    body = {"queue_limit": 10, "max_wait_seconds": 30}
+    shown = operator.patch(f"{API}/models/qwen2.5-7b/", body, format="json").json()
+    assert (shown["queue_limit"], shown["max_wait_seconds"]) == (10, 30)
+    assert (shown["queue"]["queue_limit"], shown["queue"]["max_wait_seconds"]) == (10, 30)
+    assert "queue_limit=10" in Event.objects.get(kind="model.edited").message
+    shown = operator.patch(f"{API}/models/qwen2.5-7b/", {"queue_limit": None}, format="json").json()
+    assert (shown["queue_limit"], shown["queue"]["queue_limit"], shown["max_wait_seconds"]) == (None, 512, 30)
+    body = {"name": "bounded", "file": "qwen.gguf", "engine": "llama.cpp", "queue_limit": 5, "max_wait_seconds": 60}
+    shown = operator.post(f"{API}/models/", body, format="json").json()
+    assert (shown["queue_limit"], shown["max_wait_seconds"]) == (5, 60)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"queue_limit": 0}, ["queue_limit", "greater than or equal to 1"]),
+    ({"queue_limit": 100_001}, ["queue_limit", "less than or equal to 100000"]),
+    ({"max_wait_seconds": 0}, ["max_wait_seconds", "greater than or equal to 1"]),
+    ({"max_wait_seconds": 3601}, ["max_wait_seconds", "less than or equal to 3600"]),
+    ({"queue_limit": "10"}, ["queue_limit", "must be a whole number"]),
+])
+def test_bad_queue_bounds_are_refused_and_change_nothing(cluster, operator, changes, words):
+    before = row_counts()
+    refused(operator.patch(f"{API}/models/qwen2.5-7b/", changes, format="json"), 400, *words)
+    body = {"name": "new", "file": "qwen.gguf", "engine": "llama.cpp", **changes}
+    refused(operator.post(f"{API}/models/", body, format="json"), 400, *words)
+    assert row_counts() == before
+    assert Model.objects.get(name="qwen2.5-7b").queue_limit is None
+
+
+def test_queue_shows_the_requests_waiting_for_every_model_of_a_page(cluster, viewer, queued_tickets):
+    make_model("other")
+    queued_tickets("qwen2.5-7b", 4.2, 1.0, 0.5, lapsed=2)
+    page = viewer.get(f"{API}/models/").json()["results"]
+    queues = {m["name"]: m["queue"] for m in page}
+    assert queues["other"] == {"waiting": 0, "longest_wait_seconds": None, "queue_limit": 512, "max_wait_seconds": 120}
+    shown = queues["qwen2.5-7b"]
+    assert shown["waiting"] == 3 and 4.2 <= shown["longest_wait_seconds"] < 10
+    assert viewer.get(f"{API}/models/qwen2.5-7b/").json()["queue"]["waiting"] == 3
+
+
+def test_queue_read_once_for_a_page(cluster, viewer, monkeypatch):
+    from cluster import queries
+
+    read = []
+    real = queries.queues
+    monkeypatch.setattr(queries, "queues", lambda names: read.append(list(names)) or real(names))
+    make_model("other")
+    viewer.get(f"{API}/models/")
+    assert read == [["other", "qwen2.5-7b"]]
+
+
+def test_queue_waiting_is_null_when_redis_cannot_be_read(cluster, viewer, monkeypatch):
+    import redis
+
+    class Away:
+        def pipeline(self, **kw):
+            raise redis.ConnectionError("Connection refused")
+
+    monkeypatch.setattr("cluster.locks.redis_client", lambda: Away())
+    response = viewer.get(f"{API}/models/")
+    assert response.status_code == 200
+    queue = response.json()["results"][0]["queue"]
+    assert queue == {"waiting": None, "longest_wait_seconds": None, "queue_limit": 512, "max_wait_seconds": 120}

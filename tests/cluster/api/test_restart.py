@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.models import ClusterSettings, Node, Profile, Replica
+from cluster.models import ClusterSettings, Event, Node, Profile, Replica
 from tests.factories import make_model, make_node, make_replica, row_counts
 from tests.rest import API, refused
 
@@ -151,6 +151,19 @@ def test_settings_show_and_change(db, operator, viewer):
     assert row_counts() == before and ClusterSettings.load().reconcile_interval_seconds == 5
 
 
+def test_settings_queue_defaults(db, operator):
+    shown = operator.get(f"{API}/settings/").json()
+    assert (shown["queue_limit"], shown["max_wait_seconds"]) == (512, 120)
+    body = {"queue_limit": 64, "max_wait_seconds": 30}
+    shown = operator.patch(f"{API}/settings/", body, format="json").json()
+    assert (shown["queue_limit"], shown["max_wait_seconds"]) == (64, 30)
+    assert "queue limit 64, max wait 30s" in Event.objects.get(kind="settings.changed").message
+    before = row_counts()
+    for body in ({"queue_limit": 0}, {"queue_limit": 100_001}, {"max_wait_seconds": 3601}, {"max_wait_seconds": None}):
+        assert operator.patch(f"{API}/settings/", body, format="json").status_code == 400, body
+    assert row_counts() == before and ClusterSettings.load().queue_limit == 64
+
+
 def test_the_engine_key_is_shown_to_admins_only(db, operator, admin):
     assert operator.get(f"{API}/engine-key/").status_code == 403
     shown = admin.get(f"{API}/engine-key/").json()
@@ -169,3 +182,9 @@ def test_cli_settings(db):
 
     with pytest.raises(CommandError, match="reconcile_interval_seconds"):
         cli("ctl", "settings", "--reconcile-interval", "0")
+    out = cli("ctl", "settings", "--queue-limit", "64", "--max-wait", "2m")
+    assert "queue limit: 64\n" in out and "max wait seconds: 120\n" in out
+    with pytest.raises(CommandError, match="queue_limit"):
+        cli("ctl", "settings", "--queue-limit", "0")
+    with pytest.raises(CommandError, match="not a duration"):
+        cli("ctl", "settings", "--max-wait", "soon")
