@@ -221,3 +221,62 @@ def _quantile(counts: list[int], total: int, q: float) -> float:
             return low + (BUCKETS[index] - low) * (rank - seen) / n
         seen += n
     return BUCKETS[-1]
+
+
+# A key's token budget (gateway/budgets.py): a running count per key and period in Redis, used and reserved,
+# seeded from the database's usage when Redis lacks it. A request is refused unless what it may use fits in what is
+# left, and reserves that at once; it settles to what it used when it ends. Returns {-1} (no count: seed it),
+# {0, count} (reserved) or {1, count} (refused).
+BUDGET = """
+local count = redis.call('GET', KEYS[1])
+if not count then return {-1, 0} end
+count = tonumber(count)
+if count + tonumber(ARGV[2]) > tonumber(ARGV[1]) then return {1, count} end
+redis.call('INCRBY', KEYS[1], ARGV[2])
+return {0, count}
+"""
+
+
+def budget_key(key_id: int, period: str, start: int) -> str:
+    return f"llmgw:budget:{key_id}:{period}:{start}"
+
+
+async def reserve_budget(redis, key, reserve: int, seed, now=None) -> str | None:
+    """Reserve `reserve` tokens of the key's budget for a request, or refuse it: 429 `budget_exceeded` naming the
+    budget and when it resets. `seed(key_id, period, now)` is what the key spent this period as the database has
+    it (awaitable), asked only when Redis has no count. Returns the count's name, to settle against (None: no
+    budget)."""
+    import datetime as dt
+
+    from gateway import budgets
+
+    if not key.budget_tokens or key.budget_period not in budgets.PERIODS:
+        return None
+    now = now or dt.datetime.now(dt.timezone.utc)
+    start, end = budgets.period_start(key.budget_period, now), budgets.period_end(key.budget_period, now)
+    name = budget_key(key.id, key.budget_period, int(start.timestamp()))
+    script = redis.register_script(BUDGET)
+    reserve = max(0, int(reserve))
+    refused, count = await script(keys=[name], args=[key.budget_tokens, reserve])
+    if int(refused) == -1:
+        spent = await seed(key.id, key.budget_period, now)
+        await redis.set(name, int(spent), nx=True, exat=int(end.timestamp()) + 86400)
+        refused, count = await script(keys=[name], args=[key.budget_tokens, reserve])
+    if int(refused) == 1:
+        budget = f"{budgets.shown(key.budget_tokens)} tokens per {key.budget_period}"
+        left = max(0, key.budget_tokens - int(count))
+        retry = max(1, int((end - now).total_seconds()))
+        why = (f"key {key.name} has used its budget of {budget}" if left <= 0 else
+               f"key {key.name} has {left} tokens left of its budget of {budget}, and this request may use up to "
+               f"{reserve} (ask for fewer max tokens)")
+        refusal = GatewayError(429, "budget_exceeded", f"{why}; it resets at {end:%Y-%m-%d %H:%M} UTC", retry)
+        refusal.exhausted_until = int(end.timestamp()) if left <= 0 else None  # for the Event, once a period
+        raise refusal
+    return name
+
+
+async def settle_budget(redis, name: str, used: int, reserved: int) -> None:
+    """The budget's count with what a request used in place of what it reserved."""
+    change = int(used) - int(reserved)
+    if change:
+        await redis.incrby(name, change)

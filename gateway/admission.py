@@ -287,6 +287,21 @@ return 0
 """
 
 
+# a key's requests at once (its max_concurrency), across every web process: a sorted set per key, member -> when it
+# lapses. KEYS: the key's set; ARGV: now (ms), lease ttl (ms), limit, member. Returns 1 (held) or 0 (refused).
+KEY_SLOT = r"""
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + tonumber(ARGV[2]), ARGV[4])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * 2)
+return 1
+"""
+
+
+def key_slots_key(key_id: int) -> str:
+    return f"{PREFIX}key:{key_id}"
+
+
 @dataclass
 class Lease:
     """A slot held on a replica: release it when the request ends."""
@@ -306,6 +321,8 @@ class Admission:
         self.process = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._script = redis.register_script(SCRIPT)
         self._renew_tickets = redis.register_script(RENEW_TICKETS)
+        self._key_slot = redis.register_script(KEY_SLOT)
+        self.key_slots: dict[str, int] = {}  # member -> key id: the key slots this process holds
         self.waiters: dict[str, asyncio.Future] = {}
         self.leases: dict[str, Lease] = {}  # by member
         self.tickets: dict[str, tuple[str, str]] = {}  # ticket -> (model, its fields but the expiry)
@@ -423,6 +440,26 @@ class Admission:
         task = asyncio.get_running_loop().create_task(self.redis.delete(grant_key(ticket)), context=contextvars.Context())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # it expires anyway
 
+    async def hold_key(self, key_id: int, name: str, limit: int) -> str:
+        """One of the key's `limit` requests at once (waiting or in flight), or a 429 `concurrency_limit`."""
+        self.start()
+        member = f"{self.process}:{secrets.token_hex(6)}"
+        held = await self._key_slot(keys=[key_slots_key(key_id)],
+                                    args=[int(time.time() * 1000), int(LEASE_TTL * 1000), limit, member])
+        if not int(held):
+            raise GatewayError(429, "concurrency_limit",
+                               f"key {name} has {limit} requests in flight already (its max concurrency)", 1)
+        self.key_slots[member] = key_id
+        return member
+
+    async def let_key_go(self, member: str) -> None:
+        key_id = self.key_slots.pop(member, None)
+        if key_id is not None:
+            try:
+                await self.redis.zrem(key_slots_key(key_id), member)
+            except Exception as exc:  # it lapses in LEASE_TTL
+                log.warning("could not let a key's request go (%s)", exc)
+
     @staticmethod
     def _expiring(fields: str) -> str:
         return fields.replace("{expires}", str(int((time.time() + TICKET_TTL) * 1000)), 1)
@@ -460,6 +497,9 @@ class Admission:
                     for lease in list(self.leases.values()):
                         pipe.zadd(slots_key(lease.replica), {lease.member: int((now + LEASE_TTL) * 1000)}, xx=True)
                         pipe.pexpire(slots_key(lease.replica), int(LEASE_TTL * 2000))
+                    for member, key_id in list(self.key_slots.items()):
+                        pipe.zadd(key_slots_key(key_id), {member: int((now + LEASE_TTL) * 1000)}, xx=True)
+                        pipe.pexpire(key_slots_key(key_id), int(LEASE_TTL * 2000))
                     await pipe.execute()
                 by_model: dict[str, list[str]] = {}
                 for ticket, (model, fields) in list(self.tickets.items()):

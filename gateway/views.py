@@ -14,12 +14,14 @@ import re
 import secrets
 import time
 
+from channels.db import database_sync_to_async
 
 from cluster import throttle
 from cluster.clients import address_of
-from gateway import admission, affinity, metrics
+from cluster.events import record
+from gateway import admission, affinity, budgets, metrics
 from gateway import prompt
-from gateway.accounting import check_limits, settle_tokens
+from gateway.accounting import check_limits, reserve_budget, settle_budget, settle_tokens
 from gateway.engines_http import ConnectFailed, ConnectTimeout, ReadTimeout, Unreachable, UpstreamError
 from gateway.errors import GatewayError, invalid
 from gateway.http import Answer, HungUp, Streamed, json_answer
@@ -133,6 +135,9 @@ class Call:
         self.rank = admission.RANK[admission.DEFAULT_CLASS]  # its class when it waits for a slot
         self.lease: admission.Lease | None = None  # the slot it holds (gateway/admission.py)
         self.admits = True  # it takes a slot of an engine (counting tokens takes none)
+        self.key_slot: str | None = None  # one of its key's requests at once (max_concurrency)
+        self.budget: str | None = None  # the key's budget count it reserved `budget_reserved` tokens of
+        self.budget_reserved = 0
 
     @property
     def label(self) -> str:
@@ -156,6 +161,13 @@ class Call:
         self.status = status
         if self.reserved_minute is not None and self.gw is not None:
             self.gw.spawn(self.settle())
+        if self.gw is not None:
+            if self.key_slot is not None:
+                slot, self.key_slot = self.key_slot, None
+                self.gw.spawn(self.gw.admission.let_key_go(slot))
+            if self.budget is not None:
+                budget, self.budget = self.budget, None
+                self.gw.spawn(settle_budget(self.gw.redis, budget, self.prompt + self.completion, self.budget_reserved))
         seconds = time.monotonic() - self.started
         series = metrics.of(self.label)
         series.requests(status).inc()
@@ -234,6 +246,14 @@ async def _proxy(call, request, endpoint: str):
             if surface.generates:
                 call.reserved += completion_at_most(body, surface.token_fields, route.context)
         call.reserved_minute = await check_limits(gw.redis, call.key, call.reserved)
+        if call.key.max_concurrency:  # its requests in flight or waiting, across every web process
+            call.key_slot = await gw.admission.hold_key(call.key.id, call.key.name, call.key.max_concurrency)
+        if call.key.budget_tokens:  # what it may use reserved at once: concurrent requests cannot overspend
+            reserve = call.prompt_about
+            if surface.generates:
+                reserve += completion_at_most(body, surface.token_fields, route.context)
+            call.budget = await reserve_budget(gw.redis, call.key, reserve, _spent)
+            call.budget_reserved = reserve
         gw.requested(call.model)  # demand, once nothing refuses it (a refused request must keep no model loaded)
         stream = bool(body.get("stream")) and surface.path != "messages/count_tokens"
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
@@ -248,6 +268,8 @@ async def _proxy(call, request, endpoint: str):
             return await _stream(gw, call, surface, payload, wants_usage)
         return await _once(gw, call, surface, payload)
     except GatewayError as exc:
+        if exc.code in REFUSALS and call.key is not None:
+            _refused_for_key(gw, call, exc)
         call.finish(exc.status)
         return surface.error(exc)
     except (asyncio.CancelledError, HungUp):  # the client went away before the answer: still one access-log line
@@ -257,6 +279,36 @@ async def _proxy(call, request, endpoint: str):
         log.exception("gateway error on %s", request.path)
         call.finish(503)
         return surface.error(GatewayError(503, "gateway_error", "the gateway failed on this request; see the web log", 5))
+
+
+# refusals a key's operator should hear of: an Event per key and reason per minute (not one per request)
+REFUSALS = ("queue_full", "queue_timeout", "concurrency_limit", "budget_exceeded")
+REFUSED_NOTED = "llmgw:refused:"  # + key id, reason and minute: set once the minute's Event is written
+
+
+async def _spent(key_id: int, period: str, now) -> int:
+    return await database_sync_to_async(budgets.spent)(key_id, period, now)
+
+
+def _refused_for_key(gw, call, exc: GatewayError) -> None:
+    if exc.code in ("concurrency_limit", "budget_exceeded"):  # the queue's are counted where they happen
+        metrics.REJECTED.labels(call.model if call.known else metrics.UNKNOWN_MODEL, admission.CLASSES[call.rank],
+                                exc.code).inc()
+    gw.spawn(_note_refusal(gw, call.key, call.model, exc))
+
+
+async def _note_refusal(gw, key, model: str, exc: GatewayError) -> None:
+    try:
+        minute = int(time.time() // 60)
+        if await gw.redis.set(f"{REFUSED_NOTED}{key.id}:{exc.code}:{minute}", 1, nx=True, ex=120):
+            await database_sync_to_async(record)(
+                "key.refused", "gateway", f"key {key.name}: requests for {model} refused ({exc.code}): {exc.message}",
+                subject=key.name, reason=exc.code, model=model)
+        until = getattr(exc, "exhausted_until", None)
+        if until and await gw.redis.set(f"{REFUSED_NOTED}{key.id}:budget:{until}", 1, nx=True, exat=until + 60):
+            await database_sync_to_async(record)("key.budget_reached", "gateway", exc.message, subject=key.name)
+    except Exception as exc:  # an Event missed is not worth a request
+        log.warning("could not record a refusal for key %s (%s)", key.name, exc)
 
 
 async def _authenticate(gw, table, request):
