@@ -8,7 +8,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from gateway import metrics
 from gateway.views import Call
 
-BOUNDED = {"model", "status", "kind", "priority", "reason"}  # priority: 3 classes; reason: queue_full, queue_timeout
+BOUNDED = {"model", "status", "kind", "priority", "reason"}  # priority: 3 classes; reason: 4 refusals
 
 
 def test_every_metric_has_bounded_labels():
