@@ -21,12 +21,12 @@ ATTEMPTS = Histogram("llmgw_upstream_attempts", "Replicas a request was sent to 
 INFLIGHT = Gauge("llmgw_inflight_requests", "Requests in flight in this process", ["model"])
 TOKENS = Counter("llmgw_tokens_total", "Tokens, from the engines' usage", ["model", "kind"])
 # admission (gateway/admission.py), by model and class (interactive, standard, batch); a rejection by reason
-# (queue_full, queue_timeout)
+# (queue_full, queue_timeout, budget_exceeded, concurrency_limit)
 QUEUED = Gauge("llmgw_queue_waiting_requests", "Requests waiting for a slot in this process", ["model", "priority"])
 QUEUE_WAIT = Histogram("llmgw_queue_wait_seconds", "Time a request waited for a slot (0: one was free)",
                        ["model", "priority"], buckets=(0.001, *BUCKETS))
 ADMITTED = Counter("llmgw_admitted_requests_total", "Requests given a slot", ["model", "priority"])
-REJECTED = Counter("llmgw_rejected_requests_total", "Requests refused a slot", ["model", "priority", "reason"])
+REJECTED = Counter("llmgw_rejected_requests_total", "Requests refused: the queue, the key's budget or concurrency", ["model", "priority", "reason"])
 
 
 class ModelMetrics:
