@@ -26,7 +26,8 @@ QUEUED = Gauge("llmgw_queue_waiting_requests", "Requests waiting for a slot in t
 QUEUE_WAIT = Histogram("llmgw_queue_wait_seconds", "Time a request waited for a slot (0: one was free)",
                        ["model", "priority"], buckets=(0.001, *BUCKETS))
 ADMITTED = Counter("llmgw_admitted_requests_total", "Requests given a slot", ["model", "priority"])
-REJECTED = Counter("llmgw_rejected_requests_total", "Requests refused: the queue, the key's budget or concurrency", ["model", "priority", "reason"])
+REJECTED = Counter("llmgw_rejected_requests_total", "Requests refused: the queue, the key's budget or concurrency",
+                   ["model", "priority", "reason"])
 
 
 class ModelMetrics:
