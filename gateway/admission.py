@@ -245,11 +245,14 @@ if op == 'admit' then
 elseif op == 'release' then
   -- args: replica, member, key, service to add, grant prefix, channel prefix
   local k = args[1]
-  redis.call('ZREM', k, args[2])
-  add_service(args[3], tonumber(args[4]), cache)
-  for i = 1, nrep do
-    if KEYS[5 + i] == k then free[i] = free[i] + 1 end
+  if redis.call('ZREM', k, args[2]) == 1 then
+    for i = 1, nrep do
+      if KEYS[5 + i] == k then free[i] = free[i] + 1 end
+    end
+    local rank = tonumber(split(args[2])[2]) or 1  -- its class no longer holds that slot
+    holders[rank] = math.max(0, (holders[rank] or 0) - 1)
   end
+  add_service(args[3], tonumber(args[4]), cache)
   dispatch(cache, nil)
   return {1, ''}
 elseif op == 'cancel' then

@@ -210,3 +210,21 @@ async def test_the_queue_is_seen_by_whoever_asks(processes, model):
     await asyncio.gather(*waiting, return_exceptions=True)
     assert inflight.queued(client, [model])[model] == (0, None)
     client.close()
+
+
+async def test_the_slot_an_interactive_request_gives_back_stays_for_its_class(processes, model):
+    """The quiet interactive key's request ends while batch requests wait: its slot is the one held back, so the
+    key's next request finds it free, not taken by the batch."""
+    one, two = processes
+    reps = replicas(2, model=model)
+    quiet = await admit(two, model, reps, key="quiet", rank=INTERACTIVE)
+    batch = [start(one, model, reps, key="batch", rank=BATCH) for _ in range(3)]
+    await asyncio.sleep(0.3)
+    assert sum(t.done() for t in batch) == 1  # the other slot: the quiet key holds the one held back
+    await two.release(quiet, reps(), 10)
+    await asyncio.sleep(0.3)
+    assert sum(t.done() for t in batch) == 1  # still: the slot given back stays for the interactive class
+    again = await admit(two, model, reps, key="quiet", rank=INTERACTIVE, wait=0.2)
+    await two.release(again, reps(), 10)
+    for t in batch:
+        t.cancel()
