@@ -150,7 +150,8 @@ def p50(samples: list[float]) -> float:
 
 class Llmgw(Instance):
     def __init__(self, admission: bool, o):
-        super().__init__("fairness", env={"LLMGW_ADMISSION": "1" if admission else "0"})
+        super().__init__("fairness", env={"LLMGW_ADMISSION": "1" if admission else "0",
+                                          "LLMGW_ADMISSION_HEADROOM": str(o.headroom)})
         self.cli("ctl", "profile", "add", "fair", "--context-size", "8192", "--parallel", "2", "--threads", "1")
         self.cli("ctl", "model", "add", MODEL, "--file", str(gguf_path()), "--engine", "xllamacpp", "--profile",
                  "fair", "--replicas", "1", "--max-tokens", "none")
@@ -182,7 +183,7 @@ async def measure(llmgw: Llmgw, replicas: int, o) -> dict:
 
 def report(results: dict[str, list[dict]], o) -> None:
     print()
-    print(f"quiet key: {o.quiet_requests} streamed chats of 8 tokens, {o.think}s apart; flood: {o.flood} streams of "
+    print(f"admission's headroom {o.headroom:g}; quiet key: {o.quiet_requests} streamed chats of 8 tokens, {o.think}s apart; flood: {o.flood} streams of "
           f"{o.flood_tokens} tokens in flight; four keys: {max(1, o.flood // 2)} streams each for {o.window}s")
     print()
     print("| replicas | admission | quiet alone p50 / worst | under flood p50 / worst | ÷ alone | flood tok/s "
@@ -216,6 +217,7 @@ def main() -> None:
     p.add_argument("--flood-tokens", type=int, default=128, help="tokens of each flood stream")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of flood before the quiet key begins")
     p.add_argument("--window", type=float, default=30.0, help="seconds the four keys are measured")
+    p.add_argument("--headroom", type=float, default=0.0, help="LLMGW_ADMISSION_HEADROOM with admission on")
     o = p.parse_args()
     results: dict[str, list[dict]] = {}
     for mode in o.modes.split(","):
