@@ -41,16 +41,20 @@ def test_a_hundred_nodes_reports_survive_a_writer_holding_the_lock(monkeypatch):
     failures: list[str] = []
     done = threading.Event()
 
+    def sweep(mine: list[Node]) -> None:
+        for node in mine:
+            status = {"name": replicas[node.pk].name, "state": "ready"}
+            try:
+                reports.report(node.pk, [status], full=True)  # a report applied whole
+                reports.seen(node.pk)  # a heartbeat
+            except Exception as exc:
+                failures.append(f"{node.name}: {exc!r}")
+
     def agent_streams(mine: list[Node]) -> None:
         try:
             while not done.is_set():
-                for node in mine:
-                    status = {"name": replicas[node.pk].name, "state": "ready"}
-                    try:
-                        reports.report(node.pk, [status], full=True)  # a report applied whole
-                        reports.seen(node.pk)  # a heartbeat
-                    except Exception as exc:
-                        failures.append(f"{node.name}: {exc!r}")
+                sweep(mine)
+            sweep(mine)  # once more after the lock's last hold: every node has reported since
         finally:
             connections.close_all()
 
@@ -71,6 +75,7 @@ def test_a_hundred_nodes_reports_survive_a_writer_holding_the_lock(monkeypatch):
     for t in [*threads, lock]:
         t.start()
     lock.join()
+    released = timezone.now()
     time.sleep(0.5)
     done.set()
     for t in threads:
@@ -79,7 +84,8 @@ def test_a_hundred_nodes_reports_survive_a_writer_holding_the_lock(monkeypatch):
     assert failures == []
     now = timezone.now()
     rows = list(Node.objects.all())
-    assert all(n.connected and (now - n.last_seen).total_seconds() < 10 for n in rows)
+    # every node's report and heartbeat went through after the writer let go (however slow a loaded machine is)
+    assert all(n.connected and n.last_seen >= released for n in rows), [n.name for n in rows if n.last_seen < released]
     actions = planner.plan(reconciler.take_snapshot(now))
     assert not [a for a in actions if isinstance(a, (planner.MarkNodeDisconnected, planner.Fail))]
     assert Replica.objects.filter(state=Replica.State.READY).count() == NODES
