@@ -105,7 +105,7 @@ class Gateway:
         self.ledger = Ledger()
         self.admission = Admission(self.redis)
         self.headroom = settings.LLMGW_ADMISSION_HEADROOM
-        self._looked_again = {"key": 0.0, "model": 0.0, "stopped": 0.0}
+        self._looked_again = {"key": 0.0, "model": 0.0, "stopped": 0.0, "admission": 0.0}
 
     def spawn(self, coro) -> None:
         """Run `coro` in the background, holding on to it until it ends (the loop keeps only weak references)."""

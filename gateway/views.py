@@ -15,6 +15,7 @@ import secrets
 import time
 
 from channels.db import database_sync_to_async
+from redis.exceptions import RedisError
 
 from cluster import throttle
 from cluster.clients import address_of
@@ -386,7 +387,7 @@ async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = N
                 raise GatewayError(404, "model_not_found", f"no model named {call.model!r}")
             upstream = await gw.choose(route, tried, call.affinity)
             if upstream is not None and gw.admission.enabled and route.slots and call.admits:
-                upstream = await _admit(gw, call, route, tried)
+                upstream = await _admit(gw, call, route, tried, upstream)
                 if upstream is None:
                     continue  # its replica went away as it was granted: admitted again
             if upstream is not None:
@@ -416,9 +417,10 @@ async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = N
             gw.wait_end(call.model)
 
 
-async def _admit(gw, call, route, tried):
+async def _admit(gw, call, route, tried, chosen):
     """A slot on a ready replica of the route, waiting for one in the model's queue (gateway/admission.py); the
-    upstream it is on (None: that replica is gone from the table since)."""
+    upstream it is on (None: that replica is gone from the table since). With Redis out of reach, the replica
+    routing `chosen` without a slot: serving goes on, unordered, until Redis is back."""
     ring = route.ring.walk(call.affinity) if call.affinity is not None and route.routing == PREFIX else ()
     prefs = [name for name in ring if name not in tried]
     if gw.unreachable:  # tried last
@@ -443,6 +445,10 @@ async def _admit(gw, call, route, tried):
     except GatewayError as exc:
         metrics.REJECTED.labels(call.model, priority, exc.code).inc()
         raise
+    except (RedisError, OSError) as exc:
+        if gw.may_look_again("admission"):  # a warning a second at most, not one per request
+            log.warning("admission is off while Redis cannot be reached (%s): requests go straight to engines", exc)
+        return chosen
     finally:
         if queued:
             metrics.QUEUED.labels(call.model, priority).dec()

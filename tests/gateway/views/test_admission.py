@@ -91,3 +91,25 @@ async def test_an_interactive_key_finds_a_slot_held_back_from_batch(cluster, slo
     await read(quick)
     for t in flood:
         await read(await t)
+
+
+async def test_with_redis_out_of_reach_requests_go_straight_to_an_engine(cluster, client, caplog):
+    """Admission fails open: no order for a while, but no request lost to a Redis restart or failover."""
+    import redis.asyncio as aioredis
+
+    from agents.ports import free_port
+    from gateway.admission import Admission
+
+    gw = runtime()
+    await gw.current()
+    gone = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.5)
+    working, gw.admission = gw.admission, Admission(gone)
+    try:
+        for _ in range(3):
+            answered = await chat(client)
+            assert answered.status_code == 200
+        assert "admission is off while Redis cannot be reached" in caplog.text
+    finally:
+        await gw.admission.aclose()
+        await gone.aclose()
+        gw.admission = working
