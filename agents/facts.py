@@ -91,7 +91,8 @@ def gather(
         found = [{"index": i, "name": "simulated", "memory_bytes": size} for i, size in enumerate(gpus)]
     facts: Facts = {
         "hostname": socket.gethostname(),
-        "cpu_count": min(cores, cpus) if cpus else cores,  # offered to the planner (--cpus may lower it)
+        # offered to the planner: --cpus fewer, or more to overcommit (engines that are mostly idle share cores)
+        "cpu_count": cpus or cores,
         "cpu_total_count": cores,
         "memory_bytes": min(total, memory) if memory else total,
         "memory_total_bytes": total,

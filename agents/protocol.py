@@ -20,7 +20,7 @@ class Gpu(TypedDict):
 
 class Facts(TypedDict):
     hostname: str
-    cpu_count: int  # CPU cores offered to the planner (--cpus may lower it)
+    cpu_count: int  # CPU cores offered to the planner (--cpus: fewer, or more to overcommit)
     cpu_total_count: NotRequired[int]  # what the machine has
     memory_bytes: int  # advertised to the planner (--memory may lower it)
     memory_total_bytes: int  # what the machine has

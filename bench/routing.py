@@ -293,7 +293,9 @@ class Llmgw(Instance):
     """The llmgw under test, with the model `bench`: three replicas on xllamacpp with a profile of their own."""
 
     def __init__(self, o):
-        super().__init__("routing", env={"LLMGW_ROUTING_LOAD_FACTOR": str(o.load_factor)})
+        # three one-thread replicas on however few cores: the agent offers three (placement counts threads)
+        super().__init__("routing", env={"LLMGW_ROUTING_LOAD_FACTOR": str(o.load_factor)},
+                         up_args=["--agent-cpus", str(max(3 * o.threads, os.cpu_count() or 1))])
         extra = ["--extra", o.engine_extra] if o.engine_extra else []
         batch = ["--batch-size", str(o.batch_size)] if o.batch_size else []
         self.cli("ctl", "profile", "add", "bench", "--context-size", str(o.context), "--parallel", str(o.parallel),

@@ -39,8 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", default=None, help="where engines are recorded and files cached "
                                                      "(default: LLMGW_HOME/agent)")
     p.add_argument("--memory", default=None, help="RAM to offer, e.g. 8GiB (default: all of it)")
-    p.add_argument("--cpus", default=None, help="CPU cores to offer, e.g. 2 (default: all of them); placement counts "
-                                                "them against its engines' threads")
+    p.add_argument("--cpus", default=None, help="CPU cores to offer, e.g. 2 (default: all of them; more than the "
+                                                "machine has overcommits); placement counts them against its "
+                                                "engines' threads")
     p.add_argument("--gpus", default=None, help="GPUs to offer: sizes like 24GiB,24GiB, or none (default: nvidia-smi)")
     p.add_argument("--port-range", default="20000-20999", help="ports engines may listen on (default 20000-20999)")
     p.add_argument("--stop-timeout", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL (default 10)")

@@ -123,6 +123,8 @@ def build(parser) -> None:
     p.add_argument("--no-demo", action="store_true", help="do not define the SmolLM2 demo model on first run")
     p.add_argument("--no-agent", action="store_true", help="run no local agent (a control-plane-only machine)")
     p.add_argument("--agent-memory", default=None, help="RAM the local agent offers, e.g. 4GiB (default: all)")
+    p.add_argument("--agent-cpus", default=None, help="CPU cores the local agent offers, e.g. 4 (default: all; more "
+                                                      "than the machine has overcommits)")
     p.add_argument("--web-workers", type=int, default=None, metavar="N",
                    help="web processes serving the one socket (default: the CPU count)")
     p.set_defaults(func=up)

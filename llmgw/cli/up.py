@@ -131,6 +131,14 @@ def up(o, out):
 
         agent_memory = o["agent_memory"]
         parse_size_arg(agent_memory)
+    agent_cpus = o.get("agent_cpus")
+    if agent_cpus:
+        from agents.facts import parse_cpus
+
+        try:
+            parse_cpus(agent_cpus)
+        except ValueError as exc:
+            raise CommandError(f"--agent-cpus: {exc}") from None
 
     # LLMGW_BIND_HOST: a Host naming the address web binds is one the web process allows (settings.ALLOWED_HOSTS)
     env = dict(os.environ, LLMGW_HOME=str(home), PYTHONUNBUFFERED="1", LLMGW_BIND_HOST=host)
@@ -188,6 +196,8 @@ def up(o, out):
             argv = [py, "-m", "llmgw", "agent", "--server", base, "--state-dir", str(state_dir)]
             if agent_memory:
                 argv += ["--memory", agent_memory]
+            if agent_cpus:
+                argv += ["--cpus", agent_cpus]
             children.append(Child("agent", argv, logs / "agent.log", agent_env, log_limit=log_limit))
         supervisor = Supervisor(on_exit=lambda child, code, delay: _said(out, exit_said(child, code, delay)))
         if valkey is not None:
