@@ -19,8 +19,10 @@ process runs it), granting free slots to tickets in this order:
 
 A slot a lower class could take is held back (HOLD_BACK slots of the model) while a higher class was admitted
 within HOLD: a quiet interactive key then never waits for a batch request to finish. The grant names the
-replica: with `prefix` routing the first on the request's ring walk that has a free slot (a conversation keeps
-its cache when its replica is free), else the one with the most free slots.
+replica: with `prefix` routing the first on the request's ring walk within the bounded load (slots held and
+requests waiting for each replica, as gateway/affinity.py bounds requests in flight): a request waits for a slot
+there rather than move to a free replica, where its conversation's cache is not (a cold prefill), unless its
+replica is over the bound; else the one with the most free slots.
 
 A grant is published on the waiter's process's channel (pub/sub), so it wakes at once; a waiter also looks
 again every LOOK_EVERY seconds (a message lost, a replica come ready). A ticket whose process stopped renewing it
@@ -86,16 +88,17 @@ def channel(process: str) -> str:
 
 
 # KEYS: queue, tickets, active, seq, service, then each replica's slots. ARGV: op, now (ms), lease ttl (ms), promote
-# (ms), hold (ms), tau (ms), hold back, queue limit, output weight, replica count, then name and capacity per
-# replica, then the op's own. A ticket's fields: rank|key|cost|expires (ms)|enqueued (ms)|process|prefs (names, ,).
+# (ms), hold (ms), tau (ms), hold back, queue limit, output weight, load factor, replica count, then name and
+# capacity per replica, then the op's own. A ticket's fields: rank|key|cost|expires (ms)|enqueued (ms)|process|prefs (names, ,).
 # A lease's member: ticket|rank|key.
 SCRIPT = r"""
 local queue, tickets, active, seqkey, service = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local op = ARGV[1]
 local now, lease_ttl, promote, hold, tau = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local hold_back, limit, weight, nrep = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local names, caps, index, free, holders = {}, {}, {}, {}, {}
-local at = 11
+local hold_back, limit, weight, factor = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local nrep = tonumber(ARGV[11])
+local names, caps, index, free, holders, homed = {}, {}, {}, {}, {}, {}
+local at = 12
 for i = 1, nrep do
   names[i] = ARGV[at]; caps[i] = tonumber(ARGV[at + 1]); index[ARGV[at]] = i; at = at + 2
 end
@@ -171,9 +174,31 @@ local function grant(id, f, replica, cache, wanted)
   add_service(f[2], tonumber(f[3]), cache)
 end
 
+local function home_of(f)
+  return f[7] ~= '' and string.match(f[7], '^([^,]+)') or nil
+end
+
+-- `prefix` routing's bounded load, over slots held and requests waiting: the ticket's replica is the first on its
+-- ring walk whose load, with it, stays within ceil(factor x everything / replicas) (gateway/affinity.py); it
+-- waits for a slot there rather than move (a move costs the engine a cold prefill) unless that is over the bound
 local function pick_replica(f)
   if f[7] ~= '' then
+    local load, total = {}, 0
+    local home = home_of(f)
+    for i = 1, nrep do
+      load[i] = caps[i] - free[i] + (homed[names[i]] or 0)
+      if names[i] == home then load[i] = load[i] - 1 end  -- counted among the waiting: this ticket itself
+      total = total + load[i]
+    end
+    local bound = math.ceil(factor * (total + 1) / nrep)
     for name in string.gmatch(f[7], '([^,]+)') do
+      local i = index[name]
+      if i and load[i] + 1 <= bound then
+        if free[i] > 0 then return name end
+        return nil
+      end
+    end
+    for name in string.gmatch(f[7], '([^,]+)') do  -- every one over the bound: any free slot
       local i = index[name]
       if i and free[i] > 0 then return name end
     end
@@ -197,6 +222,8 @@ local function dispatch(cache, wanted)
       redis.call('HDEL', tickets, id)
     else
       waiting[#waiting + 1] = {id, f, #waiting}
+      local home = home_of(f)
+      if home then homed[home] = (homed[home] or 0) + 1 end
     end
   end
   while #waiting > 0 do
@@ -219,6 +246,8 @@ local function dispatch(cache, wanted)
     else
       grant(best[1], best[2], replica, cache, wanted)
       table.remove(waiting, best_at)
+      local home = home_of(best[2])
+      if home then homed[home] = homed[home] - 1 end
       if best[1] == wanted then got = replica end
     end
   end
@@ -332,6 +361,7 @@ class Admission:
         self._looked: dict[str, float] = {}  # model -> when this process last dispatched its queue to look
         self._tasks: list[asyncio.Task] = []
         self.enabled = settings.LLMGW_ADMISSION
+        self.load_factor = settings.LLMGW_ROUTING_LOAD_FACTOR  # `prefix` routing's bound (gateway/affinity.py)
 
     def start(self) -> None:
         if not self._tasks:
@@ -349,7 +379,7 @@ class Admission:
         queue, tickets, active, seq = _keys(model)
         keys = [queue, tickets, active, seq, SERVICE, *(slots_key(name) for name, _ in replicas)]
         argv = [op, int(time.time() * 1000), int(LEASE_TTL * 1000), int(PROMOTE_AFTER * 1000), int(HOLD * 1000),
-                int(TAU * 1000), HOLD_BACK, queue_limit, OUTPUT_WEIGHT, len(replicas)]
+                int(TAU * 1000), HOLD_BACK, queue_limit, OUTPUT_WEIGHT, self.load_factor, len(replicas)]
         for name, capacity in replicas:
             argv += [name, capacity]
         argv += [*args, PREFIX + "grant:", PREFIX + "granted:"]

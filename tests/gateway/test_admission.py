@@ -161,13 +161,24 @@ async def test_a_process_that_dies_leaks_no_slot(processes, model, monkeypatch):
     assert lease.replica == f"{model}-r0"
 
 
-async def test_prefix_preferences_pick_the_first_replica_with_a_free_slot(processes, model):
+async def test_prefix_waits_for_its_replica_within_the_bound_and_moves_past_it(processes, model):
+    """A conversation waits for a slot on its own replica (its cache) rather than move to a free one, until its
+    replica's slots held and requests waiting pass prefix routing's bound (2 x the mean, as gateway/affinity.py)."""
     one, _ = processes
     reps = replicas(1, 1, 1, model=model)
     home, second, third = f"{model}-r1", f"{model}-r2", f"{model}-r0"
-    first = await admit(one, model, reps, prefs=[home, second, third])
+    walk = [home, second, third]
+    first = await admit(one, model, reps, prefs=walk)
     assert first.replica == home
-    assert (await admit(one, model, reps, prefs=[home, second, third])).replica == second
+    waits = start(one, model, reps, prefs=walk)  # home 2 of bound ceil(2 x 2 / 3) = 2: it waits there
+    await asyncio.sleep(0.3)
+    assert not waits.done()
+    third = start(one, model, reps, prefs=walk)  # home would be 3 of bound 2: one of the two moves on its walk
+    (moved,) = await settled([waits, third], 1)
+    assert moved.result().replica == second
+    stays = third if moved is waits else waits
+    await one.release(first, reps(), 10)
+    assert (await asyncio.wait_for(stays, 2)).replica == home  # the slot it waited for
 
 
 async def test_a_request_that_must_wait_says_so(processes, model):
