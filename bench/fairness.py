@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import time
@@ -38,8 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from instance import Instance, gguf_path  # noqa: E402
 
 MODEL = "fair"
-QUIET_PROMPT = [{"role": "user", "content": "Say hello in three words."}]
-FLOOD_PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+def quiet_prompt() -> list[dict]:
+    # each request its own opening: under `prefix` routing (the model's default) each has its own key, as distinct
+    # conversations do, rather than all sharing one replica
+    return [{"role": "user", "content": f"Request {random.randrange(10**9)}: say hello in three words."}]
+
+
+def flood_prompt() -> list[dict]:
+    return [{"role": "user", "content": f"Story {random.randrange(10**9)}: write a long story about a lighthouse "
+                                        "keeper and the sea."}]
 
 
 @dataclass
@@ -91,7 +99,7 @@ async def stream(client: httpx.AsyncClient, key: str, messages, max_tokens: int,
 
 async def quiet(client, key: str, o, tally: Tally) -> None:
     for _ in range(o.quiet_requests):
-        await stream(client, key, QUIET_PROMPT, 8, tally)
+        await stream(client, key, quiet_prompt(), 8, tally)
         await asyncio.sleep(o.think)
 
 
@@ -100,7 +108,7 @@ async def keep_busy(client, key: str, n: int, o, tally: Tally, stop: asyncio.Eve
 
     async def one():
         while not stop.is_set():
-            await stream(client, key, FLOOD_PROMPT, o.flood_tokens, tally, {"ignore_eos": True})
+            await stream(client, key, flood_prompt(), o.flood_tokens, tally, {"ignore_eos": True})
 
     await asyncio.gather(*(one() for _ in range(n)))
 
@@ -172,7 +180,7 @@ async def measure(llmgw: Llmgw, replicas: int, o) -> dict:
     k = llmgw.keys
     async with httpx.AsyncClient(base_url=llmgw.url, timeout=httpx.Timeout(600, connect=10),
                                  limits=httpx.Limits(max_connections=200)) as client:
-        await stream(client, k["quiet"], QUIET_PROMPT, 8, Tally())  # warm: weights in memory
+        await stream(client, k["quiet"], quiet_prompt(), 8, Tally())  # warm: weights in memory
         alone = Tally()
         await quiet(client, k["quiet"], o, alone)
         flood = await with_flood(client, k["quiet"], [k["flood"]], o.flood, o)
