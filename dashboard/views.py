@@ -28,7 +28,7 @@ from cluster.clients import agents_url
 from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Profile, Replica
 from cluster.operations import OperationError
 from cluster.roles import ROLES, WRITE_ROLES, can_change, role_of
-from gateway import operations as gateway_operations
+from gateway import budgets, operations as gateway_operations
 from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import ApiKey
 
@@ -160,9 +160,20 @@ def _mirror(request) -> dict:
     return {"files": ModelFile.objects.annotate(used=Count("models")).order_by("name")}
 
 
+def _budget_shown(key, now) -> dict | None:
+    """Spend against the budget, in words and as a bar: `120K of 2M this day, resets 2026-12-04 00:00 UTC`."""
+    budget = budgets.status(key, now)
+    if budget is None:
+        return None
+    text = (f"{budgets.about(budget['spent'])} of {budgets.shown(budget['tokens'])} this {budget['period']}, "
+            f"resets {budget['resets_at']:%Y-%m-%d %H:%M} UTC")  # period_end's, in UTC
+    return {"text": text, "bar": Bar(budget["tokens"], min(budget["spent"], budget["tokens"]))}
+
+
 def _keys(request) -> dict:
-    keys = list(ApiKey.objects.order_by("name"))
-    since = timezone.now() - timedelta(days=1)
+    now = timezone.now()
+    keys = list(budgets.with_spent(ApiKey.objects.order_by("name"), now))
+    since = now - timedelta(days=1)
     usage: dict[str, dict] = {}
     for row in gateway_operations.usage_report(since=since):
         u = usage.setdefault(row["key"], {"requests": 0, "tokens": 0})
@@ -170,6 +181,7 @@ def _keys(request) -> dict:
         u["tokens"] += row["prompt_tokens"] + row["completion_tokens"]
     for k in keys:
         k.used = usage.get(k.name, {"requests": 0, "tokens": 0})
+        k.budget = _budget_shown(k, now)
     return {"keys": keys, "models": Model.objects.order_by("name").values_list("name", flat=True),
             "priorities": CLASSES, "default_priority": DEFAULT_CLASS}
 
@@ -543,6 +555,20 @@ def _expires_in(request):
     return timezone.now() + timedelta(days=days)
 
 
+def _budget(request) -> dict:
+    """The Budget field (2M/day) as the operations take it: blank, nothing; `none`: no budget."""
+    raw = request.POST.get("budget", "").strip()
+    if not raw:
+        return {}
+    if raw.lower() == "none":
+        return {"budget_tokens": 0}
+    try:
+        tokens, period = budgets.parse(raw)
+    except ValueError as exc:
+        raise FormError(f"budget: {exc}") from None
+    return {"budget_tokens": tokens, "budget_period": period}
+
+
 @action("keys")
 def key_create(request):
     key, secret = gateway_operations.create_key(
@@ -550,21 +576,22 @@ def key_create(request):
         rpm=_int(request, "rpm", "requests per minute", blank_ok=True),
         tpm=_int(request, "tpm", "tokens per minute", blank_ok=True), expires_at=_expires_in(request),
         max_tokens=_int(request, "max_tokens", "max tokens per completion", blank_ok=True),
-        priority=request.POST.get("priority", "").strip() or DEFAULT_CLASS)  # the operation refuses an unknown one
+        priority=request.POST.get("priority", "").strip() or DEFAULT_CLASS,  # the operation refuses an unknown one
+        max_concurrency=_int(request, "max_concurrency", "max concurrency", blank_ok=True), **_budget(request))
     return f"key {key.name} created; copy it now, it is not shown again", {
         "once": {"label": f"key {key.name}", "value": secret}}
 
 
 def _key_fields(request) -> dict:
-    """What the Change a key form gives: a blank field stays as it is; `none` clears a limit, `never` the expiry,
-    `all` the models."""
+    """What the Change a key form gives: a blank field stays as it is; `none` clears a limit or the budget,
+    `never` the expiry, `all` the models."""
     values = {}
     if request.POST.get("priority", "").strip():
         values["priority"] = request.POST["priority"].strip()
     if request.POST.get("models", "").strip():
         values["models"] = [] if request.POST["models"].strip().lower() == "all" else _names(request, "models")
     for field, label in (("rpm", "requests per minute"), ("tpm", "tokens per minute"),
-                         ("max_tokens", "max tokens per completion")):
+                         ("max_tokens", "max tokens per completion"), ("max_concurrency", "max concurrency")):
         raw = request.POST.get(field, "").strip()
         if raw:
             values[field] = None if raw.lower() == "none" else _int(request, field, label)
@@ -572,6 +599,7 @@ def _key_fields(request) -> dict:
         values["expires_at"] = None
     elif request.POST.get("expires_days", "").strip():
         values["expires_at"] = _expires_in(request)
+    values.update(_budget(request))
     return values
 
 

@@ -6,6 +6,7 @@ router by llmgw.api_urls.
 
 from __future__ import annotations
 
+from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, extend_schema_view
 from rest_framework import mixins, serializers, status, viewsets
@@ -15,13 +16,29 @@ from rest_framework.response import Response
 from cluster.api.base import INT_MAX, NamedViewSet, NameField, StrictSerializer, datetime_param, text_param
 from cluster.api.errors import refused
 from cluster.api.schema import UNKNOWN_FILTER
-from gateway import operations
+from gateway import budgets, operations
 from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import ApiKey
 
 KEY_STATES = ["active", "revoked", "expired"]
 PRIORITY_HELP = ("its requests' class when they wait for a slot: interactive first, then standard, then batch "
                  "(a request may lower its own with X-Llmgw-Priority)")
+BUDGET_TOKENS_HELP = ("tokens (prompt and completion) it may use per budget period; null: no budget (with "
+                      "budget_period)")
+BUDGET_PERIOD_HELP = "the budget's period, a calendar day, week (from Monday) or month in UTC; \"\": no budget"
+CONCURRENCY_HELP = "most of its requests in flight or waiting at once, refused with a 429 past it; null: no limit"
+MAX_BUDGET = 10**15  # gateway.operations' bound
+
+
+class KeyBudgetSerializer(serializers.Serializer):
+    """A key's budget and what it spent of it in the current period."""
+
+    tokens = serializers.IntegerField(help_text="tokens (prompt and completion) per period")
+    period = serializers.ChoiceField(choices=budgets.PERIODS, help_text="day, week or month, in UTC")
+    spent = serializers.IntegerField(
+        help_text="tokens it used since the period began, as the usage has them (the gateways' counts reach it "
+                  "within a minute)")
+    resets_at = serializers.DateTimeField(help_text="when the period ends and the budget is whole again")
 
 
 class ApiKeySerializer(serializers.ModelSerializer):
@@ -33,6 +50,7 @@ class ApiKeySerializer(serializers.ModelSerializer):
     )
     priority = serializers.ChoiceField(choices=CLASSES, read_only=True, help_text=PRIORITY_HELP)
     state = serializers.SerializerMethodField(help_text="active, revoked or expired")
+    budget = serializers.SerializerMethodField(help_text="its token budget and what it spent of it; null: none")
 
     class Meta:
         model = ApiKey
@@ -44,6 +62,8 @@ class ApiKeySerializer(serializers.ModelSerializer):
             "tpm",
             "max_tokens",
             "priority",
+            "budget",
+            "max_concurrency",
             "expires_at",
             "revoked_at",
             "last_used_at",
@@ -58,6 +78,10 @@ class ApiKeySerializer(serializers.ModelSerializer):
         if key.revoked_at is not None:
             return "revoked"
         return "active" if key.active else "expired"
+
+    @extend_schema_field(KeyBudgetSerializer(allow_null=True))
+    def get_budget(self, key: ApiKey) -> dict | None:
+        return budgets.status(key, timezone.now())
 
 
 class NewApiKeySerializer(ApiKeySerializer):
@@ -83,6 +107,12 @@ class ApiKeyCreateSerializer(StrictSerializer):
         help_text="most tokens a completion may generate with this key, below the model's own cap; null: the model's",
     )
     priority = serializers.ChoiceField(choices=CLASSES, default=DEFAULT_CLASS, help_text=PRIORITY_HELP)
+    budget_tokens = serializers.IntegerField(
+        min_value=1, max_value=MAX_BUDGET, allow_null=True, default=None, help_text=BUDGET_TOKENS_HELP)
+    budget_period = serializers.ChoiceField(choices=budgets.PERIODS, allow_blank=True, default="",
+                                            help_text=BUDGET_PERIOD_HELP)
+    max_concurrency = serializers.IntegerField(
+        min_value=1, max_value=100_000, allow_null=True, default=None, help_text=CONCURRENCY_HELP)
 
 
 class ApiKeyUpdateSerializer(StrictSerializer):
@@ -101,6 +131,13 @@ class ApiKeyUpdateSerializer(StrictSerializer):
         help_text="most tokens a completion may generate with this key, below the model's own cap; null: the model's",
     )
     expires_at = serializers.DateTimeField(allow_null=True, required=False, help_text="null: never")
+    budget_tokens = serializers.IntegerField(
+        min_value=1, max_value=MAX_BUDGET, allow_null=True, required=False,
+        help_text=BUDGET_TOKENS_HELP + "; alone, the period stays")
+    budget_period = serializers.ChoiceField(choices=budgets.PERIODS, allow_blank=True, required=False,
+                                            help_text=BUDGET_PERIOD_HELP + "; alone, the tokens stay")
+    max_concurrency = serializers.IntegerField(
+        min_value=1, max_value=100_000, allow_null=True, required=False, help_text=CONCURRENCY_HELP)
 
 
 class UsageSerializer(serializers.Serializer):
@@ -119,6 +156,9 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewS
     missing = "no key named {value!r}"
     queryset = ApiKey.objects.order_by("name")
 
+    def get_queryset(self):
+        return budgets.with_spent(super().get_queryset(), timezone.now())  # no query per key for its budget
+
     @extend_schema(request=ApiKeyCreateSerializer, responses={201: NewApiKeySerializer})
     def create(self, request):
         data = self.parsed(ApiKeyCreateSerializer)
@@ -132,6 +172,8 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewS
         """Change what is given; fields left out stay as they are (PUT and PATCH alike). A revoked key stays so."""
         key = self.get_object()
         data = self.parsed(ApiKeyUpdateSerializer)
+        if "budget_tokens" in data and data["budget_tokens"] is None:
+            data["budget_tokens"] = 0  # null: no budget, as set_key takes it
         with refused():
             key = operations.set_key(key.name, self.actor, **data)
         return self.shown(key)

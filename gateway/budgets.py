@@ -75,10 +75,37 @@ def shown(tokens: int) -> str:
     return str(tokens)
 
 
+def about(tokens: int) -> str:
+    """A figure at a glance, rounded: 123456 -> 123K, 1234567 -> 1.2M (what a key spent; shown() is exact)."""
+    for unit, scale in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if tokens >= scale - scale // 2000:  # 999.5K is 1M, not 1000K
+            value = tokens / scale
+            return f"{value:.1f}".removesuffix(".0") + unit if value < 9.95 else f"{value:.0f}{unit}"
+    return str(tokens)
+
+
+def with_spent(keys, now: dt.datetime):
+    """Keys (a queryset) with what each spent in its period as `budget_spent`, in the query that lists them:
+    status() takes it from there instead of a query per key."""
+    from django.db.models import BigIntegerField, Case, DateTimeField, F, OuterRef, Subquery, Sum, Value, When
+    from django.db.models.functions import Coalesce
+
+    from gateway.models import Usage
+
+    starts = Case(*(When(budget_period=p, then=Value(period_start(p, now))) for p in PERIODS),
+                  output_field=DateTimeField())
+    used = (Usage.objects.filter(key=OuterRef("pk"), hour__gte=OuterRef("budget_start")).order_by().values("key")
+            .annotate(total=Sum(F("prompt_tokens") + F("completion_tokens"))).values("total"))
+    return keys.annotate(budget_start=starts).annotate(
+        budget_spent=Coalesce(Subquery(used), Value(0), output_field=BigIntegerField()))
+
+
 def status(key, now: dt.datetime) -> dict | None:
     """A key's budget as the API and the dashboard show it (None: it has none): tokens, period, spent in this
     period (as the database has it: the gateways' counts reach it within a minute), and when it resets."""
     if not key.budget_tokens or key.budget_period not in PERIODS:
         return None
+    used = getattr(key, "budget_spent", None)  # with_spent's
     return {"tokens": key.budget_tokens, "period": key.budget_period,
-            "spent": spent(key.id, key.budget_period, now), "resets_at": period_end(key.budget_period, now)}
+            "spent": spent(key.id, key.budget_period, now) if used is None else used,
+            "resets_at": period_end(key.budget_period, now)}

@@ -224,7 +224,8 @@ SPECTACULAR_SETTINGS = {
     "COMPONENT_SPLIT_REQUEST": True,
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "cluster.api.schema.document_refusals"],
     "ENUM_NAME_OVERRIDES": {"RoutingEnum": "cluster.models.Model.Routing", "CapabilityEnum": "agents.engines.CAPABILITIES",
-                            "SurfaceEnum": "agents.engines.SURFACES", "PriorityEnum": "gateway.admission.CLASSES"},
+                            "SurfaceEnum": "agents.engines.SURFACES", "PriorityEnum": "gateway.admission.CLASSES",
+                            "BudgetPeriodEnum": "gateway.budgets.PERIODS"},
     # what a client over the network may use (the in-process one is the host's own `llmgw` command)
     "AUTHENTICATION_WHITELIST": [
         "cluster.api.permissions.BearerTokenAuthentication",

@@ -143,6 +143,8 @@ def test_what_a_change_prints_is_the_same_from_anywhere(cluster, tmp_path):
     both("ctl", "keys", "set", "k-{}", "--priority", "interactive", "--rpm", "none", "--models", "smol",
          "--expires", "never")
     both("ctl", "keys", "revoke", "k-{}")
+    both("ctl", "keys", "create", "b-{}", "--budget", "2M/day", "--max-concurrency", "4")
+    both("ctl", "keys", "set", "b-{}", "--budget", "none")
     both("user", "add", "u-{}", "--role", "viewer")
     both("node", "remove", "n-{}")
     assert [run("stop"), run("start")] == [remote(cluster, "stop"), remote(cluster, "start")]
@@ -256,7 +258,8 @@ def test_a_key_is_changed_and_says_what_changed_in_one_line(cluster):
 
     events = Event.objects.count()
     for args, error in (
-        ([], "nothing to change: give --priority, --rpm, --tpm, --max-tokens, --models or --expires"),
+        ([], "nothing to change: give --priority, --rpm, --tpm, --max-tokens, --models, --expires, --budget or "
+             "--max-concurrency"),
         (["--priority", "urgent"], "argument --priority: invalid choice: 'urgent' (choose from "),
         (["--rpm", "lots"], "argument --rpm: 'lots' is not a whole number or none"),
         (["--tpm", "0"], "argument --tpm: '0': at least 1"),
@@ -274,6 +277,62 @@ def test_a_key_is_changed_and_says_what_changed_in_one_line(cluster):
             command("ctl", "keys", "set", "nightly", "--rpm", "5")
         assert str(refused.value) == "key nightly is revoked: create a new one"
     assert Event.objects.count() == events
+
+
+def test_a_keys_budget_and_concurrency_limit_are_set_and_listed_in_one_line_each(cluster):
+    from gateway.models import ApiKey, Usage
+
+    said = run("ctl", "keys", "create", "metered", "--budget", "2M/day", "--max-concurrency", "4")
+    assert said.startswith("key metered created (budget 2M/day, max concurrency 4); the key (shown once, keep it): ")
+    key = ApiKey.objects.get(name="metered")
+    assert (key.budget_tokens, key.budget_period, key.max_concurrency) == (2_000_000, "day", 4)
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0)
+    Usage.objects.create(key=key, model="smol", hour=hour, requests=3, prompt_tokens=100_000, completion_tokens=20_000)
+    listed = run("ctl", "keys", "list").splitlines()
+    assert re.match(r"NAME +PREFIX +MODELS +PRIORITY +RPM +TPM +MAX TOKENS +BUDGET +CONCURRENCY +EXPIRES ", listed[0])
+    assert re.search(r" - +120K/2M day +4 +never +active ", listed[1]), listed  # metered
+    assert re.search(r" - +- +never +active ", listed[2]), listed  # team: neither
+    (shown,) = [k for k in json.loads(run("ctl", "keys", "list", "--json")) if k["name"] == "metered"]
+    assert (shown["budget"]["spent"], shown["budget"]["tokens"], shown["max_concurrency"]) == (120_000, 2_000_000, 4)
+
+    assert run("ctl", "keys", "set", "metered", "--budget", "500K/week", "--max-concurrency", "none") == (
+        "key metered changed: max concurrency none, budget 500K/week\n")
+    assert run("ctl", "keys", "set", "metered", "--budget", "none") == "key metered changed: budget none\n"
+    key.refresh_from_db()
+    assert (key.budget_tokens, key.budget_period, key.max_concurrency) == (None, "", None)
+    events = Event.objects.count()
+    for args, error in (
+        (["--budget", "2M/year"], "argument --budget: a budget is TOKENS/PERIOD with PERIOD one of day, week, month, "
+                                  "e.g. 2M/day, not '2M/year'"),
+        (["--budget", "lots/day"], "argument --budget: a budget's tokens are a number (with K, M or G), not 'LOTS'"),
+        (["--max-concurrency", "0"], "argument --max-concurrency: '0': at least 1"),
+    ):
+        for command in (run, lambda *a: remote(cluster, *a)):
+            with pytest.raises(CommandError) as refused:
+                command("ctl", "keys", "set", "metered", *args)
+            assert str(refused.value).endswith(error) and "\n" not in str(refused.value), str(refused.value)
+    with pytest.raises(CommandError) as refused:
+        run("ctl", "keys", "create", "other", "--budget", "2M/year")
+    assert str(refused.value).endswith("not '2M/year'")
+    assert Event.objects.count() == events and not ApiKey.objects.filter(name="other").exists()
+
+
+@pytest.mark.integration  # a process of its own: this one has Django
+def test_a_budget_is_parsed_and_shown_without_django():
+    """`--budget` and `ctl keys list` use gateway.budgets on a laptop too, whose install has no Django."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "for name in ('django', 'celery', 'rest_framework', 'channels'): sys.modules[name] = None\n"
+            "import llmgw\n"
+            "from llmgw.cli.args import budget_arg\n"
+            "from llmgw.cli.keys import _budget_shown\n"
+            "budget = {'tokens': budget_arg('2M/day')[0], 'period': 'day', 'spent': 123456}\n"
+            "print(_budget_shown(budget), _budget_shown(budget, spent=True))\n")
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this one's llmgw, first on the path
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=checkout, timeout=60)
+    assert done.stdout == "2M/day 123K/2M day\n", done.stderr
 
 
 def test_an_operator_changes_the_cluster_and_only_an_admin_adds_users_or_sees_the_engine_key(cluster):

@@ -187,6 +187,8 @@ def test_no_parser_in_the_tree_takes_an_abbreviation(tree):
 def _value(action) -> str:
     if action.choices:
         return next(iter(action.choices))
+    if "TOKENS/PERIOD" in (action.metavar or ""):
+        return "2M/day"
     return "1m" if "DURATION" in (action.metavar or "") else "2"
 
 

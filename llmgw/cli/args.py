@@ -71,7 +71,19 @@ def cap_arg(least: int):
 max_tokens_arg = cap_arg(1)  # `--max-tokens N|none`
 max_choices_arg = cap_arg(1)  # `--max-choices N|none`
 max_logprobs_arg = cap_arg(0)  # `--max-logprobs N|none` (0: no log-probabilities at all)
-limit_arg = cap_arg(1)  # a key's `--rpm N|none`, `--tpm N|none`
+limit_arg = cap_arg(1)  # a key's `--rpm N|none`, `--tpm N|none`, `--max-concurrency N|none`
+
+
+def budget_arg(text: str) -> tuple[int, str] | None:
+    """A key's `--budget 2M/day`: (tokens, period) as gateway.budgets parses it; `none`: no budget."""
+    from gateway.budgets import parse
+
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def models_arg(text: str) -> list[str]:

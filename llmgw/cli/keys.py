@@ -7,13 +7,34 @@ from llmgw.cli.client import CliError
 from llmgw.cli.output import age, as_json, moment, now, table
 
 
+def _budget(budget: tuple[int, str] | None) -> dict:
+    """`--budget`'s value as the API's fields: (tokens, period), or None for no budget."""
+    tokens, period = budget or (None, "")
+    return {"budget_tokens": tokens, "budget_period": period}
+
+
+def _budget_shown(budget: dict | None, spent: bool = False) -> str:
+    """A key's budget as the API shows it: `2M/day`, with `spent`: `120K/2M day`; `none` (or `-` in a table)."""
+    from gateway.budgets import about, shown
+
+    if not budget:
+        return "-" if spent else "none"
+    if spent:
+        return f"{about(budget['spent'])}/{shown(budget['tokens'])} {budget['period']}"
+    return f"{shown(budget['tokens'])}/{budget['period']}"
+
+
 def keys_create(o, out):
     body = {"name": o["name"], "models": o["models"] or [], "rpm": o["rpm"], "tpm": o["tpm"],
             "expires_at": parse_when(o["expires"], "--expires"), "max_tokens": o["max_tokens"],
-            "priority": o.get("priority") or DEFAULT_PRIORITY}
+            "priority": o.get("priority") or DEFAULT_PRIORITY, **_budget(o.get("budget")),
+            "max_concurrency": o.get("max_concurrency")}
     key = o["api"].post("keys/", body, doing="create keys")
-    priority = f" (priority {key['priority']})" if key["priority"] != DEFAULT_PRIORITY else ""
-    out.write(f"key {key['name']} created{priority}; the key (shown once, keep it): {key['key']}\n")
+    said = [f"priority {key['priority']}" if key["priority"] != DEFAULT_PRIORITY else "",
+            f"budget {_budget_shown(key['budget'])}" if key["budget"] else "",
+            f"max concurrency {key['max_concurrency']}" if key["max_concurrency"] else ""]
+    said = f" ({', '.join(part for part in said if part)})" if any(said) else ""
+    out.write(f"key {key['name']} created{said}; the key (shown once, keep it): {key['key']}\n")
 
 
 def _expires(text: str) -> str | None:
@@ -31,21 +52,28 @@ def _shown(field: str, key: dict) -> str:
     if field == "expires_at":
         expires = moment(key["expires_at"])
         return f"expires {expires:%Y-%m-%d %H:%M}" if expires else "expires never"
+    if field == "budget":
+        return f"budget {_budget_shown(key['budget'])}"
     value = key[field]
     return f"{field.replace('_', ' ')} {'none' if value is None else value}"
 
 
 def keys_set(o, out):
     values = {field: o[field] for field in ("priority", "models") if o.get(field) is not None}
-    for limit in ("rpm", "tpm", "max_tokens"):  # None is a value here: no limit
+    for limit in ("rpm", "tpm", "max_tokens", "max_concurrency"):  # None is a value here: no limit
         if o.get(limit, UNSET) is not UNSET:
             values[limit] = o[limit]
     if o.get("expires") is not None:
         values["expires_at"] = _expires(o["expires"])
+    shown = list(values)
+    if o.get("budget", UNSET) is not UNSET:
+        values.update(_budget(o["budget"]) if o["budget"] else {"budget_tokens": None})  # null: no budget
+        shown.append("budget")
     if not values:
-        raise CliError("nothing to change: give --priority, --rpm, --tpm, --max-tokens, --models or --expires")
+        raise CliError("nothing to change: give --priority, --rpm, --tpm, --max-tokens, --models, --expires, "
+                       "--budget or --max-concurrency")
     key = o["api"].patch(f"keys/{o['name']}/", values, doing="change keys")
-    out.write(f"key {key['name']} changed: {', '.join(_shown(field, key) for field in values)}\n")
+    out.write(f"key {key['name']} changed: {', '.join(_shown(field, key) for field in shown)}\n")
 
 
 def keys_list(o, out):
@@ -57,10 +85,11 @@ def keys_list(o, out):
     for k in keys:
         expires = moment(k["expires_at"])
         rows.append([k["name"], k["prefix"] + "…", ", ".join(k["models"]) or "all", k["priority"], k["rpm"] or "-",
-                     k["tpm"] or "-", k["max_tokens"] or "-", f"{expires:%Y-%m-%d %H:%M}" if expires else "never",
+                     k["tpm"] or "-", k["max_tokens"] or "-", _budget_shown(k["budget"], spent=True),
+                     k["max_concurrency"] or "-", f"{expires:%Y-%m-%d %H:%M}" if expires else "never",
                      k["state"], age(k["last_used_at"], at) + (" ago" if k["last_used_at"] else "")])
-    table(["NAME", "PREFIX", "MODELS", "PRIORITY", "RPM", "TPM", "MAX TOKENS", "EXPIRES", "STATE", "LAST USED"], rows,
-          out)
+    table(["NAME", "PREFIX", "MODELS", "PRIORITY", "RPM", "TPM", "MAX TOKENS", "BUDGET", "CONCURRENCY", "EXPIRES",
+           "STATE", "LAST USED"], rows, out)
 
 
 def keys_revoke(o, out):

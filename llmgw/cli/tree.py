@@ -23,6 +23,7 @@ from llmgw.cli.args import (
     UNSET,
     OneLineParser,
     aliases_arg,
+    budget_arg,
     serves_arg,
     duration_arg,
     limit_arg,
@@ -54,6 +55,9 @@ YES_HELP = (f"go ahead with a change that adds more than {CONFIRM_ABOVE} replica
             "is refused: a typo must not start hundreds of engines)")
 PRIORITY_HELP = ("its requests' class when they wait for a slot: interactive first, then standard, then batch (a "
                  "request may lower its own with the header X-Llmgw-Priority)")
+BUDGET_HELP = ("tokens (prompt and completion) it may use per calendar day, week or month in UTC, e.g. 2M/day or "
+               "500K/week; past it, 429 until the period ends")
+CONCURRENCY_HELP = "most of its requests in flight or waiting at once; past it, 429"
 ALIAS_HELP = ("other names a request may give for the model, comma-separated: the vendor names agents ask for, e.g. "
               "claude-sonnet-4-5,gpt-5-codex")
 LOCAL = ("up", "agent", "service", "completion", "login", "logout")
@@ -367,8 +371,10 @@ def build(parser) -> None:
                    help="most tokens a completion may generate with this key (below the model's own cap)")
     p.add_argument("--priority", choices=PRIORITIES, default=DEFAULT_PRIORITY,
                    help=PRIORITY_HELP + f" (default {DEFAULT_PRIORITY})")
+    p.add_argument("--budget", type=budget_arg, default=None, metavar="TOKENS/PERIOD", help=BUDGET_HELP)
+    p.add_argument("--max-concurrency", type=limit_arg, default=None, metavar="N", help=CONCURRENCY_HELP)
     p.set_defaults(func=keys_create)
-    p = keys.add_parser("set", help="change a key's priority, limits, models or expiry")
+    p = keys.add_parser("set", help="change a key's priority, limits, budget, models or expiry")
     p.add_argument("name")
     p.add_argument("--priority", choices=PRIORITIES, default=None, help=PRIORITY_HELP)
     p.add_argument("--rpm", type=limit_arg, default=UNSET, metavar="N|none", help="requests per minute; none: no limit")
@@ -379,6 +385,10 @@ def build(parser) -> None:
                    help="only these models, comma-separated; all: every model")
     p.add_argument("--expires", default=None, metavar="WHEN|never",
                    help="date (and time) it stops working; never: it does not expire")
+    p.add_argument("--budget", type=budget_arg, default=UNSET, metavar="TOKENS/PERIOD|none",
+                   help=BUDGET_HELP + "; none: no budget")
+    p.add_argument("--max-concurrency", type=limit_arg, default=UNSET, metavar="N|none",
+                   help=CONCURRENCY_HELP + "; none: no limit")
     p.set_defaults(func=keys_set)
     p = keys.add_parser("list", help="list keys")
     p.add_argument("--json", action="store_true")

@@ -2,14 +2,17 @@
 the same operation as the CLI and API, bad input as a message that changes nothing, and roles."""
 
 import re
+from datetime import timedelta
 
 import pytest
 from django.test import Client
+from django.utils import timezone
 
 from cluster import operations
 from cluster.models import ClusterSettings, EngineVersion, Event, Model, Node, Replica
 from dashboard.views import PAGES
-from gateway.models import ApiKey
+from gateway import budgets
+from gateway.models import ApiKey, Usage
 from tests.factories import make_file, make_model, make_node, make_replica, row_counts, session_for
 
 HTMX = {"HTTP_HX_REQUEST": "true"}
@@ -252,7 +255,8 @@ def test_keys_create_once_list_and_revoke(op):
 
 def keys_now() -> list:
     return list(ApiKey.objects.order_by("name").values_list(
-        "name", "priority", "rpm", "tpm", "max_tokens", "allowed_models", "expires_at", "revoked_at"))
+        "name", "priority", "rpm", "tpm", "max_tokens", "allowed_models", "expires_at", "revoked_at", "budget_tokens",
+        "budget_period", "max_concurrency"))
 
 
 def test_keys_create_with_a_priority_and_change_it(op):
@@ -277,6 +281,51 @@ def test_keys_create_with_a_priority_and_change_it(op):
     assert (key.allowed_models, key.expires_at, key.priority, key.tpm) == ([], None, "interactive", 500)
 
 
+def test_a_keys_budget_and_concurrency_limit_from_the_forms(op):
+    page = op.get("/keys/").content.decode()
+    assert page.count('name="budget"') == 2 and page.count('name="max_concurrency"') == 2  # create and change
+    body = op.post("/keys/create/", {"name": "metered", "budget": "2M/day", "max_concurrency": "4"},
+                   **HTMX).content.decode()
+    assert "copy it now" in body
+    key = ApiKey.objects.get(name="metered")
+    assert (key.budget_tokens, key.budget_period, key.max_concurrency) == (2_000_000, "day", 4)
+    now = timezone.now()
+    Usage.objects.create(key=key, model="smol", hour=now.replace(minute=0, second=0, microsecond=0), requests=2,
+                         prompt_tokens=100_000, completion_tokens=20_000)
+    Usage.objects.create(key=key, model="smol", hour=budgets.period_start("day", now) - timedelta(hours=1),
+                         requests=9, prompt_tokens=900_000, completion_tokens=0)  # yesterday's: not this day's
+    listing = op.get("/keys/", **HTMX).content.decode()
+    row = re.search(r'<tr data-key="metered">.*?</tr>', listing, re.S).group(0)
+    resets = budgets.period_end("day", now)
+    assert f"120K of 2M this day, resets {resets:%Y-%m-%d} 00:00 UTC" in row
+    assert 'style="width: 6.0%"' in row and '<td class="num concurrency">4</td>' in row
+
+    # a blank field stays as it is; none clears
+    op.post("/keys/set/", {"name": "metered", "budget": "", "max_concurrency": "", "rpm": "9"}, **HTMX)
+    key.refresh_from_db()
+    assert (key.budget_tokens, key.budget_period, key.max_concurrency, key.rpm) == (2_000_000, "day", 4, 9)
+    body = op.post("/keys/set/", {"name": "metered", "budget": "1.5M/week", "max_concurrency": "none"},
+                   **HTMX).content.decode()
+    assert "key metered changed" in body and "of 1.5M this week" in body
+    key.refresh_from_db()
+    assert (key.budget_tokens, key.budget_period, key.max_concurrency) == (1_500_000, "week", None)
+    assert "budget 1.5M/week" in Event.objects.filter(kind="key.edited").latest("id").message
+    op.post("/keys/set/", {"name": "metered", "budget": "none"}, **HTMX)
+    key.refresh_from_db()
+    assert (key.budget_tokens, key.budget_period) == (None, "")
+    op.post("/keys/create/", {"name": "free", "budget": "none"}, **HTMX)
+    assert ApiKey.objects.get(name="free").budget_tokens is None
+
+
+def test_a_key_with_a_bad_budget_is_not_created(op):
+    before, events = keys_now(), Event.objects.count()
+    body = op.post("/keys/create/", {"name": "metered", "budget": "2M/year"}, **HTMX).content.decode()
+    assert "msg error" in body and "budget: a budget is TOKENS/PERIOD" in body
+    body = op.post("/keys/create/", {"name": "metered", "max_concurrency": "0"}, **HTMX).content.decode()
+    assert "msg error" in body and "max concurrency must be a whole number from 1" in body
+    assert (keys_now(), Event.objects.count()) == (before, events)
+
+
 @pytest.mark.parametrize("form, said", [
     ({"name": "nightly"}, "nothing to change"),
     ({"name": "nightly", "priority": "urgent"}, "priority is one of interactive, standard, batch"),
@@ -286,6 +335,11 @@ def test_keys_create_with_a_priority_and_change_it(op):
     ({"name": "nightly", "models": "nosuch", "priority": "batch"}, "no model named &#x27;nosuch&#x27;"),
     ({"name": "nope", "rpm": "5"}, "no key named &#x27;nope&#x27;"),
     ({"name": "gone", "rpm": "5"}, "key gone is revoked"),
+    ({"name": "nightly", "budget": "2M/year"}, "budget: a budget is TOKENS/PERIOD with PERIOD one of day, week, month"),
+    ({"name": "nightly", "budget": "lots/day", "rpm": "5"}, "tokens are a number (with K, M or G)"),
+    ({"name": "nightly", "budget": "day"}, "budget: a budget is TOKENS/PERIOD"),
+    ({"name": "nightly", "max_concurrency": "0"}, "max concurrency must be a whole number from 1"),
+    ({"name": "nightly", "max_concurrency": "many"}, "max concurrency: &#x27;many&#x27; is not a whole number"),
 ])
 def test_a_refused_key_change_is_a_message_and_changes_nothing(op, form, said):
     op.post("/keys/create/", {"name": "nightly", "rpm": "10"}, **HTMX)

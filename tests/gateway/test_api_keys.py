@@ -9,15 +9,16 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from cluster.models import ClusterSettings, Event
-from gateway import operations
+from gateway import budgets, operations
 from gateway.models import KEY_PREFIX, ApiKey, Usage
-from tests.factories import make_model
+from tests.factories import make_model, row_counts
 from tests.rest import API, refused
 
 
 def state() -> dict:
     """Everything a keys, usage or system request could change: equal before and after a refused one."""
-    keys = {k.name: (k.key_hash, k.revoked_at, k.rpm, k.tpm, k.max_tokens, k.priority, k.allowed_models, k.expires_at)
+    keys = {k.name: (k.key_hash, k.revoked_at, k.rpm, k.tpm, k.max_tokens, k.priority, k.allowed_models, k.expires_at,
+                     k.budget_tokens, k.budget_period, k.max_concurrency)
             for k in ApiKey.objects.all()}
     return {
         "keys": keys,
@@ -137,6 +138,8 @@ def test_list_shows_state_and_no_secrets(viewer):
         "tpm",
         "max_tokens",
         "priority",
+        "budget",
+        "max_concurrency",
         "expires_at",
         "revoked_at",
         "last_used_at",
@@ -151,10 +154,15 @@ def test_list_shows_state_and_no_secrets(viewer):
 
 
 def test_key_list_makes_a_fixed_number_of_queries(viewer, django_assert_max_num_queries):
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0)
     for i in range(20):
-        operations.create_key(f"key-{i}", "test")
-    with django_assert_max_num_queries(6):  # the user and its groups, the count, the page
-        assert len(viewer.get(f"{API}/keys/").json()["results"]) == 20
+        key, _ = operations.create_key(f"key-{i}", "test", budget_tokens=1000 * (i + 1) if i % 2 else None,
+                                       budget_period=budgets.PERIODS[i % 3] if i % 2 else None)
+        Usage.objects.create(key=key, model="qwen", hour=hour, requests=1, prompt_tokens=i, completion_tokens=1)
+    with django_assert_max_num_queries(6):  # the user and its groups, the count, the page (its budgets' spend too)
+        shown = viewer.get(f"{API}/keys/").json()["results"]
+    assert len(shown) == 20
+    assert [k["budget"] and k["budget"]["spent"] for k in shown[:4]] == [None, 2, None, 12]  # key-0, -1, -10, -11
 
 
 def test_revoke(operator):
@@ -170,6 +178,97 @@ def test_revoke(operator):
     refused(operator.post(f"{API}/keys/ci/revoke/"), 409, "already revoked")
     refused(operator.post(f"{API}/keys/nope/revoke/"), 404, "no key named 'nope'")
     assert state() == before
+
+
+def test_create_with_a_budget_and_a_concurrency_limit(operator):
+    body = {"name": "metered", "budget_tokens": 2_000_000, "budget_period": "day", "max_concurrency": 4}
+    response = operator.post(f"{API}/keys/", body, format="json")
+    assert response.status_code == 201, response.content
+    shown = response.json()
+    tomorrow = budgets.period_end("day", timezone.now())
+    assert shown["budget"] == {"tokens": 2_000_000, "period": "day", "spent": 0,
+                               "resets_at": tomorrow.isoformat().replace("+00:00", "Z")}
+    assert shown["max_concurrency"] == 4
+    key = ApiKey.objects.get(name="metered")
+    assert (key.budget_tokens, key.budget_period, key.max_concurrency) == (2_000_000, "day", 4)
+    message = Event.objects.get(kind="key.created").message
+    assert "budget 2M/day" in message and "at most 4 requests at once" in message
+    shown = operator.post(f"{API}/keys/", {"name": "free"}, format="json").json()
+    assert (shown["budget"], shown["max_concurrency"]) == (None, None)
+
+
+def test_a_budget_shows_what_the_key_spent_in_its_period(viewer):
+    now = timezone.now()
+    today = budgets.period_start("day", now)
+    key, _ = operations.create_key("metered", "test", budget_tokens=1000, budget_period="day")
+    other, _ = operations.create_key("other", "test", budget_tokens=1000, budget_period="day")
+    for hour, model, prompt, completion in ((today, "qwen", 100, 20), (now, "smol", 5, 7),
+                                            (today - timedelta(hours=1), "qwen", 400, 400)):  # yesterday's: not
+        Usage.objects.create(key=key, model=model, hour=hour.replace(minute=0, second=0, microsecond=0),
+                             requests=1, prompt_tokens=prompt, completion_tokens=completion)
+    Usage.objects.create(key=other, model="qwen", hour=today, requests=1, prompt_tokens=50, completion_tokens=0)
+
+    budget = viewer.get(f"{API}/keys/metered/").json()["budget"]
+    assert (budget["tokens"], budget["period"], budget["spent"]) == (1000, "day", 132)
+    assert datetime.fromisoformat(budget["resets_at"]) == today + timedelta(days=1)
+    listed = {k["name"]: k["budget"] for k in viewer.get(f"{API}/keys/").json()["results"]}
+    assert listed == {"metered": budget, "other": {**budget, "spent": 50}}
+    assert budgets.status(key, now)["spent"] == 132  # without the list's annotation: the same figure
+    # a month holds yesterday too, unless today is the first
+    ApiKey.objects.filter(name="metered").update(budget_period="month")
+    spent = viewer.get(f"{API}/keys/metered/").json()["budget"]["spent"]
+    assert spent == (132 if today.day == 1 else 932)
+
+
+@pytest.mark.parametrize("method", ["patch", "put"])
+def test_change_a_keys_budget_and_concurrency_limit(operator, method):
+    operations.create_key("ci", "test")
+    change = getattr(operator, method)
+    shown = change(f"{API}/keys/ci/", {"budget_tokens": 500_000, "budget_period": "week", "max_concurrency": 2},
+                   format="json").json()
+    assert (shown["budget"]["tokens"], shown["budget"]["period"], shown["max_concurrency"]) == (500_000, "week", 2)
+    assert "budget 500K/week" in Event.objects.get(kind="key.edited").message
+    shown = change(f"{API}/keys/ci/", {"budget_period": "month"}, format="json").json()  # the tokens stay
+    assert (shown["budget"]["tokens"], shown["budget"]["period"], shown["max_concurrency"]) == (500_000, "month", 2)
+    shown = change(f"{API}/keys/ci/", {"budget_tokens": 10}, format="json").json()  # the period stays
+    assert (shown["budget"]["tokens"], shown["budget"]["period"]) == (10, "month")
+    shown = change(f"{API}/keys/ci/", {"budget_tokens": None, "max_concurrency": None}, format="json").json()
+    assert (shown["budget"], shown["max_concurrency"]) == (None, None)
+    key = ApiKey.objects.get(name="ci")
+    assert (key.budget_tokens, key.budget_period, key.max_concurrency) == (None, "", None)
+    change(f"{API}/keys/ci/", {"budget_tokens": 7, "budget_period": "day"}, format="json")
+    assert change(f"{API}/keys/ci/", {"budget_period": ""}, format="json").json()["budget"] is None
+
+
+@pytest.mark.parametrize(
+    "method, path, body, status, words",
+    [
+        ("post", "", {"name": "k", "budget_tokens": 0, "budget_period": "day"}, 400,
+         ["budget_tokens", "greater than or equal to 1"]),
+        ("post", "", {"name": "k", "budget_tokens": "2M", "budget_period": "day"}, 400,
+         ["budget_tokens", "must be a whole number"]),
+        ("post", "", {"name": "k", "budget_tokens": 10**16, "budget_period": "day"}, 400,
+         ["budget_tokens", "less than or equal"]),
+        ("post", "", {"name": "k", "budget_tokens": 5, "budget_period": "year"}, 400,
+         ["budget_period", "not a valid choice"]),
+        ("post", "", {"name": "k", "max_concurrency": 0}, 400, ["max_concurrency", "greater than or equal to 1"]),
+        ("post", "", {"name": "k", "max_concurrency": "4"}, 400, ["max_concurrency", "must be a whole number"]),
+        ("post", "", {"name": "k", "budget_period": "day"}, 422, ["a budget needs its tokens"]),
+        ("post", "", {"name": "k", "budget_tokens": 5}, 422, ["a budget's period is one of day, week, month"]),
+        ("patch", "ci/", {"budget_period": "week"}, 422, ["a budget needs its tokens"]),
+        ("patch", "ci/", {"budget_tokens": 5}, 422, ["a budget's period is one of day, week, month"]),
+        ("patch", "ci/", {"budget_period": None}, 400, ["budget_period", "may not be null"]),
+        ("patch", "ci/", {"max_concurrency": 10**6}, 400, ["max_concurrency", "less than or equal"]),
+        ("patch", "gone/", {"max_concurrency": 3}, 409, ["key gone is revoked"]),
+    ],
+)
+def test_budget_and_concurrency_refusals_change_nothing(operator, method, path, body, status, words):
+    operations.create_key("ci", "test", max_concurrency=3)
+    operations.create_key("gone", "test")
+    operations.revoke_key("gone", "test")
+    before, rows = state(), row_counts()
+    refused(getattr(operator, method)(f"{API}/keys/{path}", body, format="json"), status, *words)
+    assert (state(), row_counts()) == (before, rows)
 
 
 @pytest.mark.parametrize("method", ["patch", "put"])

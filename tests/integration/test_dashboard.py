@@ -218,11 +218,17 @@ def test_create_a_batch_key_and_make_it_interactive_by_clicks(system, dash):
     change.locator("input[name=name]").fill("dash-prio")
     change.locator("select[name=priority]").select_option("interactive")
     change.locator("input[name=rpm]").fill("120")
+    change.locator("input[name=budget]").fill("2M/day")
+    change.locator("input[name=max_concurrency]").fill("3")
     change.locator("button", has_text="Change key").click()
     dash.page.locator("tr[data-key=dash-prio] td.priority", has_text="interactive").wait_for()
     assert "key dash-prio changed" in dash.message()
+    budget = dash.page.locator("tr[data-key=dash-prio] td.budget")
+    assert re.fullmatch(r"0 of 2M this day, resets \d{4}-\d\d-\d\d 00:00 UTC", budget.inner_text().strip())
+    assert dash.page.locator("tr[data-key=dash-prio] td.concurrency").inner_text().strip() == "3"
     (key,) = [k for k in system.cli_json("ctl", "keys", "list") if k["name"] == "dash-prio"]
-    assert (key["priority"], key["rpm"], key["state"]) == ("interactive", 120, "active")
+    assert (key["priority"], key["rpm"], key["state"], key["max_concurrency"]) == ("interactive", 120, "active", 3)
+    assert (key["budget"]["tokens"], key["budget"]["period"], key["budget"]["spent"]) == (2_000_000, "day", 0)
     assert dash.still_same_page()
 
 
