@@ -19,8 +19,9 @@ Responses too, with llama.cpp's server's events and the same --chunks text delta
                   reconciler running nothing changes the rows;
 - llmgw-uvicorn   the same application under uvicorn with uvloop and httptools, as `llmgw up --server uvicorn`
                   runs it;
-- llmgw-noadm     the same with admission off (LLMGW_ADMISSION=0): what admission's two Redis round trips per
-                  request cost (the model's profile has 256 slots, so no request waits for one);
+- llmgw-noadm     the same with admission off (LLMGW_ADMISSION=0; the llmgw targets run it on): what
+                  admission's two Redis round trips per request cost (the model's profile has 256 slots, so no
+                  request waits for one);
 - nginx           Debian's nginx (apt-get installs it when missing), `proxy_pass` to a keepalive upstream,
                   `proxy_buffering off`, one worker, run as our child with its own config, `daemon off`;
 - litellm         LiteLLM's proxy, `litellm[proxy]==1.108.7` in its own virtual environment (made when missing,
@@ -229,7 +230,7 @@ def main(argv=None) -> int:
             port = free_port()
             from llmgw.web import web_argv  # exactly what `llmgw up --server SERVER` runs
 
-            own = dict(env, LLMGW_ADMISSION="0") if target == "llmgw-noadm" else env
+            own = dict(env, LLMGW_ADMISSION="0" if target == "llmgw-noadm" else "1")
             child = children.start(target, web_argv("127.0.0.1", port, server), own, proxy=True)
             wait_ready(child, port, client_key, 60)
             return port, client_key

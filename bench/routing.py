@@ -294,7 +294,7 @@ class Llmgw(Instance):
 
     def __init__(self, o):
         # three one-thread replicas on however few cores: the agent offers three (placement counts threads)
-        super().__init__("routing", env={"LLMGW_ROUTING_LOAD_FACTOR": str(o.load_factor)},
+        super().__init__("routing", env={"LLMGW_ROUTING_LOAD_FACTOR": str(o.load_factor), "LLMGW_ADMISSION": "1"},
                          up_args=["--agent-cpus", str(max(3 * o.threads, os.cpu_count() or 1))])
         extra = ["--extra", o.engine_extra] if o.engine_extra else []
         batch = ["--batch-size", str(o.batch_size)] if o.batch_size else []

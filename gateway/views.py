@@ -14,13 +14,9 @@ import re
 import secrets
 import time
 
-from channels.db import database_sync_to_async
-from redis.exceptions import RedisError
-
 from cluster import throttle
 from cluster.clients import address_of
-from cluster.events import record
-from gateway import admission, affinity, budgets, metrics
+from gateway import admission, affinity, metrics, slots
 from gateway import prompt
 from gateway.accounting import check_limits, reserve_budget, settle_budget, settle_tokens
 from gateway.engines_http import ConnectFailed, ConnectTimeout, ReadTimeout, Unreachable, UpstreamError
@@ -253,7 +249,7 @@ async def _proxy(call, request, endpoint: str):
             reserve = call.prompt_about
             if surface.generates:
                 reserve += completion_at_most(body, surface.token_fields, route.context)
-            call.budget = await reserve_budget(gw.redis, call.key, reserve, _spent)
+            call.budget = await reserve_budget(gw.redis, call.key, reserve, slots.spent)
             call.budget_reserved = reserve
         gw.requested(call.model)  # demand, once nothing refuses it (a refused request must keep no model loaded)
         stream = bool(body.get("stream")) and surface.path != "messages/count_tokens"
@@ -269,8 +265,8 @@ async def _proxy(call, request, endpoint: str):
             return await _stream(gw, call, surface, payload, wants_usage)
         return await _once(gw, call, surface, payload)
     except GatewayError as exc:
-        if exc.code in REFUSALS and call.key is not None:
-            _refused_for_key(gw, call, exc)
+        if exc.code in slots.REFUSALS and call.key is not None:
+            slots.refused_for_key(gw, call, exc)
         call.finish(exc.status)
         return surface.error(exc)
     except (asyncio.CancelledError, HungUp):  # the client went away before the answer: still one access-log line
@@ -280,36 +276,6 @@ async def _proxy(call, request, endpoint: str):
         log.exception("gateway error on %s", request.path)
         call.finish(503)
         return surface.error(GatewayError(503, "gateway_error", "the gateway failed on this request; see the web log", 5))
-
-
-# refusals a key's operator should hear of: an Event per key and reason per minute (not one per request)
-REFUSALS = ("queue_full", "queue_timeout", "concurrency_limit", "budget_exceeded")
-REFUSED_NOTED = "llmgw:refused:"  # + key id, reason and minute: set once the minute's Event is written
-
-
-async def _spent(key_id: int, period: str, now) -> int:
-    return await database_sync_to_async(budgets.spent)(key_id, period, now)
-
-
-def _refused_for_key(gw, call, exc: GatewayError) -> None:
-    if exc.code in ("concurrency_limit", "budget_exceeded"):  # the queue's are counted where they happen
-        metrics.REJECTED.labels(call.model if call.known else metrics.UNKNOWN_MODEL, admission.CLASSES[call.rank],
-                                exc.code).inc()
-    gw.spawn(_note_refusal(gw, call.key, call.model, exc))
-
-
-async def _note_refusal(gw, key, model: str, exc: GatewayError) -> None:
-    try:
-        minute = int(time.time() // 60)
-        if await gw.redis.set(f"{REFUSED_NOTED}{key.id}:{exc.code}:{minute}", 1, nx=True, ex=120):
-            await database_sync_to_async(record)(
-                "key.refused", "gateway", f"key {key.name}: requests for {model} refused ({exc.code}): {exc.message}",
-                subject=key.name, reason=exc.code, model=model)
-        until = getattr(exc, "exhausted_until", None)
-        if until and await gw.redis.set(f"{REFUSED_NOTED}{key.id}:budget:{until}", 1, nx=True, exat=until + 60):
-            await database_sync_to_async(record)("key.budget_reached", "gateway", exc.message, subject=key.name)
-    except Exception as exc:  # an Event missed is not worth a request
-        log.warning("could not record a refusal for key %s (%s)", key.name, exc)
 
 
 async def _authenticate(gw, table, request):
@@ -387,7 +353,7 @@ async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = N
                 raise GatewayError(404, "model_not_found", f"no model named {call.model!r}")
             upstream = await gw.choose(route, tried, call.affinity)
             if upstream is not None and gw.admission.enabled and route.slots and call.admits:
-                upstream = await _admit(gw, call, route, tried, upstream)
+                upstream = await slots.admit(gw, call, route, tried, upstream)
                 if upstream is None:
                     continue  # its replica went away as it was granted: admitted again
             if upstream is not None:
@@ -417,64 +383,10 @@ async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = N
             gw.wait_end(call.model)
 
 
-async def _admit(gw, call, route, tried, chosen):
-    """A slot on a ready replica of the route, waiting for one in the model's queue (gateway/admission.py); the
-    upstream it is on (None: that replica is gone from the table since). With Redis out of reach, the replica
-    routing `chosen` without a slot: serving goes on, unordered, until Redis is back."""
-    ring = route.ring.walk(call.affinity) if call.affinity is not None and route.routing == PREFIX else ()
-    prefs = [name for name in ring if name not in tried]
-    if gw.unreachable:  # tried last
-        prefs = [n for n in prefs if n not in gw.unreachable] + [n for n in prefs if n in gw.unreachable]
-    waiting = queued = False
-    priority = admission.CLASSES[call.rank]
-
-    def waits() -> None:  # counted in the metrics; the autoscaler counts it too (cluster.inflight)
-        nonlocal waiting, queued
-        queued = True
-        metrics.QUEUED.labels(call.model, priority).inc()
-        if route.autoscaled:
-            waiting = True
-            gw.spawn(gw.wait_begin(call.model))
-
-    began = time.monotonic()
-    try:
-        call.lease = await gw.admission.admit(
-            call.model, lambda: gw.slots_of(call.model, tried), key=str(call.key.id),
-            rank=admission.RANK["interactive"] if tried else call.rank, cost=admission.service(call.prompt_about, 0),
-            prefs=prefs, queue_limit=route.queue_limit, max_wait=route.max_wait, on_wait=waits)
-    except GatewayError as exc:
-        metrics.REJECTED.labels(call.model, priority, exc.code).inc()
-        raise
-    except (RedisError, OSError) as exc:
-        if gw.may_look_again("admission"):  # a warning a second at most, not one per request
-            log.warning("admission is off while Redis cannot be reached (%s): requests go straight to engines", exc)
-        return chosen
-    finally:
-        if queued:
-            metrics.QUEUED.labels(call.model, priority).dec()
-        if waiting:
-            gw.wait_end(call.model)
-    metrics.ADMITTED.labels(call.model, priority).inc()
-    metrics.QUEUE_WAIT.labels(call.model, priority).observe(time.monotonic() - began)
-    now = gw.table.find(call.model)
-    upstream = next((u for u in (now.ready if now else ()) if u.replica == call.lease.replica), None)
-    if upstream is None:
-        _release(gw, call)
-    return upstream
-
-
-def _release(gw, call) -> None:
-    """The request's slot back, with the service it had (its tokens, as far as they are known)."""
-    if call.lease is not None:
-        lease, call.lease = call.lease, None
-        served = admission.service(call.prompt or call.prompt_about, call.completion or call.passed)
-        gw.spawn(gw.admission.release(lease, gw.slots_of(lease.model), served))
-
-
 def _done(gw, call, upstream) -> None:
     gw.end(upstream.replica)
     metrics.of(call.model).inflight.dec()
-    _release(gw, call)
+    slots.release(gw, call)
 
 
 async def _send(gw, call, surface, payload):

@@ -17,6 +17,12 @@ from tests.gateway.views.harness import MESSAGES, add_key, chat, key_client, ope
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 
+@pytest.fixture(autouse=True)
+def admission_on(settings):
+    """LLMGW_ADMISSION=1, as the gateway of each test (made on its first request) reads it."""
+    settings.LLMGW_ADMISSION = True
+
+
 @pytest.fixture
 def one_slot(cluster, slow_engine):
     """Model `narrow`: one replica of one slot on the slow engine (a stream takes about 3 s)."""

@@ -63,8 +63,9 @@ async def test_concurrent_requests_cannot_overspend(cluster):
     client = key_client(secret)
     answers = await asyncio.gather(*(chat(client, max_tokens=30) for _ in range(6)))
     statuses = sorted(a.status_code for a in answers)
-    assert statuses.count(200) <= 3 and statuses.count(200) >= 1, statuses  # each reserved ~40 of 100
-    assert set(statuses) <= {200, 429}
+    # each reserves ~40 of 100 (more than it uses): some go through, the rest are refused, and what they used
+    # never passes the budget
+    assert statuses.count(200) >= 1 and 429 in statuses and set(statuses) <= {200, 429}, statuses
     await settled()
     assert int(redis_client().get(await sync_to_async(count_of)("tight", "day"))) <= 100
 

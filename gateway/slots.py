@@ -1,0 +1,103 @@
+"""The views' side of admission (gateway/admission.py) and of a key's budget and concurrency: a request's slot
+taken and given back, and the refusals a key's operator hears of."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from channels.db import database_sync_to_async
+from redis.exceptions import RedisError
+
+from cluster.events import record
+from gateway import admission, budgets, metrics
+from gateway.errors import GatewayError
+from gateway.runtime import PREFIX
+
+log = logging.getLogger("llmgw.gateway")
+
+
+# refusals a key's operator should hear of: an Event per key and reason per minute (not one per request)
+REFUSALS = ("queue_full", "queue_timeout", "concurrency_limit", "budget_exceeded")
+REFUSED_NOTED = "llmgw:refused:"  # + key id, reason and minute: set once the minute's Event is written
+
+
+async def spent(key_id: int, period: str, now) -> int:
+    return await database_sync_to_async(budgets.spent)(key_id, period, now)
+
+
+def refused_for_key(gw, call, exc: GatewayError) -> None:
+    if exc.code in ("concurrency_limit", "budget_exceeded"):  # the queue's are counted where they happen
+        metrics.REJECTED.labels(call.model if call.known else metrics.UNKNOWN_MODEL, admission.CLASSES[call.rank],
+                                exc.code).inc()
+    gw.spawn(_note_refusal(gw, call.key, call.model, exc))
+
+
+async def _note_refusal(gw, key, model: str, exc: GatewayError) -> None:
+    try:
+        minute = int(time.time() // 60)
+        if await gw.redis.set(f"{REFUSED_NOTED}{key.id}:{exc.code}:{minute}", 1, nx=True, ex=120):
+            await database_sync_to_async(record)(
+                "key.refused", "gateway", f"key {key.name}: requests for {model} refused ({exc.code}): {exc.message}",
+                subject=key.name, reason=exc.code, model=model)
+        until = getattr(exc, "exhausted_until", None)
+        if until and await gw.redis.set(f"{REFUSED_NOTED}{key.id}:budget:{until}", 1, nx=True, exat=until + 60):
+            await database_sync_to_async(record)("key.budget_reached", "gateway", exc.message, subject=key.name)
+    except Exception as exc:  # an Event missed is not worth a request
+        log.warning("could not record a refusal for key %s (%s)", key.name, exc)
+
+
+async def admit(gw, call, route, tried, chosen):
+    """A slot on a ready replica of the route, waiting for one in the model's queue (gateway/admission.py); the
+    upstream it is on (None: that replica is gone from the table since). With Redis out of reach, the replica
+    routing `chosen` without a slot: serving goes on, unordered, until Redis is back."""
+    ring = route.ring.walk(call.affinity) if call.affinity is not None and route.routing == PREFIX else ()
+    prefs = [name for name in ring if name not in tried]
+    if gw.unreachable:  # tried last
+        prefs = [n for n in prefs if n not in gw.unreachable] + [n for n in prefs if n in gw.unreachable]
+    waiting = queued = False
+    priority = admission.CLASSES[call.rank]
+
+    def waits() -> None:  # counted in the metrics; the autoscaler counts it too (cluster.inflight)
+        nonlocal waiting, queued
+        queued = True
+        metrics.QUEUED.labels(call.model, priority).inc()
+        if route.autoscaled:
+            waiting = True
+            gw.spawn(gw.wait_begin(call.model))
+
+    began = time.monotonic()
+    try:
+        call.lease = await gw.admission.admit(
+            call.model, lambda: gw.slots_of(call.model, tried), key=str(call.key.id),
+            rank=admission.RANK["interactive"] if tried else call.rank, cost=admission.service(call.prompt_about, 0),
+            prefs=prefs, queue_limit=route.queue_limit, max_wait=route.max_wait, on_wait=waits)
+    except GatewayError as exc:
+        metrics.REJECTED.labels(call.model, priority, exc.code).inc()
+        raise
+    except (RedisError, OSError) as exc:
+        if gw.may_look_again("admission"):  # a warning a second at most, not one per request
+            log.warning("admission is off while Redis cannot be reached (%s): requests go straight to engines", exc)
+        return chosen
+    finally:
+        if queued:
+            metrics.QUEUED.labels(call.model, priority).dec()
+        if waiting:
+            gw.wait_end(call.model)
+    metrics.ADMITTED.labels(call.model, priority).inc()
+    metrics.QUEUE_WAIT.labels(call.model, priority).observe(time.monotonic() - began)
+    now = gw.table.find(call.model)
+    upstream = next((u for u in (now.ready if now else ()) if u.replica == call.lease.replica), None)
+    if upstream is None:
+        release(gw, call)
+    return upstream
+
+
+def release(gw, call) -> None:
+    """The request's slot back, with the service it had (its tokens, as far as they are known)."""
+    if call.lease is not None:
+        lease, call.lease = call.lease, None
+        served = admission.service(call.prompt or call.prompt_about, call.completion or call.passed)
+        gw.spawn(gw.admission.release(lease, gw.slots_of(lease.model), served))
+
+
