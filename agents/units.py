@@ -90,3 +90,45 @@ def format_duration(seconds: int | float) -> str:
     if seconds >= 3600 and seconds % 60 == 0:
         return f"{seconds // 3600}h{seconds % 3600 // 60}m"
     return f"{seconds}s"
+
+
+# A key's token budget in text (`2M/day`): what the CLI parses and shows, and the gateway enforces
+# (gateway/budgets.py); here, Django-free, in every install's wheel.
+BUDGET_PERIODS = ("day", "week", "month")
+
+
+def parse_budget(text: str) -> tuple[int, str]:
+    """`2M/day`, `500000/week`, `1.5G/month`: (tokens, period); ValueError with a one-line message."""
+    amount, slash, period = text.strip().partition("/")
+    period = period.strip().lower()
+    if not slash or period not in BUDGET_PERIODS:
+        raise ValueError(f"a budget is TOKENS/PERIOD with PERIOD one of {', '.join(BUDGET_PERIODS)}, e.g. 2M/day, "
+                         f"not {text!r}")
+    amount = amount.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(amount[-1:], 1)
+    number = amount[:-1] if scale > 1 else amount
+    try:
+        tokens = int(float(number) * scale) if "." in number else int(number) * scale
+    except ValueError:
+        raise ValueError(f"a budget's tokens are a number (with K, M or G), not {amount!r}") from None
+    if tokens < 1:
+        raise ValueError(f"a budget is at least 1 token, not {text!r}")
+    return tokens, period
+
+
+def shown_tokens(tokens: int) -> str:
+    """2000000 -> 2M; 1500 -> 1.5K."""
+    for unit, scale in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if tokens >= scale:
+            value = tokens / scale
+            return f"{value:g}{unit}" if value == round(value, 3) else f"{tokens}"
+    return str(tokens)
+
+
+def about(tokens: int) -> str:
+    """A figure at a glance, rounded: 123456 -> 123K, 1234567 -> 1.2M (what a key spent; shown_tokens is exact)."""
+    for unit, scale in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if tokens >= scale - scale // 2000:  # 999.5K is 1M, not 1000K
+            value = tokens / scale
+            return f"{value:.1f}".removesuffix(".0") + unit if value < 9.95 else f"{value:.0f}{unit}"
+    return str(tokens)

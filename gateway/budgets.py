@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-PERIODS = ("day", "week", "month")
+from agents.units import BUDGET_PERIODS as PERIODS, about, parse_budget as parse, shown_tokens as shown  # noqa: F401
 
 
 def period_start(period: str, now: dt.datetime) -> dt.datetime:
@@ -46,42 +46,6 @@ def spent(key_id: int, period: str, now: dt.datetime) -> int:
     total = Usage.objects.filter(key_id=key_id, hour__gte=period_start(period, now)).aggregate(
         p=Sum("prompt_tokens"), c=Sum("completion_tokens"))
     return (total["p"] or 0) + (total["c"] or 0)
-
-
-def parse(text: str) -> tuple[int, str]:
-    """`2M/day`, `500000/week`, `1.5G/month`: (tokens, period); ValueError with a one-line message."""
-    amount, slash, period = text.strip().partition("/")
-    period = period.strip().lower()
-    if not slash or period not in PERIODS:
-        raise ValueError(f"a budget is TOKENS/PERIOD with PERIOD one of {', '.join(PERIODS)}, e.g. 2M/day, not {text!r}")
-    amount = amount.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(amount[-1:], 1)
-    number = amount[:-1] if scale > 1 else amount
-    try:
-        tokens = int(float(number) * scale) if "." in number else int(number) * scale
-    except ValueError:
-        raise ValueError(f"a budget's tokens are a number (with K, M or G), not {amount!r}") from None
-    if tokens < 1:
-        raise ValueError(f"a budget is at least 1 token, not {text!r}")
-    return tokens, period
-
-
-def shown(tokens: int) -> str:
-    """2000000 -> 2M; 1500 -> 1.5K."""
-    for unit, scale in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
-        if tokens >= scale:
-            value = tokens / scale
-            return f"{value:g}{unit}" if value == round(value, 3) else f"{tokens}"
-    return str(tokens)
-
-
-def about(tokens: int) -> str:
-    """A figure at a glance, rounded: 123456 -> 123K, 1234567 -> 1.2M (what a key spent; shown() is exact)."""
-    for unit, scale in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
-        if tokens >= scale - scale // 2000:  # 999.5K is 1M, not 1000K
-            value = tokens / scale
-            return f"{value:.1f}".removesuffix(".0") + unit if value < 9.95 else f"{value:.0f}{unit}"
-    return str(tokens)
 
 
 def with_spent(keys, now: dt.datetime):

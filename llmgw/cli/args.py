@@ -76,7 +76,7 @@ limit_arg = cap_arg(1)  # a key's `--rpm N|none`, `--tpm N|none`, `--max-concurr
 
 def budget_arg(text: str) -> tuple[int, str] | None:
     """A key's `--budget 2M/day`: (tokens, period) as gateway.budgets parses it; `none`: no budget."""
-    from gateway.budgets import parse
+    from agents.units import parse_budget as parse
 
     if text.strip().lower() == "none":
         return None
