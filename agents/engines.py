@@ -106,10 +106,11 @@ class EngineDriver:
     default_slots: int | None = None
 
     @classmethod
-    def slots(cls, args: dict) -> int | None:
-        """Requests a replica started with these profile args serves at once (its slots; None: llmgw cannot tell):
-        the gateway admits no more than that to it, and the rest wait in the gateway (gateway/admission.py). A
-        flag among the extra args comes later on the command line and wins."""
+    def slots(cls, args: dict, command: str = "") -> int | None:
+        """Requests a replica started with these profile args (and, for a `command` engine, this template) serves
+        at once (its slots; None: llmgw cannot tell): the gateway admits no more than that to it, and the rest
+        wait in the gateway (gateway/admission.py). A flag among the extra args comes later on the command line and
+        wins."""
         values = _flag_values(args, "--parallel") + _flag_values(args, "-np")
         if values and values[-1].isdigit() and int(values[-1]) > 0:
             return int(values[-1])
@@ -315,7 +316,7 @@ class Vllm(EngineDriver):
     POOLING_TASKS = ("embed", "embedding", "classify", "score", "reward")
 
     @classmethod
-    def slots(cls, args: dict) -> int | None:
+    def slots(cls, args: dict, command: str = "") -> int | None:
         # vLLM batches up to --max-num-seqs sequences (hundreds by default) and schedules them itself: bounded
         # only when the profile says so
         values = _flag_values(args, "--max-num-seqs")
@@ -383,6 +384,12 @@ class Command(EngineDriver):
     @classmethod
     def context(cls, args: dict) -> int | None:
         return None  # its command may or may not pass {context_size} on: the engine refuses what it cannot fit
+
+    @classmethod
+    def slots(cls, args: dict, command: str = "") -> int | None:
+        # the profile's parallel is its slots only when the template passes {parallel} on; else the program
+        # serves as many at once as it serves, and admission does not bound it
+        return args.get("parallel") or None if "{parallel}" in command else None
 
     @classmethod
     def detect(cls) -> str | None:

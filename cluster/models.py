@@ -280,7 +280,7 @@ class Model(models.Model):
             driver = driver_for(self.engine.kind)
         except ValueError:
             return None
-        return driver.slots(self.profile.args())
+        return driver.slots(self.profile.args(), self.engine.command)
 
     def context(self) -> int | None:
         """Its replicas' tokens of context, as its engine's driver reads its profile (None: not known)."""

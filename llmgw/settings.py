@@ -275,7 +275,7 @@ LLMGW_ROUTING_LOAD_FACTOR = envfloat("LLMGW_ROUTING_LOAD_FACTOR", LOAD_FACTOR, 1
 # admission (gateway/admission.py): at most a replica's slots (and this fraction more) in its engine, the rest
 # waiting in the gateway in a fair order; off (the default for now), every request goes straight to an engine (set
 # it alike everywhere)
-LLMGW_ADMISSION = envbool("LLMGW_ADMISSION", False)
+LLMGW_ADMISSION = envbool("LLMGW_ADMISSION", True)
 LLMGW_ADMISSION_HEADROOM = envfloat("LLMGW_ADMISSION_HEADROOM", 0.0, 0.0, 10.0)
 # the window the autoscaler averages a model's requests over, and the least it waits between two scale-ups
 LLMGW_AUTOSCALE_WINDOW = envint("LLMGW_AUTOSCALE_WINDOW", 60)

@@ -350,3 +350,17 @@ def test_the_xllamacpp_launcher_takes_llama_servers_flags_for_embeddings_and_ima
     assert p.ui is False
     plain = xllamacpp_launcher.params(xllamacpp_launcher.parser().parse_args(["--model", "/m.gguf", "--port", "1"]), "k")
     assert (plain.embedding, plain.mmproj.path) == (False, "")
+
+
+def test_slots_are_what_the_engine_is_told_to_serve_at_once():
+    """What admission bounds a replica to (gateway/admission.py): None where llmgw cannot tell."""
+    llama, xllama, vllm = driver_for("llama.cpp"), driver_for("xllamacpp"), driver_for("vllm")
+    assert llama.slots({}) == 4 and llama.slots({"parallel": 2}) == 2  # llama-server's own default, the profile's
+    assert llama.slots({"parallel": 2, "extra_args": ["-np", "6"]}) == 6  # later on its command line: it wins
+    assert xllama.slots({}) == 1 and xllama.slots({"parallel": 3, "extra_args": "--parallel=5"}) == 5
+    assert vllm.slots({"parallel": 2}) is None  # hundreds of sequences, scheduled by vLLM itself
+    assert vllm.slots({"extra_args": ["--max-num-seqs", "16"]}) == 16
+    # an operator's program is told its parallel only when its template passes it on
+    assert Command.slots({"parallel": 2}, "{python} serve.py --port {port}") is None
+    assert Command.slots({"parallel": 2}, "{python} serve.py --port {port} --slots {parallel}") == 2
+    assert Command.slots({}, "{python} serve.py --slots {parallel}") is None
