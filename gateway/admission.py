@@ -387,10 +387,11 @@ class Admission:
         return int(status), value.decode() if isinstance(value, bytes) else str(value)
 
     async def admit(self, model: str, replicas, *, key: str, rank: int, cost: int, prefs: list[str],
-                    queue_limit: int, max_wait: float, on_wait=None) -> Lease:
-        """A slot on one of `replicas()` ((name, capacity) each, as they are now), waiting for it at most
-        `max_wait` seconds (`on_wait()` is called when it must). Raises a 429 when the queue is full, a 503 when
-        the wait is over; a cancellation (the client gone) gives the ticket up."""
+                    queue_limit: int, max_wait: float, on_wait=None, check=None) -> Lease:
+        """A slot on one of `replicas()` ((name, capacity) each, as they are now, none while a model loads),
+        waiting for it at most `max_wait` seconds (`on_wait()` is called when it must; `check()`, as it waits,
+        raises what ends the wait sooner). Raises a 429 when the queue is full, a 503 when the wait is over; a
+        cancellation (the client gone) gives the ticket up."""
         self.start()
         ticket = f"{self.process}:{secrets.token_hex(6)}"
         fields = f"{rank}|{key}|{cost}|{{expires}}|{int(time.time() * 1000)}|{self.process}|{','.join(prefs)}"
@@ -409,6 +410,8 @@ class Admission:
             if replica is None and on_wait is not None:
                 on_wait()
             while replica is None:
+                if check is not None:
+                    check()
                 left = max_wait - (time.monotonic() - started)
                 if left <= 0:
                     raise GatewayError(503, "queue_timeout",

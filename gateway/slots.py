@@ -47,10 +47,11 @@ async def _note_refusal(gw, key, model: str, exc: GatewayError) -> None:
         log.warning("could not record a refusal for key %s (%s)", key.name, exc)
 
 
-async def admit(gw, call, route, tried, chosen):
-    """A slot on a ready replica of the route, waiting for one in the model's queue (gateway/admission.py); the
-    upstream it is on (None: that replica is gone from the table since). With Redis out of reach, the replica
-    routing `chosen` without a slot: serving goes on, unordered, until Redis is back."""
+async def admit(gw, call, route, tried, chosen, max_wait: float | None = None, check=None):
+    """A slot on a ready replica of the route, waiting for one in the model's queue (gateway/admission.py) at most
+    `max_wait` seconds (the model's own by default; `check()` raises what ends the wait sooner); the upstream it
+    is on (None: that replica is gone from the table since). With Redis out of reach, the replica routing `chosen`
+    without a slot: serving goes on, unordered, until Redis is back."""
     ring = route.ring.walk(call.affinity) if call.affinity is not None and route.routing == PREFIX else ()
     prefs = [name for name in ring if name not in tried]
     if gw.unreachable:  # tried last
@@ -71,7 +72,8 @@ async def admit(gw, call, route, tried, chosen):
         call.lease = await gw.admission.admit(
             call.model, lambda: gw.slots_of(call.model, tried), key=str(call.key.id),
             rank=admission.RANK["interactive"] if tried else call.rank, cost=admission.service(call.prompt_about, 0),
-            prefs=prefs, queue_limit=route.queue_limit, max_wait=route.max_wait, on_wait=waits)
+            prefs=prefs, queue_limit=route.queue_limit, max_wait=route.max_wait if max_wait is None else max_wait,
+            on_wait=waits, check=check)
     except GatewayError as exc:
         metrics.REJECTED.labels(call.model, priority, exc.code).inc()
         raise

@@ -124,6 +124,7 @@ class Call:
         self.attempts = 0  # replicas it was sent to
         self.waited: float | None = None  # seconds it waited for a ready replica, once it looked for one
         self.asked_until = 0.0  # an autoscaled model found without room: until when the request waits for news
+        self.lease_asked = False  # it waited in its model's queue for a replica on its way (once)
         self.prompt_about = 0  # its prompt's tokens as estimated (gateway.prompt), until the engine says
         self.passed = 0  # tokens of a streamed answer passed on to the client, as counted by its chunks
         self.reserved = 0  # tokens reserved against its key's tpm limit when it was admitted
@@ -361,26 +362,54 @@ async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = N
             now = time.monotonic()
             if deadline is None:
                 deadline = now + route.wait_seconds
-            left = deadline - now
             if tried and route.coming == 0:
                 raise last_error or GatewayError(502, "upstream_error", f"every ready replica of {call.model} failed this request")
-            # no room for it, as the reconciler last found: asked again (the room may be there now), it has a
-            # moment to say otherwise
-            asks = route.autoscaled and not tried and (not route.no_room or not waiting or now < call.asked_until)
-            if (route.coming == 0 and not asks) or left <= 0:
-                if route.coming == 0 and not asks:
-                    what = "none is on its way" + (f": {route.no_room}" if route.no_room else "")
-                else:
-                    what = f"waited {route.wait_seconds}s"
-                raise GatewayError(503, "no_replica_ready", f"no replica of {call.model} is ready ({what})", 5)
+            if (refusal := _none_coming(call, route, now, deadline, asked=waiting or call.lease_asked)) is not None:
+                raise refusal
+            if gw.admission.enabled and route.slots and call.admits and not tried and not call.lease_asked:
+                # it waits for the replica on its way in the model's queue, in the order admission keeps, counted
+                # as demand; the replica ready, the queue's own wait bound follows the load's
+                call.lease_asked, call.asked_until = True, now + NO_ROOM_RECHECK
+                upstream = await slots.admit(gw, call, route, tried, None, max_wait=deadline - now + route.max_wait,
+                                             check=lambda: _still_coming(gw, call, deadline))
+                if upstream is not None:
+                    return upstream
+                continue  # granted a replica gone since, or Redis out of reach: as without admission
             if route.autoscaled and not waiting:
                 waiting = True
                 call.asked_until = now + NO_ROOM_RECHECK
                 await gw.wait_begin(call.model)
-            await gw.wait_for_change(min(left, 1.0))
+            await gw.wait_for_change(min(deadline - now, 1.0))
     finally:
         if waiting:
             gw.wait_end(call.model)
+
+
+def _none_coming(call, route, now: float, deadline: float, asked: bool) -> GatewayError | None:
+    """Why a request for a model with no replica ready it may use stops waiting (None: it waits on). An
+    autoscaled model found without room, as the reconciler last found, is asked again (the room may be there
+    now), and the reconciler has a moment to say otherwise."""
+    asks = route.autoscaled and (not route.no_room or not asked or now < call.asked_until)
+    if route.coming == 0 and not asks:
+        what = "none is on its way" + (f": {route.no_room}" if route.no_room else "")
+    elif now >= deadline:
+        what = f"waited {route.wait_seconds}s"
+    else:
+        return None
+    return GatewayError(503, "no_replica_ready", f"no replica of {call.model} is ready ({what})", 5)
+
+
+def _still_coming(gw, call, deadline: float) -> None:
+    """For a request waiting in its model's queue for a replica on its way: raises what ends its wait (the system
+    stopped, the model gone, none coming any more, the load's wait over); with a replica ready, nothing."""
+    table = gw.table
+    if table.serving_stopped:
+        raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)
+    route = table.find(call.model)
+    if route is None:
+        raise GatewayError(404, "model_not_found", f"no model named {call.model!r}")
+    if not route.ready and (refusal := _none_coming(call, route, time.monotonic(), deadline, asked=True)) is not None:
+        raise refusal
 
 
 def _done(gw, call, upstream) -> None:

@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import httpx
+from django.db import transaction
 
 from agents.ports import free_port
-from cluster import inflight
+from cluster import inflight, notify
 from cluster.locks import redis_client
 from cluster.models import ClusterSettings, Replica
 from gateway import operations as gateway_operations
@@ -68,6 +69,14 @@ class Engine:
 def ready_replica(model, node, port: int) -> Replica:
     snapshot = {"engine_key": ClusterSettings.fingerprint(ENGINE_KEY)}
     return make_replica(model, node, state=Replica.State.READY, port=port, snapshot=snapshot)
+
+
+def becomes_ready(replica: Replica) -> None:
+    """A replica on its way comes ready, as the agent's report makes it: the routing table hears of it at once."""
+    with transaction.atomic():
+        snapshot = {"engine_key": ClusterSettings.fingerprint(ENGINE_KEY)}
+        Replica.objects.filter(pk=replica.pk).update(state=Replica.State.READY, snapshot=snapshot)
+        notify.routing_changed()
 
 
 def add_key(name: str, **limits) -> str:

@@ -8,11 +8,23 @@ import json
 import pytest
 from asgiref.sync import sync_to_async
 
-from cluster.models import Model
+from cluster.inflight import queued
+from cluster.locks import redis_client
+from cluster.models import Model, Replica
 from gateway.models import ApiKey
 from gateway.runtime import runtime
-from tests.factories import make_model, make_profile
-from tests.gateway.views.harness import MESSAGES, add_key, chat, key_client, openai_error, post, read, ready_replica
+from tests.factories import make_model, make_profile, make_replica
+from tests.gateway.views.harness import (
+    MESSAGES,
+    add_key,
+    becomes_ready,
+    chat,
+    key_client,
+    openai_error,
+    post,
+    read,
+    ready_replica,
+)
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
@@ -119,3 +131,35 @@ async def test_with_redis_out_of_reach_requests_go_straight_to_an_engine(cluster
         await gw.admission.aclose()
         await gone.aclose()
         gw.admission = working
+
+
+async def test_requests_for_a_model_on_its_way_wait_in_its_queue_and_go_in_its_order(cluster, slow_engine):
+    def starting():
+        model = make_model("loading", profile=make_profile(parallel=1).name, wait_seconds=20)
+        return make_replica(model, cluster.node, state=Replica.State.STARTING, port=slow_engine.port)
+
+    replica = await sync_to_async(starting)()
+    flood_key, quiet_key = await sync_to_async(lambda: (add_key("flood"), add_key("quiet")))()
+    flood, quiet = key_client(flood_key), key_client(quiet_key)
+    floods = [asyncio.create_task(chat(flood, model="loading", stream=True)) for _ in range(3)]
+    await asyncio.sleep(0.4)
+    late = asyncio.create_task(chat(quiet, model="loading", stream=True))
+    await asyncio.sleep(0.4)
+    # waiting for the load in the model's queue: seen (ctl models, the autoscaler), and kept in its order
+    assert (await sync_to_async(queued)(redis_client(), ["loading"]))["loading"][0] == 4
+
+    await sync_to_async(becomes_ready)(replica)
+    done, _ = await asyncio.wait([*floods, late], timeout=15, return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1 and late not in done  # one of the first come, as no key has had any service yet
+    first = done.pop()
+    assert first.result().status_code == 200
+    await read(first.result())
+    floods.remove(first)
+    done, _ = await asyncio.wait([*floods, late], timeout=15, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {late}  # then the key with no service, though it came last
+    assert late.result().status_code == 200
+    await read(late.result())
+    for t in asyncio.as_completed(floods):  # each read as it is answered: an unread stream holds its slot
+        answer = await t
+        assert answer.status_code == 200, answer.content
+        await read(answer)

@@ -8,22 +8,21 @@ from datetime import timedelta
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.db import transaction
 from django.utils import timezone
 from prometheus_client import generate_latest
 
 from agents.ports import free_port
-from cluster import notify, operations
-from cluster.models import ClusterSettings, Event, Replica
+from cluster import operations
+from cluster.models import Event, Replica
 from gateway import operations as gateway_operations
 from gateway.models import ApiKey
 from gateway.runtime import runtime
 from tests.factories import make_model, make_replica
 from tests.gateway.views.harness import (
-    ENGINE_KEY,
     MESSAGES,
     Client,
     add_key,
+    becomes_ready,
     chat,
     key_client,
     openai_error,
@@ -195,13 +194,7 @@ async def test_a_request_waits_for_a_replica_that_becomes_ready(cluster, client)
     done, _ = await asyncio.wait({waiting}, timeout=0.3)
     assert not done, "it waits for the replica on its way, not answering 503 at once"
 
-    def becomes_ready():
-        with transaction.atomic():
-            snapshot = {"engine_key": ClusterSettings.fingerprint(ENGINE_KEY)}
-            Replica.objects.filter(pk=replica.pk).update(state=Replica.State.READY, snapshot=snapshot)
-            notify.routing_changed()  # as the agent's report does
-
-    await sync_to_async(becomes_ready)()
+    await sync_to_async(becomes_ready)(replica)
     response = await asyncio.wait_for(waiting, 15)
     assert response.status_code == 200, response.content
 
