@@ -10,8 +10,9 @@ replica, then (`--replicas 1,2`) two. Each phase:
 
 - alone: the quiet key sends --quiet-requests short streamed chats (`max_tokens` 8) one at a time, a pause of
   --think seconds between them; its time to first token (TTFT) is the time to the first chunk that carries text;
-- flood: the same, while the flood key keeps --flood streams in flight, each --flood-tokens long (`ignore_eos`,
-  so each is that long); both keys `standard`;
+- flood: the same, while the flood key keeps --flood streams in flight, each --flood-tokens long on average
+  (`ignore_eos`, so each is as long as asked: drawn evenly from ±--flood-spread of that, as an agent's turns or a
+  batch's answers vary; `--flood-spread 0`: all equal, so the slots free in lock-step); both keys `standard`;
 - four keys: four equal keys each keep --flood / 2 streams in flight for --window seconds; Jain's fairness index
   over their tokens/s (1: equal shares; 0.25: one key has everything);
 - classes: the quiet key `interactive`, the flood `batch`.
@@ -108,7 +109,9 @@ async def keep_busy(client, key: str, n: int, o, tally: Tally, stop: asyncio.Eve
 
     async def one():
         while not stop.is_set():
-            await stream(client, key, flood_prompt(), o.flood_tokens, tally, {"ignore_eos": True})
+            spread = int(o.flood_tokens * o.flood_spread)
+            tokens = o.flood_tokens + random.randint(-spread, spread)
+            await stream(client, key, flood_prompt(), max(1, tokens), tally, {"ignore_eos": True})
 
     await asyncio.gather(*(one() for _ in range(n)))
 
@@ -192,7 +195,7 @@ async def measure(llmgw: Llmgw, replicas: int, o) -> dict:
 def report(results: dict[str, list[dict]], o) -> None:
     print()
     print(f"admission's headroom {o.headroom:g}; quiet key: {o.quiet_requests} streamed chats of 8 tokens, {o.think}s apart; flood: {o.flood} streams of "
-          f"{o.flood_tokens} tokens in flight; four keys: {max(1, o.flood // 2)} streams each for {o.window}s")
+          f"{o.flood_tokens} ± {o.flood_spread:.0%} tokens in flight; four keys: {max(1, o.flood // 2)} streams each for {o.window}s")
     print()
     print("| replicas | admission | quiet alone p50 / worst | under flood p50 / worst | ÷ alone | flood tok/s "
           "| Jain (4 keys) | interactive over batch p50 / worst | ÷ alone | batch tok/s | answered / refused / failed |")
@@ -222,7 +225,9 @@ def main() -> None:
     p.add_argument("--quiet-requests", type=int, default=12)
     p.add_argument("--think", type=float, default=0.5, help="seconds between the quiet key's requests")
     p.add_argument("--flood", type=int, default=8, help="the flood's streams in flight")
-    p.add_argument("--flood-tokens", type=int, default=128, help="tokens of each flood stream")
+    p.add_argument("--flood-tokens", type=int, default=128, help="tokens of each flood stream, on average")
+    p.add_argument("--flood-spread", type=float, default=0.75,
+                   help="each flood stream's length drawn evenly from ± this fraction of --flood-tokens (0: all equal)")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of flood before the quiet key begins")
     p.add_argument("--window", type=float, default=30.0, help="seconds the four keys are measured")
     p.add_argument("--headroom", type=float, default=0.0, help="LLMGW_ADMISSION_HEADROOM with admission on")
