@@ -22,7 +22,8 @@ within HOLD: a quiet interactive key then never waits for a batch request to fin
 replica: with `prefix` routing the first on the request's ring walk within the bounded load (slots held and
 requests waiting for each replica, as gateway/affinity.py bounds requests in flight): a request waits for a slot
 there rather than move to a free replica, where its conversation's cache is not (a cold prefill), unless its
-replica is over the bound; else the one with the most free slots.
+replica is over the bound or its prompt is short (under SHORT_PROMPT tokens: its cold prefill costs less than a
+wait for a slot); else the one with the most free slots.
 
 A grant is published on the waiter's process's channel (pub/sub), so it wakes at once; a waiter also looks
 again every LOOK_EVERY seconds (a message lost, a replica come ready). A ticket whose process stopped renewing it
@@ -62,6 +63,7 @@ HOLD = 10.0  # seconds a class counts as active after its last admission, holdin
 HOLD_BACK = 1  # slots of a model a lower class may not take while a higher one is active
 TAU = 60.0  # seconds: attained service decays by e over this
 OUTPUT_WEIGHT = 2  # a completion token's weight in attained service, against a prompt token's 1
+SHORT_PROMPT = 256  # tokens: a prompt shorter takes a free slot off its replica rather than wait there
 
 PREFIX = ADMISSION_PREFIX
 SERVICE = PREFIX + "service"  # key id -> "<attained service>|<at ms>", across models
@@ -89,7 +91,8 @@ def channel(process: str) -> str:
 
 # KEYS: queue, tickets, active, seq, service, then each replica's slots. ARGV: op, now (ms), lease ttl (ms), promote
 # (ms), hold (ms), tau (ms), hold back, queue limit, output weight, load factor, replica count, then name and
-# capacity per replica, then the op's own. A ticket's fields: rank|key|cost|expires (ms)|enqueued (ms)|process|prefs (names, ,).
+# capacity per replica, then the op's own. A ticket's fields: rank|key|cost|expires (ms)|enqueued (ms)|process|prefs
+# (names, ,)|movable (1: it may take a free slot off its replica within the bound).
 # A lease's member: ticket|rank|key.
 SCRIPT = r"""
 local queue, tickets, active, seqkey, service = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -195,10 +198,11 @@ local function pick_replica(f)
       local i = index[name]
       if i and load[i] + 1 <= bound then
         if free[i] > 0 then return name end
-        return nil
+        if f[8] ~= '1' then return nil end
+        break  -- a short prompt: any free slot, on its walk
       end
     end
-    for name in string.gmatch(f[7], '([^,]+)') do  -- every one over the bound: any free slot
+    for name in string.gmatch(f[7], '([^,]+)') do  -- every one over the bound (or a short prompt): any free slot
       local i = index[name]
       if i and free[i] > 0 then return name end
     end
@@ -387,14 +391,16 @@ class Admission:
         return int(status), value.decode() if isinstance(value, bytes) else str(value)
 
     async def admit(self, model: str, replicas, *, key: str, rank: int, cost: int, prefs: list[str],
-                    queue_limit: int, max_wait: float, on_wait=None, check=None) -> Lease:
+                    queue_limit: int, max_wait: float, on_wait=None, check=None, movable: bool = False) -> Lease:
         """A slot on one of `replicas()` ((name, capacity) each, as they are now, none while a model loads),
         waiting for it at most `max_wait` seconds (`on_wait()` is called when it must; `check()`, as it waits,
         raises what ends the wait sooner). Raises a 429 when the queue is full, a 503 when the wait is over; a
-        cancellation (the client gone) gives the ticket up."""
+        cancellation (the client gone) gives the ticket up. `movable`: it may take a free slot of a replica
+        other than the first of `prefs` (a short prompt)."""
         self.start()
         ticket = f"{self.process}:{secrets.token_hex(6)}"
-        fields = f"{rank}|{key}|{cost}|{{expires}}|{int(time.time() * 1000)}|{self.process}|{','.join(prefs)}"
+        fields = (f"{rank}|{key}|{cost}|{{expires}}|{int(time.time() * 1000)}|{self.process}|{','.join(prefs)}"
+                  f"|{int(movable)}")
         future = asyncio.get_running_loop().create_future()
         self.waiters[ticket] = future
         self.tickets[ticket] = (model, fields)

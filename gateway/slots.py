@@ -73,7 +73,7 @@ async def admit(gw, call, route, tried, chosen, max_wait: float | None = None, c
             call.model, lambda: gw.slots_of(call.model, tried), key=str(call.key.id),
             rank=admission.RANK["interactive"] if tried else call.rank, cost=admission.service(call.prompt_about, 0),
             prefs=prefs, queue_limit=route.queue_limit, max_wait=route.max_wait if max_wait is None else max_wait,
-            on_wait=waits, check=check)
+            on_wait=waits, check=check, movable=call.prompt_about < admission.SHORT_PROMPT)
     except GatewayError as exc:
         metrics.REJECTED.labels(call.model, priority, exc.code).inc()
         raise

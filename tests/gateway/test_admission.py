@@ -181,6 +181,23 @@ async def test_prefix_waits_for_its_replica_within_the_bound_and_moves_past_it(p
     assert (await asyncio.wait_for(stays, 2)).replica == home  # the slot it waited for
 
 
+async def test_a_short_prompt_takes_a_free_slot_off_its_replica_rather_than_wait(processes, model):
+    """Its cold prefill costs less than a wait for its replica's slot: it goes to the next on its walk with one
+    free, and to its own replica when that has one."""
+    one, _ = processes
+    reps = replicas(1, 1, model=model)
+    home, other = f"{model}-r1", f"{model}-r0"
+    first = await admit(one, model, reps, prefs=[home, other])
+    assert first.replica == home
+    short = await asyncio.wait_for(one.admit(model, reps, key="k1", rank=STANDARD, cost=10, prefs=[home, other],
+                                             queue_limit=100, max_wait=5, movable=True), 2)
+    assert short.replica == other
+    await one.release(first, reps(), 10)
+    again = await one.admit(model, reps, key="k1", rank=STANDARD, cost=10, prefs=[home, other], queue_limit=100,
+                            max_wait=5, movable=True)
+    assert again.replica == home
+
+
 async def test_a_request_that_must_wait_says_so(processes, model):
     one, _ = processes
     reps = replicas(1, model=model)
