@@ -505,10 +505,13 @@ def test_inflight_counts_return_to_zero_after_many_requests_and_cancelled_stream
     assert all(isinstance(r, asyncio.CancelledError) for r in cancelled), cancelled
     assert max(seen) >= 10, f"the shared counts saw the requests in flight: {seen}"
     wait_for(lambda: inflight_total(system) == 0, 10, what="the shared in-flight counts back to zero")
-    # one access-log line for each of the 30, the cancelled ones too (499: the client went away)
-    lines = wait_for(lambda: len(access_lines(system, secret[:14])) == 30 and access_lines(system, secret[:14]), 10,
-                     what="30 access lines")
-    assert sum("status=499" in line for line in lines) >= 10, lines
+    # one access-log line for each request that reached the gateway, the cancelled ones too (499: the client went
+    # away): the 25 that did for certain, and those of the five that gave up after 0.15 s that got there before
+    # (on a loaded machine one may give up while its connection still waits to be accepted)
+    wait_for(lambda: len(access_lines(system, secret[:14])) >= 25, 10, what="25 access lines")
+    time.sleep(1)
+    lines = access_lines(system, secret[:14])
+    assert len(lines) <= 30 and sum("status=499" in line for line in lines) >= 10, lines
 
 
 def test_failover_when_a_replica_dies_under_load(system, slow):
