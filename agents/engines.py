@@ -389,7 +389,7 @@ class Command(EngineDriver):
     def slots(cls, args: dict, command: str = "") -> int | None:
         # the profile's parallel is its slots only when the template passes {parallel} on; else the program
         # serves as many at once as it serves, and admission does not bound it
-        return args.get("parallel") or None if "{parallel}" in command else None
+        return (args.get("parallel") or None) if "{parallel}" in command else None
 
     @classmethod
     def detect(cls) -> str | None:

@@ -346,12 +346,7 @@ async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = N
     waiting = False
     try:
         while True:
-            table = await gw.current()
-            if table.serving_stopped:
-                raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)
-            route = table.find(call.model)
-            if route is None:
-                raise GatewayError(404, "model_not_found", f"no model named {call.model!r}")
+            route = _route(await gw.current(), call)
             upstream = await gw.choose(route, tried, call.affinity)
             if upstream is not None and gw.admission.enabled and route.slots and call.admits:
                 upstream = await slots.admit(gw, call, route, tried, upstream)
@@ -385,6 +380,16 @@ async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = N
             gw.wait_end(call.model)
 
 
+def _route(table, call):
+    """The request's model's route in the table, unless the system is stopped or no such model is there."""
+    if table.serving_stopped:
+        raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)
+    route = table.find(call.model)
+    if route is None:
+        raise GatewayError(404, "model_not_found", f"no model named {call.model!r}")
+    return route
+
+
 def _none_coming(call, route, now: float, deadline: float, asked: bool) -> GatewayError | None:
     """Why a request for a model with no replica ready it may use stops waiting (None: it waits on). An
     autoscaled model found without room, as the reconciler last found, is asked again (the room may be there
@@ -402,12 +407,7 @@ def _none_coming(call, route, now: float, deadline: float, asked: bool) -> Gatew
 def _still_coming(gw, call, deadline: float) -> None:
     """For a request waiting in its model's queue for a replica on its way: raises what ends its wait (the system
     stopped, the model gone, none coming any more, the load's wait over); with a replica ready, nothing."""
-    table = gw.table
-    if table.serving_stopped:
-        raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)
-    route = table.find(call.model)
-    if route is None:
-        raise GatewayError(404, "model_not_found", f"no model named {call.model!r}")
+    route = _route(gw.table, call)
     if not route.ready and (refusal := _none_coming(call, route, time.monotonic(), deadline, asked=True)) is not None:
         raise refusal
 
