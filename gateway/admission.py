@@ -18,14 +18,19 @@ process runs it), granting free slots to tickets in this order:
 3. within a key, first come first served.
 
 A slot a lower class could take is held back (HOLD_BACK slots of the model) while a higher class was admitted
-within HOLD: a quiet interactive key then never waits for a batch request to finish. The grant names the
+within HOLD: a quiet interactive key then never waits for a batch request to finish. Within a class, a key that
+holds a slot already may not take the model's last free one while another key of its class (or a higher one),
+admitted within KEY_HOLD, holds none: a quiet key between its requests finds that slot free rather than wait for
+one of a flood's requests to end. A key's first slot is never held back, so every key progresses. The grant names the
 replica: with `prefix` routing the first on the request's ring walk within the bounded load (slots held and
 requests waiting for each replica, as gateway/affinity.py bounds requests in flight): a request waits for a slot
 there rather than move to a free replica, where its conversation's cache is not (a cold prefill), unless its
 replica is over the bound or its prompt is short (under SHORT_PROMPT tokens: its cold prefill costs less than a
 wait for a slot); else the one with the most free slots.
 
-A grant is published on the waiter's process's channel (pub/sub), so it wakes at once; a waiter also looks
+Slots a process gives back while a release of the same model is on its way to Redis go together in the next
+script call (one dispatch for all of them). A grant is published on the waiter's process's channel (pub/sub), so
+it wakes at once; a waiter also looks
 again every LOOK_EVERY seconds (a message lost, a replica come ready). A ticket whose process stopped renewing it
 lapses after TICKET_TTL; a waiter that gives up (its client gone, its wait over) cancels it, returning a slot
 granted in the meantime.
@@ -61,6 +66,8 @@ LOOK_EVERY = 0.5  # a waiter dispatches again this often: a replica came ready, 
 PROMOTE_AFTER = 15.0  # a ticket rises one class per this many seconds waited
 HOLD = 10.0  # seconds a class counts as active after its last admission, holding slots back from lower classes
 HOLD_BACK = 1  # slots of a model a lower class may not take while a higher one is active
+KEY_HOLD = 10.0  # seconds a key counts as active after its last admission: a key holding a slot already leaves
+# the model's last free slot to another active key of its class that holds none
 TAU = 60.0  # seconds: attained service decays by e over this
 OUTPUT_WEIGHT = 2  # a completion token's weight in attained service, against a prompt token's 1
 SHORT_PROMPT = 256  # tokens: a prompt shorter takes a free slot off its replica rather than wait there
@@ -90,8 +97,8 @@ def channel(process: str) -> str:
 
 
 # KEYS: queue, tickets, active, seq, service, then each replica's slots. ARGV: op, now (ms), lease ttl (ms), promote
-# (ms), hold (ms), tau (ms), hold back, queue limit, output weight, load factor, replica count, then name and
-# capacity per replica, then the op's own. A ticket's fields: rank|key|cost|expires (ms)|enqueued (ms)|process|prefs
+# (ms), hold (ms), tau (ms), hold back, queue limit, output weight, load factor, replica count, key hold (ms), then
+# name and capacity per replica, then the op's own. A ticket's fields: rank|key|cost|expires (ms)|enqueued (ms)|process|prefs
 # (names, ,)|movable (1: it may take a free slot off its replica within the bound).
 # A lease's member: ticket|rank|key.
 SCRIPT = r"""
@@ -100,8 +107,9 @@ local op = ARGV[1]
 local now, lease_ttl, promote, hold, tau = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local hold_back, limit, weight, factor = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local nrep = tonumber(ARGV[11])
-local names, caps, index, free, holders, homed = {}, {}, {}, {}, {}, {}
-local at = 12
+local key_hold = tonumber(ARGV[12])
+local names, caps, index, free, holders, homed, held = {}, {}, {}, {}, {}, {}, {}
+local at = 13
 for i = 1, nrep do
   names[i] = ARGV[at]; caps[i] = tonumber(ARGV[at + 1]); index[ARGV[at]] = i; at = at + 2
 end
@@ -140,8 +148,10 @@ local function count_slots()
     local members = redis.call('ZRANGE', k, 0, -1)
     free[i] = caps[i] - #members
     for _, m in ipairs(members) do
-      local rank = tonumber(split(m)[2]) or 1
+      local f = split(m)
+      local rank = tonumber(f[2]) or 1
       holders[rank] = (holders[rank] or 0) + 1
+      if f[3] then held[f[3]] = (held[f[3]] or 0) + 1 end
     end
   end
 end
@@ -160,6 +170,37 @@ local function may_take(rank, total)
   return total - math.max(0, hold_back - held)
 end
 
+-- the keys of each class admitted within KEY_HOLD (the active hash's 'k:<key>' fields: rank|when), read once
+local recent = nil
+local function recent_keys()
+  if recent then return recent end
+  recent = {}
+  local all = redis.call('HGETALL', active)
+  for i = 1, #all, 2 do
+    local name = all[i]
+    if string.sub(name, 1, 2) == 'k:' then
+      local f = split(all[i + 1])
+      if now - tonumber(f[2]) < key_hold then
+        recent[string.sub(name, 3)] = tonumber(f[1])
+      else
+        redis.call('HDEL', active, name)
+      end
+    end
+  end
+  return recent
+end
+
+-- whether the model's last slot a class may take stays for another key: the ticket's key holds a slot already,
+-- and another key of its class or a higher one, admitted within KEY_HOLD, holds none (it is between requests)
+local function left_for_another(f, rank)
+  local key = f[2]
+  if key == '' or (held[key] or 0) == 0 then return false end
+  for other, r in pairs(recent_keys()) do
+    if other ~= key and r <= rank and (held[other] or 0) == 0 then return true end
+  end
+  return false
+end
+
 local function grant(id, f, replica, cache, wanted)
   local i = index[replica]
   local rank = f[1]
@@ -174,6 +215,11 @@ local function grant(id, f, replica, cache, wanted)
     redis.call('PUBLISH', ARGV[#ARGV] .. f[6], id .. '|' .. replica)
   end
   redis.call('HSET', active, rank, now)
+  if f[2] ~= '' then
+    held[f[2]] = (held[f[2]] or 0) + 1
+    redis.call('HSET', active, 'k:' .. f[2], rank .. '|' .. now)
+    if recent then recent[f[2]] = tonumber(rank) end
+  end
   add_service(f[2], tonumber(f[3]), cache)
 end
 
@@ -243,8 +289,10 @@ local function dispatch(cache, wanted)
         best, best_at, order = w, n, key
       end
     end
-    if may_take(order[1], total) <= 0 then break end
-    local replica = pick_replica(best[2])
+    local allowed = may_take(order[1], total)
+    if allowed <= 0 then break end
+    local replica = nil
+    if allowed > 1 or not left_for_another(best[2], order[1]) then replica = pick_replica(best[2]) end
     if replica == nil then
       table.remove(waiting, best_at)  -- its replicas are full: the others may still go
     else
@@ -276,16 +324,20 @@ if op == 'admit' then
   if got then return {1, got} end
   return {0, tostring(redis.call('ZCARD', queue))}
 elseif op == 'release' then
-  -- args: replica, member, key, service to add, grant prefix, channel prefix
-  local k = args[1]
-  if redis.call('ZREM', k, args[2]) == 1 then
-    for i = 1, nrep do
-      if KEYS[5 + i] == k then free[i] = free[i] + 1 end
+  -- args: replica's slots, member, key, service to add (for each slot given back), grant prefix, channel prefix
+  for a = 1, #args - 2, 4 do
+    local k = args[a]
+    if redis.call('ZREM', k, args[a + 1]) == 1 then
+      for i = 1, nrep do
+        if KEYS[5 + i] == k then free[i] = free[i] + 1 end
+      end
+      local f = split(args[a + 1])
+      local rank = tonumber(f[2]) or 1  -- its class and key no longer hold that slot
+      holders[rank] = math.max(0, (holders[rank] or 0) - 1)
+      if f[3] then held[f[3]] = math.max(0, (held[f[3]] or 0) - 1) end
     end
-    local rank = tonumber(split(args[2])[2]) or 1  -- its class no longer holds that slot
-    holders[rank] = math.max(0, (holders[rank] or 0) - 1)
+    add_service(args[a + 2], tonumber(args[a + 3]), cache)
   end
-  add_service(args[3], tonumber(args[4]), cache)
   dispatch(cache, nil)
   return {1, ''}
 elseif op == 'cancel' then
@@ -363,6 +415,9 @@ class Admission:
         self.leases: dict[str, Lease] = {}  # by member
         self.tickets: dict[str, tuple[str, str]] = {}  # ticket -> (model, its fields but the expiry)
         self._looked: dict[str, float] = {}  # model -> when this process last dispatched its queue to look
+        self._releasing: dict[str, list] = {}  # model -> (lease, served, done) given back, not yet sent
+        self._release_replicas: dict[str, list[tuple[str, int]]] = {}  # model -> its replicas as last given
+        self._flushing: dict[str, asyncio.Task] = {}  # model -> the task sending its releases
         self._tasks: list[asyncio.Task] = []
         self.enabled = settings.LLMGW_ADMISSION
         self.load_factor = settings.LLMGW_ROUTING_LOAD_FACTOR  # `prefix` routing's bound (gateway/affinity.py)
@@ -383,7 +438,8 @@ class Admission:
         queue, tickets, active, seq = _keys(model)
         keys = [queue, tickets, active, seq, SERVICE, *(slots_key(name) for name, _ in replicas)]
         argv = [op, int(time.time() * 1000), int(LEASE_TTL * 1000), int(PROMOTE_AFTER * 1000), int(HOLD * 1000),
-                int(TAU * 1000), HOLD_BACK, queue_limit, OUTPUT_WEIGHT, self.load_factor, len(replicas)]
+                int(TAU * 1000), HOLD_BACK, queue_limit, OUTPUT_WEIGHT, self.load_factor, len(replicas),
+                int(KEY_HOLD * 1000)]
         for name, capacity in replicas:
             argv += [name, capacity]
         argv += [*args, PREFIX + "grant:", PREFIX + "granted:"]
@@ -468,15 +524,37 @@ class Admission:
 
     async def release(self, lease: Lease, replicas: list[tuple[str, int]], served: int) -> None:
         """The slot back, the request's service settled (`served`: its attained service, of which `lease.cost` was
-        counted at the grant), and the queue dispatched."""
+        counted at the grant), and the queue dispatched. The slots of a model this process gives back while a
+        release of it is on its way to Redis go together, in one script call after it."""
         self.leases.pop(lease.member, None)
-        if all(name != lease.replica for name, _ in replicas):  # gone from the table: its slots still counted
-            replicas = [*replicas, (lease.replica, 0)]
+        done = asyncio.get_running_loop().create_future()
+        self._releasing.setdefault(lease.model, []).append((lease, served, done))
+        self._release_replicas[lease.model] = replicas
+        if lease.model not in self._flushing:
+            self._flushing[lease.model] = asyncio.get_running_loop().create_task(
+                self._flush(lease.model), context=contextvars.Context())
+        await done
+
+    async def _flush(self, model: str) -> None:
         try:
-            await self._run("release", lease.model, replicas, slots_key(lease.replica), lease.member, lease.key,
-                            served - lease.cost)
-        except Exception as exc:  # the lease lapses in LEASE_TTL
-            log.warning("could not release a slot of %s (%s)", lease.replica, exc)
+            while pending := self._releasing.pop(model, None):
+                replicas = list(self._release_replicas.pop(model))
+                names = {name for name, _ in replicas}
+                args: list = []
+                for lease, served, _ in pending:
+                    if lease.replica not in names:  # gone from the table: its slots still counted
+                        names.add(lease.replica)
+                        replicas.append((lease.replica, 0))
+                    args += [slots_key(lease.replica), lease.member, lease.key, served - lease.cost]
+                try:
+                    await self._run("release", model, replicas, *args)
+                except Exception as exc:  # the leases lapse in LEASE_TTL
+                    log.warning("could not release %d slot(s) of %s (%s)", len(pending), model, exc)
+                for _, _, done in pending:
+                    if not done.done():
+                        done.set_result(None)
+        finally:
+            self._flushing.pop(model, None)
 
     def _forget_grant(self, ticket: str) -> None:
         task = asyncio.get_running_loop().create_task(self.redis.delete(grant_key(ticket)), context=contextvars.Context())

@@ -256,3 +256,75 @@ async def test_the_slot_an_interactive_request_gives_back_stays_for_its_class(pr
     await two.release(again, reps(), 10)
     for t in batch:
         t.cancel()
+
+
+async def test_a_key_holding_a_slot_leaves_the_last_one_to_another_active_key_of_its_class(processes, model,
+                                                                                          monkeypatch):
+    """The quiet key between its requests: the flood, holding a slot already, may not take the model's last
+    one, so the quiet key's next request finds it free rather than wait for one of the flood's to end. Once the
+    quiet key has not been seen for KEY_HOLD, the flood has it."""
+    monkeypatch.setattr(admission, "KEY_HOLD", 1.0)
+    one, two = processes
+    reps = replicas(2, model=model)
+    done = await admit(two, model, reps, key="quiet")
+    await two.release(done, reps(), 10)
+    flood = [start(one, model, reps, key="flood") for _ in range(3)]
+    await asyncio.sleep(0.3)
+    assert sum(t.done() for t in flood) == 1  # the other slot stays for the quiet key
+    quiet = await admit(two, model, reps, key="quiet", wait=0.2)
+    await two.release(quiet, reps(), 10)
+    await asyncio.sleep(0.3)
+    assert sum(t.done() for t in flood) == 1  # and stays for it again once it is done
+    await settled(flood, 2, timeout=3)  # the quiet key not seen for KEY_HOLD: the flood takes the slot
+    for t in flood:
+        t.cancel()
+
+
+async def test_no_slot_is_left_for_a_lower_class_nor_by_a_key_holding_none(processes, model):
+    one, two = processes
+    reps = replicas(2, model=model)
+    done = await admit(two, model, reps, key="nightly", rank=BATCH)
+    await two.release(done, reps(), 10)
+    both = [await admit(one, model, reps, key="flood", wait=0.5) for _ in range(2)]  # a batch key leaves none
+    for lease in both:
+        await one.release(lease, reps(), 10)
+    single = replicas(1, model=model + "-single")
+    done = await admit(two, model + "-single", single, key="quiet")
+    await two.release(done, single(), 10)
+    await admit(one, model + "-single", single, key="flood", wait=0.5)  # a key's first slot is never held back
+
+
+async def test_slots_given_back_together_go_in_one_call_and_each_is_settled(processes, model):
+    """A process under load gives slots back faster than Redis answers: those of a model given back while one
+    release is on its way go together in the next call, and every one frees its slot and settles its service."""
+    one, two = processes
+    reps = replicas(4, model=model)
+    keys = [f"{model}-k{i}" for i in range(4)]  # the service hash is shared by every model
+    held = [await admit(one, model, reps, key=key) for key in keys]
+    waiting = [start(two, model, reps, key=f"{model}-w{i}") for i in range(4)]
+    await asyncio.sleep(0.2)
+    calls = []
+    run = one._run
+
+    async def counted(op, *args, **kw):
+        calls.append(op)
+        return await run(op, *args, **kw)
+
+    one._run = counted
+    await asyncio.gather(*(one.release(lease, reps(), 100 * (i + 1)) for i, lease in enumerate(held)))
+    assert calls == ["release"]  # all four given back before the first call left: one call
+    await settled(waiting, 4)
+    client = aioredis.Redis.from_url(settings.REDIS_URL)
+    served = {k.decode(): float(v.decode().split("|")[0]) for k, v in (await client.hgetall(admission.SERVICE)).items()
+              if k.decode() in keys}
+    assert [round(served[key]) for key in keys] == [100, 200, 300, 400]
+    for t in waiting:
+        await two.release(t.result(), reps(), 10)
+    three = [await admit(one, model, reps, key=keys[0]) for _ in range(3)]
+    calls.clear()
+    first = asyncio.create_task(one.release(three[0], reps(), 10))
+    await asyncio.sleep(0.001)  # on its way to Redis
+    await asyncio.gather(first, *(one.release(lease, reps(), 10) for lease in three[1:]))
+    assert calls == ["release", "release"]  # the first alone, the two given back meanwhile together
+    assert await client.zcard(admission.slots_key(f"{model}-r0")) == 0  # every slot back
+    await client.aclose()
