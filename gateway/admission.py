@@ -10,8 +10,9 @@ A request that finds no free slot takes a ticket in its model's queue (Redis too
 frees, a ticket is added, or a waiter looks again, the queue is dispatched (one Lua script: atomic, whichever
 process runs it), granting free slots to tickets in this order:
 
-1. by class: `interactive`, `standard`, `batch` (the key's, or lower with `X-Llmgw-Priority`); a ticket that
-   has waited PROMOTE_AFTER rises one class for each such wait, so nothing starves;
+1. by class: `interactive`, `standard`, `batch` (the key's, or lower with `X-Llmgw-Priority`); a class whose
+   oldest ticket has waited PROMOTE_AFTER rises one class for each such wait, so nothing starves (the class,
+   not the ticket: a flood's tickets that have waited long do not pass a quiet key of their own class);
 2. between keys of a class, the key with the least attained service first: its tokens served over a decaying
    window (TAU), completion tokens weighing OUTPUT_WEIGHT times a prompt's (VTC's and llm-d's measure), counted
    from the moment a request is granted (its prompt) and settled when it ends;
@@ -280,10 +281,19 @@ local function dispatch(cache, wanted)
     local total = 0
     for i = 1, nrep do total = total + math.max(0, free[i]) end
     if total <= 0 then break end
+    -- a class rises one rank for each PROMOTE_AFTER its oldest ticket has waited: the class, not the ticket, so
+    -- within it the order stays least attained service first (a flood's long-waiting tickets do not pass a
+    -- quiet key of their own class)
+    local oldest = {}
+    for _, w in ipairs(waiting) do
+      local r, at = tonumber(w[2][1]), tonumber(w[2][5])
+      if oldest[r] == nil or at < oldest[r] then oldest[r] = at end
+    end
     local best, best_at, order = nil, nil, nil
     for n, w in ipairs(waiting) do
       local f = w[2]
-      local rank = math.max(0, tonumber(f[1]) - math.floor((now - tonumber(f[5])) / promote))
+      local r = tonumber(f[1])
+      local rank = math.max(0, r - math.floor((now - oldest[r]) / promote))
       local key = {rank, attained(f[2], cache), w[3]}
       if order == nil or key[1] < order[1] or (key[1] == order[1] and (key[2] < order[2] or (key[2] == order[2] and key[3] < order[3]))) then
         best, best_at, order = w, n, key

@@ -328,3 +328,29 @@ async def test_slots_given_back_together_go_in_one_call_and_each_is_settled(proc
     assert calls == ["release", "release"]  # the first alone, the two given back meanwhile together
     assert await client.zcard(admission.slots_key(f"{model}-r0")) == 0  # every slot back
     await client.aclose()
+
+
+async def test_a_starved_class_rises_and_a_floods_long_wait_does_not_pass_a_quiet_key_of_its_class(processes, model,
+                                                                                                  monkeypatch):
+    """PROMOTE_AFTER raises a class whose oldest ticket has waited that long, one rank per wait: the batch,
+    risen to the top, goes. It raises the class, not the ticket: the flood's tickets that have waited long stay
+    behind a quiet key of their own class, which has had less service."""
+    monkeypatch.setattr(admission, "PROMOTE_AFTER", 0.4)
+    one, two = processes
+    reps = replicas(1, model=model)
+    holding = await admit(one, model, reps, key="flood", cost=1000)
+    flood = [start(one, model, reps, key="flood", cost=1000) for _ in range(2)]
+    nightly = start(one, model, reps, key="nightly", rank=BATCH, cost=10)
+    await asyncio.sleep(0.9)  # the standard class and the batch class both rise, twice
+    quiet = start(two, model, reps, key="quiet", cost=10)
+    await asyncio.sleep(0.1)
+    await one.release(holding, reps(), 1000)
+    (first,) = await settled([*flood, nightly, quiet], 1)
+    assert first is nightly  # risen as far as the top, beside the standard class: the least service, the first come
+    await one.release(nightly.result(), reps(), 10)
+    (second,) = await settled([*flood, quiet], 1)
+    assert second is quiet  # not a flood ticket that has waited longer
+    await two.release(quiet.result(), reps(), 10)
+    await settled(flood, 1)
+    for t in flood:
+        t.cancel()
