@@ -47,7 +47,7 @@ class Process:
 
 
 def _client() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, **redis_options.options())
+    return redis_options.client()
 
 
 def process_id(role: str) -> str:

@@ -3,11 +3,10 @@
 import functools
 
 import redis
-from django.conf import settings
 
 from cluster import redis_options
 
 
 @functools.cache
 def redis_client() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, **redis_options.options())
+    return redis_options.client()

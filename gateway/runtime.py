@@ -18,7 +18,6 @@ import time
 import weakref
 from collections import Counter
 
-import redis.asyncio as aioredis
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
@@ -92,8 +91,7 @@ class Gateway:
         self.proc_key = inflight.PREFIX + me
         self.waiting_key = inflight.WAITING_PREFIX + me
         # a dead pooled connection (Redis restarted) is replaced, the command sent again (cluster.redis_options)
-        self.redis = aioredis.Redis.from_url(settings.REDIS_URL,
-                                             **redis_options.options(socket_timeout=5, asyncio=True))
+        self.redis = redis_options.client(socket_timeout=5, asyncio=True)
         # the engines' connections (gateway/engines_http.py: httptools, not aiohttp, for the CPU per request)
         self.engines = Pool(settings.LLMGW_UPSTREAM_CONNECT_TIMEOUT, settings.LLMGW_UPSTREAM_TIMEOUT)
         # read once: Django's settings object costs a lookup of its own on every attribute

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 from channels_redis.core import RedisChannelLayer as _RedisChannelLayer
 from redis.asyncio import BlockingConnectionPool
+from redis.asyncio.sentinel import SentinelConnectionPool
 
-from cluster.redis_options import channel_layer_retry
+from cluster.redis_options import channel_layer_retry, sentinel_pool
 
 POOL_SIZE = 50  # connections per web process; a call that finds them all busy waits (below)
 POOL_WAIT = 30  # seconds a call waits for a free connection before it fails (redis.ConnectionError)
+
+
+class BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """Behind Sentinel (cluster.redis_options): connections to the master the Sentinels name, in a pool that waits."""
 
 
 class RedisChannelLayer(_RedisChannelLayer):
@@ -27,4 +32,5 @@ class RedisChannelLayer(_RedisChannelLayer):
         host.setdefault("timeout", POOL_WAIT)
         host.setdefault("socket_keepalive", True)
         host.setdefault("retry", channel_layer_retry())
-        return BlockingConnectionPool.from_url(address, **host)
+        pool = sentinel_pool(BlockingSentinelPool, True, **host)  # the address's database and password
+        return pool if pool is not None else BlockingConnectionPool.from_url(address, **host)

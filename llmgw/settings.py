@@ -8,6 +8,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from cluster.redis_options import sentinel_broker_url  # no Django
 from gateway.affinity import LOAD_FACTOR  # pure: the one default of prefix routing's load bound
 from llmgw.home import home, secret_key
 from llmgw.hostnames import HostNames
@@ -63,12 +64,35 @@ def _redis_url() -> str:
     if os.environ.get("REDIS_URL"):
         return os.environ["REDIS_URL"]
     written = RUN_DIR / "redis-url"
-    if written.exists():
+    if written.exists() and not envstr("LLMGW_REDIS_SENTINELS").strip():  # not the embedded Valkey's then
         return written.read_text().strip()
     return "redis://127.0.0.1:6379/0"
 
 
 REDIS_URL = _redis_url()
+
+
+def _sentinels(value: str) -> list[tuple[str, int]]:
+    """`host:port,host:port,...` (a port left out is Sentinel's 26379; `[v6]:port` for IPv6)."""
+    found = []
+    for part in (p.strip() for p in value.split(",")):
+        if not part:
+            continue
+        host, colon, port = part.rpartition(":") if not part.endswith("]") else (part, "", "")
+        if not colon:
+            host, port = part, "26379"
+        host = host.strip("[]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ImproperlyConfigured(f"LLMGW_REDIS_SENTINELS must be host:port, comma-separated, not {part!r}")
+        found.append((host, int(port)))
+    return found
+
+
+# Redis (or Valkey) behind Sentinel: every client asks these Sentinels for the master of LLMGW_REDIS_MASTER and
+# follows a failover (cluster.redis_options); the database number and password are still REDIS_URL's, when set.
+LLMGW_REDIS_SENTINELS = _sentinels(envstr("LLMGW_REDIS_SENTINELS"))
+LLMGW_REDIS_MASTER = envstr("LLMGW_REDIS_MASTER", "mymaster").strip() or "mymaster"
+LLMGW_REDIS_SENTINEL_PASSWORD = envstr("LLMGW_REDIS_SENTINEL_PASSWORD")  # the Sentinels' own, when they ask one
 
 SECRET_KEY = envstr("LLMGW_SECRET_KEY", "") or secret_key(LLMGW_HOME)
 
@@ -133,13 +157,35 @@ TEMPLATES = [
 ]
 
 WEB_PROCESS = "llmgw.asgi" in sys.modules  # settings loaded as the ASGI application is (uvicorn, daphne)
+
+
+def database(url: str) -> dict:
+    """Django's DATABASES entry for a URL. A PostgreSQL URL may name several hosts, as libpq's own URIs do
+    (`postgres://u@db1:5432,db2:5432/llmgw?target_session_attrs=read-write`): libpq tries them in order and, with
+    `target_session_attrs=read-write`, takes the one that is the primary, so after a standby is promoted every new
+    connection finds it. dj-database-url reads one host; the list goes to libpq as it is."""
+    scheme, sep, rest = url.partition("://")
+    netloc = rest.split("/", 1)[0].split("?", 1)[0]
+    hosts = netloc.rpartition("@")[2]
+    if not sep or "," not in hosts or not scheme.startswith("postgres"):
+        return dj_database_url.parse(url, conn_max_age=envint("LLMGW_DB_CONN_MAX_AGE", 0), conn_health_checks=True)
+    names, ports = [], []
+    for part in hosts.split(","):
+        name, colon, port = part.rpartition(":") if not part.endswith("]") else (part, "", "")
+        name, port = (name, port) if colon else (part, "")
+        if not name.strip("[]") or (port and not port.isdigit()):
+            raise ValueError(f"host {part!r} of the list is not host[:port]")
+        names.append(name.strip("[]"))
+        ports.append(port or "5432")
+    parsed = database(url.replace(hosts, "multiple-hosts", 1))
+    parsed["HOST"], parsed["PORT"] = ",".join(names), ",".join(ports)
+    return parsed
+
+
 try:
     DATABASES = {
-        "default": dj_database_url.parse(
-            envstr("DATABASE_URL").strip() or f"sqlite:///{LLMGW_HOME / 'db.sqlite3'}",  # set but empty: unset
-            conn_max_age=envint("LLMGW_DB_CONN_MAX_AGE", 0),
-            conn_health_checks=True,  # with the pool (below): each connection checked as it is taken
-        )
+        # with the pool (below) conn_health_checks has each connection checked as it is taken
+        "default": database(envstr("DATABASE_URL").strip() or f"sqlite:///{LLMGW_HOME / 'db.sqlite3'}")  # empty: unset
     }
 except ValueError as exc:  # dj_database_url.UnknownSchemeError too
     raise ImproperlyConfigured(f"DATABASE_URL is not a database URL this llmgw knows ({exc})") from None
@@ -189,6 +235,8 @@ CHANNEL_LAYERS = {
         "BACKEND": "llmgw.channel_layer.RedisChannelLayer",  # channels_redis's, with a pool that waits
         # redis-py 8 reads with a 5 s socket timeout by default; the layer blocks 5 s in BZPOPMIN, so give it room.
         # how it recovers a connection Redis closed: llmgw.channel_layer (cluster.redis_options.channel_layer_retry)
+        # behind Sentinel the address gives the database number and password; the pool asks the Sentinels for the
+        # master (llmgw.channel_layer)
         "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30, "socket_connect_timeout": 5}]},
     }
 }
@@ -248,6 +296,11 @@ CELERY_BROKER_CONNECTION_TIMEOUT = 3
 # again on a new one (Celery's task_publish_retry, on by default).
 CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 3, "socket_timeout": 10, "socket_keepalive": True,
                                    "health_check_interval": 25}
+if LLMGW_REDIS_SENTINELS:  # kombu's own Sentinel transport: a sentinel:// URL for each, the master by name
+    CELERY_BROKER_URL = sentinel_broker_url(REDIS_URL, LLMGW_REDIS_SENTINELS)
+    CELERY_BROKER_TRANSPORT_OPTIONS |= {"master_name": LLMGW_REDIS_MASTER}
+    if LLMGW_REDIS_SENTINEL_PASSWORD:
+        CELERY_BROKER_TRANSPORT_OPTIONS["sentinel_kwargs"] = {"password": LLMGW_REDIS_SENTINEL_PASSWORD}
 CELERY_TASK_PUBLISH_RETRY = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_WORKER_CONSUMER = "llmgw.worker:Consumer"  # survives a Redis restart with messages unacknowledged (its doc)

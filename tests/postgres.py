@@ -26,7 +26,7 @@ def server_programs() -> Path | None:
 class OwnPostgres:
     """A PostgreSQL server of the test's own, started at once; `stop`/`start` restart it, `close` removes it."""
 
-    def __init__(self, max_connections: int = 300):
+    def __init__(self, max_connections: int = 300, standby_of: OwnPostgres | None = None):
         programs = server_programs()
         if programs is None:
             raise RuntimeError("PostgreSQL's server programs are missing (/usr/lib/postgresql/*/bin): "
@@ -40,7 +40,11 @@ class OwnPostgres:
         self.data = self.root / "data"
         self.port = free_port()
         self.max_connections = max_connections
-        self._run(str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
+        if standby_of is None:
+            self._run(str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
+        else:  # a streaming standby: the primary's data as it is now, and the primary to follow (-R)
+            self._run(str(self.bin / "pg_basebackup"), "-h", "127.0.0.1", "-p", str(standby_of.port), "-U",
+                      "postgres", "-D", str(self.data), "-R", "-X", "stream", "--no-sync")
         self.start()
 
     def _run(self, *argv: str) -> None:
@@ -58,6 +62,14 @@ class OwnPostgres:
                    f"-c max_connections={self.max_connections}")
         self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "log"), "-o", options,
                   "-w", "-t", "60", "start")
+
+    def standby(self) -> OwnPostgres:
+        """A streaming standby of this server, started (Debian's pg_basebackup -R)."""
+        return OwnPostgres(self.max_connections, standby_of=self)
+
+    def promote(self) -> None:
+        """A standby made the primary (`pg_ctl promote`), waiting until it takes writes."""
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-w", "-t", "60", "promote")
 
     def stop(self, mode: str = "fast") -> None:
         self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")

@@ -156,7 +156,11 @@ def up(o, out):
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        if os.environ.get("REDIS_URL"):
+        if settings.LLMGW_REDIS_SENTINELS:
+            where = ",".join(f"{h}:{p}" for h, p in settings.LLMGW_REDIS_SENTINELS)
+            out.write(f"redis: the master {settings.LLMGW_REDIS_MASTER} of the Sentinels {where} "
+                      "(LLMGW_REDIS_SENTINELS)\n")
+        elif os.environ.get("REDIS_URL"):
             out.write(f"redis: {settings.REDIS_URL} (REDIS_URL)\n")
         else:
             # started again by the supervisor below when it dies: the same port and directory, empty

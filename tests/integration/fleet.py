@@ -1,7 +1,7 @@
 """A fleet across network namespaces for the fault matrix (tests/integration/test_fleet.py).
 
-Two control planes (web, Celery worker and beat each) on one PostgreSQL and one Redis of the test's own (the
-matrix restarts them), Debian's nginx in front of both webs as docs/gateway.md configures it, and agent hosts in
+Two control planes (web, Celery worker and beat each) on one PostgreSQL and a Valkey primary, its replica and
+three Sentinels of the test's own (tests/sentinel.py; the matrix restarts and kills them), Debian's nginx in front of both webs as docs/gateway.md configures it, and agent hosts in
 network namespaces (tests/integration/netns.py), each agent dialling both control planes (`--server A,B`) through a
 delaying relay of its own (no delay until a scenario sets one), so it advertises its own address.
 
@@ -28,7 +28,6 @@ import openai
 import psycopg
 
 from agents.agent.records import engines_dir
-from llmgw.valkey import EmbeddedValkey
 from tests.integration import netns
 from tests.integration.harness import (
     MANAGE,
@@ -42,6 +41,8 @@ from tests.integration.harness import (
     wait_for,
 )
 from tests.postgres import OwnPostgres
+from tests.sentinel import MASTER as REDIS_MASTER
+from tests.sentinel import SentinelSet
 
 COUNTING = ("pending", "downloading", "starting", "ready")
 HOLDING_MEMORY = ("downloading", "starting", "ready", "draining", "stopping")
@@ -56,7 +57,7 @@ class Fleet:
     nginx: str
     key: str
     postgres: OwnPostgres
-    valkey: EmbeddedValkey
+    valkey: SentinelSet
     hosts: dict[str, netns.Host] = field(default_factory=dict)
     relays: dict[str, netns.DelayRelay] = field(default_factory=dict)
 
@@ -182,11 +183,12 @@ def start_fleet(home: Path, hosts=("n1", "n2", "n3"), replicas: int = 2) -> Flee
     postgres = valkey = system = fleet = None
     try:
         postgres = OwnPostgres()
-        valkey = EmbeddedValkey(home / "valkey")
-        valkey.start()
+        (home / "valkey").mkdir()
+        valkey = SentinelSet(home / "valkey").start()
         system = start_system(home, host=net.address, database_url=postgres.url, redis_url=valkey.url, redis_db=0,
                               extra_env={"LLMGW_ENGINE_HOST": "", "LLMGW_NODE_TOLERANCE": str(TOLERANCE),
-                                         "LLMGW_NODE_LOST_GRACE": str(GRACE)})
+                                         "LLMGW_NODE_LOST_GRACE": str(GRACE), "LLMGW_REDIS_SENTINELS": valkey.addresses,
+                                         "LLMGW_REDIS_MASTER": REDIS_MASTER})
         fleet = Fleet(net, system, "", "", "", postgres, valkey)
         fleet.start_control_plane("b")
         fleet.nginx, _ = start_nginx(system, [system.url, fleet.url_b])

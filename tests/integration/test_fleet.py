@@ -82,6 +82,17 @@ def no_orphans_within(fleet, seconds: float) -> float:
     return time.monotonic() - started
 
 
+def pids_of(system) -> dict[str, int]:
+    return {name: proc.popen.pid for name, proc in system.procs.items() if proc.alive()}
+
+
+def assert_none_restarted(system, pids: dict[str, int]) -> None:
+    now = pids_of(system)
+    gone = [name for name in pids if now.get(name) != pids[name]]
+    assert not gone, "\n".join(f"--- {name} (exit {system.procs[name].returncode})\n{system.procs[name].tail(80)}"
+                                for name in gone)
+
+
 def test_a_node_cut_off_shorter_than_the_tolerance_moves_nothing(fleet, scenario):
     load, watch, outcome = scenario
     node, replicas = host_with_a_replica(fleet)
@@ -181,13 +192,12 @@ def test_an_agent_host_that_reboots_has_its_replicas_failed_and_replaced_once(fl
 def test_postgresql_and_redis_restarted_under_load_need_no_restart_of_llmgw(fleet, scenario):
     load, watch, outcome = scenario
     system = fleet.system
-    pids = {name: proc.popen.pid for name, proc in system.procs.items() if proc.alive()}
+    pids = pids_of(system)
     started = time.monotonic()
     fleet.postgres.stop("fast")
     time.sleep(1)
     fleet.postgres.start()
-    fleet.valkey.stop()
-    fleet.valkey.start()  # empty: no persistence
+    fleet.valkey.restart_primary()  # empty: no persistence
     # the reconciler acts afterwards: a third replica and back
     wait_for(lambda: system.cli("ctl", "model", "set", MODEL, "--replicas", "3", check=False).returncode == 0, 60,
              what="the CLI to change the model after the restarts")
@@ -195,10 +205,30 @@ def test_postgresql_and_redis_restarted_under_load_need_no_restart_of_llmgw(flee
     outcome["recovered"] = f"{time.monotonic() - started:.1f} s (reconciler placed a replica)"
     system.cli("ctl", "model", "set", MODEL, "--replicas", "2")
     wait_for(lambda: len(fleet.ready()) == 2, 60, what="back to two")
-    now = {name: proc.popen.pid for name, proc in system.procs.items() if proc.alive()}
-    gone = [name for name in pids if now.get(name) != pids[name]]
-    assert not gone, "\n".join(f"--- {name} (exit {system.procs[name].returncode})\n{system.procs[name].tail(80)}"
-                                for name in gone)
+    assert_none_restarted(system, pids)
+
+
+def test_the_redis_primary_killed_its_replica_is_promoted_and_llmgw_follows(fleet, scenario):
+    """Valkey behind three Sentinels (LLMGW_REDIS_SENTINELS): its primary SIGKILLed under load, the Sentinels
+    promote the replica, and every llmgw process goes on with no restart — the gateways (their counts and
+    queues), the channel layer (the agents' streams), Celery's broker (the reconciler places a replica after)."""
+    load, watch, outcome = scenario
+    system = fleet.system
+    pids = pids_of(system)
+    mark = load.mark()
+    killed = fleet.valkey.primary
+    took = fleet.valkey.kill_primary()
+    time.sleep(3)  # requests go on through the failover and after it
+    served, failed = load.since(mark)
+    wait_for(lambda: system.cli("ctl", "model", "set", MODEL, "--replicas", "3", check=False).returncode == 0, 60,
+             what="the CLI to change the model after the failover")
+    wait_for(lambda: len(fleet.ready()) == 3, 90, what="a third replica ready after the failover")
+    outcome["recovered"] = f"promoted in {took:.1f} s; {served} served, {len(failed)} failed meanwhile"
+    system.cli("ctl", "model", "set", MODEL, "--replicas", "2")
+    wait_for(lambda: len(fleet.ready()) == 2, 60, what="back to two")
+    system.wait_nodes_connected(list(fleet.hosts), timeout=60)
+    assert_none_restarted(system, pids)
+    fleet.valkey.revive(killed)  # the set whole again: a primary and a replica
 
 
 def test_a_worker_killed_in_the_middle_of_a_system_restart(fleet, scenario):
