@@ -42,10 +42,14 @@ class OwnPostgres:
         self.max_connections = max_connections
         if standby_of is None:
             self._run(str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
-        else:  # a streaming standby: the primary's data as it is now, and the primary to follow (-R)
-            self._run(str(self.bin / "pg_basebackup"), "-h", "127.0.0.1", "-p", str(standby_of.port), "-U",
-                      "postgres", "-D", str(self.data), "-R", "-X", "stream", "--no-sync")
+        else:
+            self._base_backup(standby_of)
         self.start()
+
+    def _base_backup(self, primary: OwnPostgres) -> None:
+        """A streaming standby's data: the primary's as it is now, and the primary to follow (-R)."""
+        self._run(str(self.bin / "pg_basebackup"), "-h", "127.0.0.1", "-p", str(primary.port), "-U", "postgres",
+                  "-D", str(self.data), "-R", "-X", "stream", "--no-sync")
 
     def _run(self, *argv: str) -> None:
         command = ["runuser", "-u", "postgres", "--", *argv] if self._as_root else list(argv)
@@ -66,6 +70,14 @@ class OwnPostgres:
     def standby(self) -> OwnPostgres:
         """A streaming standby of this server, started (Debian's pg_basebackup -R)."""
         return OwnPostgres(self.max_connections, standby_of=self)
+
+    def rebuild_as_standby_of(self, primary: OwnPostgres) -> None:
+        """A server lost (its data gone with it) made again, on its port, as a standby of `primary`."""
+        with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+            self.stop("immediate")
+        shutil.rmtree(self.data, ignore_errors=True)
+        self._base_backup(primary)
+        self.start()
 
     def promote(self) -> None:
         """A standby made the primary (`pg_ctl promote`), waiting until it takes writes."""

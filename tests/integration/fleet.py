@@ -1,6 +1,7 @@
 """A fleet across network namespaces for the fault matrix (tests/integration/test_fleet.py).
 
-Two control planes (web, Celery worker and beat each) on one PostgreSQL and a Valkey primary, its replica and
+Two control planes (web, Celery worker and beat each) on a PostgreSQL primary and its streaming standby
+(DATABASE_URL names both, libpq's host list) and a Valkey primary, its replica and
 three Sentinels of the test's own (tests/sentinel.py; the matrix restarts and kills them), Debian's nginx in front of both webs as docs/gateway.md configures it, and agent hosts in
 network namespaces (tests/integration/netns.py), each agent dialling both control planes (`--server A,B`) through a
 delaying relay of its own (no delay until a scenario sets one), so it advertises its own address.
@@ -56,8 +57,9 @@ class Fleet:
     url_b: str
     nginx: str
     key: str
-    postgres: OwnPostgres
+    postgres: OwnPostgres  # the primary
     valkey: SentinelSet
+    standby: OwnPostgres | None = None  # streaming from the primary; DATABASE_URL names both
     hosts: dict[str, netns.Host] = field(default_factory=dict)
     relays: dict[str, netns.DelayRelay] = field(default_factory=dict)
 
@@ -180,16 +182,19 @@ GRACE = 20
 
 def start_fleet(home: Path, hosts=("n1", "n2", "n3"), replicas: int = 2) -> Fleet:
     net = netns.Network()
-    postgres = valkey = system = fleet = None
+    postgres = standby = valkey = system = fleet = None
     try:
         postgres = OwnPostgres()
+        standby = postgres.standby()
+        database_url = (f"postgres://postgres@127.0.0.1:{postgres.port},127.0.0.1:{standby.port}/postgres"
+                        "?target_session_attrs=read-write")
         (home / "valkey").mkdir()
         valkey = SentinelSet(home / "valkey").start()
-        system = start_system(home, host=net.address, database_url=postgres.url, redis_url=valkey.url, redis_db=0,
+        system = start_system(home, host=net.address, database_url=database_url, redis_url=valkey.url, redis_db=0,
                               extra_env={"LLMGW_ENGINE_HOST": "", "LLMGW_NODE_TOLERANCE": str(TOLERANCE),
                                          "LLMGW_NODE_LOST_GRACE": str(GRACE), "LLMGW_REDIS_SENTINELS": valkey.addresses,
                                          "LLMGW_REDIS_MASTER": REDIS_MASTER})
-        fleet = Fleet(net, system, "", "", "", postgres, valkey)
+        fleet = Fleet(net, system, "", "", "", postgres, valkey, standby=standby)
         fleet.start_control_plane("b")
         fleet.nginx, _ = start_nginx(system, [system.url, fleet.url_b])
         system.server = fleet.nginx  # the operator's program reaches either control plane through the proxy
@@ -212,11 +217,11 @@ def start_fleet(home: Path, hosts=("n1", "n2", "n3"), replicas: int = 2) -> Flee
     except BaseException:
         if system is not None:
             print(system.diagnostics())
-        stop_fleet(fleet, net, system, postgres, valkey)
+        stop_fleet(fleet, net, system, postgres, valkey, standby)
         raise
 
 
-def stop_fleet(fleet, net, system, postgres, valkey) -> None:
+def stop_fleet(fleet, net, system, postgres, valkey, standby=None) -> None:
     if fleet is not None:
         fleet.close()
     if system is not None:
@@ -225,8 +230,9 @@ def stop_fleet(fleet, net, system, postgres, valkey) -> None:
         net.close()
     if valkey is not None:
         valkey.stop()
-    if postgres is not None:
-        postgres.close()
+    for server in (postgres, standby):
+        if server is not None:
+            server.close()
 
 
 class Load:

@@ -34,7 +34,7 @@ def fleet(tmp_path_factory):
         yield started
     finally:
         print(report())
-        stop_fleet(started, started.net, started.system, started.postgres, started.valkey)
+        stop_fleet(started, started.net, started.system, started.postgres, started.valkey, started.standby)
 
 
 def report() -> str:
@@ -91,6 +91,18 @@ def assert_none_restarted(system, pids: dict[str, int]) -> None:
     gone = [name for name in pids if now.get(name) != pids[name]]
     assert not gone, "\n".join(f"--- {name} (exit {system.procs[name].returncode})\n{system.procs[name].tail(80)}"
                                 for name in gone)
+
+
+def a_replica_placed_and_removed(fleet, after: str) -> float:
+    """The reconciler acts: the model to three replicas, the third ready, and back to two."""
+    system = fleet.system
+    wait_for(lambda: system.cli("ctl", "model", "set", MODEL, "--replicas", "3", check=False).returncode == 0, 60,
+             what=f"the CLI to change the model after {after}")
+    wait_for(lambda: len(fleet.ready()) == 3, 90, what=f"a third replica ready after {after}")
+    placed = time.monotonic()
+    system.cli("ctl", "model", "set", MODEL, "--replicas", "2")
+    wait_for(lambda: len(fleet.ready()) == 2, 60, what="back to two")
+    return placed
 
 
 def test_a_node_cut_off_shorter_than_the_tolerance_moves_nothing(fleet, scenario):
@@ -198,13 +210,8 @@ def test_postgresql_and_redis_restarted_under_load_need_no_restart_of_llmgw(flee
     time.sleep(1)
     fleet.postgres.start()
     fleet.valkey.restart_primary()  # empty: no persistence
-    # the reconciler acts afterwards: a third replica and back
-    wait_for(lambda: system.cli("ctl", "model", "set", MODEL, "--replicas", "3", check=False).returncode == 0, 60,
-             what="the CLI to change the model after the restarts")
-    wait_for(lambda: len(fleet.ready()) == 3, 90, what="a third replica ready after PostgreSQL and Redis restarted")
-    outcome["recovered"] = f"{time.monotonic() - started:.1f} s (reconciler placed a replica)"
-    system.cli("ctl", "model", "set", MODEL, "--replicas", "2")
-    wait_for(lambda: len(fleet.ready()) == 2, 60, what="back to two")
+    placed = a_replica_placed_and_removed(fleet, "PostgreSQL and Redis restarted")
+    outcome["recovered"] = f"{placed - started:.1f} s (reconciler placed a replica)"
     assert_none_restarted(system, pids)
 
 
@@ -220,15 +227,32 @@ def test_the_redis_primary_killed_its_replica_is_promoted_and_llmgw_follows(flee
     took = fleet.valkey.kill_primary()
     time.sleep(3)  # requests go on through the failover and after it
     served, failed = load.since(mark)
-    wait_for(lambda: system.cli("ctl", "model", "set", MODEL, "--replicas", "3", check=False).returncode == 0, 60,
-             what="the CLI to change the model after the failover")
-    wait_for(lambda: len(fleet.ready()) == 3, 90, what="a third replica ready after the failover")
+    a_replica_placed_and_removed(fleet, "the failover")
     outcome["recovered"] = f"promoted in {took:.1f} s; {served} served, {len(failed)} failed meanwhile"
-    system.cli("ctl", "model", "set", MODEL, "--replicas", "2")
-    wait_for(lambda: len(fleet.ready()) == 2, 60, what="back to two")
     system.wait_nodes_connected(list(fleet.hosts), timeout=60)
     assert_none_restarted(system, pids)
     fleet.valkey.revive(killed)  # the set whole again: a primary and a replica
+
+
+def test_the_postgresql_primary_lost_its_standby_is_promoted_and_llmgw_follows(fleet, scenario):
+    """The primary stopped `immediate` (its machine gone) under load, the standby promoted (`pg_ctl promote`):
+    every llmgw process finds it through DATABASE_URL's host list (target_session_attrs=read-write) with no
+    restart, nothing is done twice (the invariants), and the reconciler acts again within seconds."""
+    load, watch, outcome = scenario
+    system = fleet.system
+    pids = pids_of(system)
+    before = fleet.rows("SELECT count(*) FROM cluster_event")[0][0]
+    lost, standby = fleet.postgres, fleet.standby
+    lost.stop("immediate")
+    began = time.monotonic()
+    standby.promote()
+    fleet.postgres, fleet.standby = standby, lost
+    placed = a_replica_placed_and_removed(fleet, "the promotion")
+    outcome["recovered"] = f"{placed - began:.1f} s (reconciler placed a replica)"
+    assert fleet.rows("SELECT count(*) FROM cluster_event")[0][0] > before  # the promoted primary took writes
+    system.wait_nodes_connected(list(fleet.hosts), timeout=60)
+    assert_none_restarted(system, pids)
+    lost.rebuild_as_standby_of(standby)  # the pair whole again: the lost machine back as the standby
 
 
 def test_a_worker_killed_in_the_middle_of_a_system_restart(fleet, scenario):
