@@ -192,12 +192,16 @@ local function recent_keys()
 end
 
 -- whether the model's last slot a class may take stays for another key: the ticket's key holds a slot already,
--- and another key of its class or a higher one, admitted within KEY_HOLD, holds none (it is between requests)
-local function left_for_another(f, rank)
-  local key = f[2]
+-- and another key of its class or a higher one (by the classes the keys have, not as they rose waiting), admitted
+-- within KEY_HOLD, holds none (it is between requests). `same_class`: a slot is held back for the higher classes
+-- already, so only a key of the ticket's own class counts
+local function left_for_another(f, same_class)
+  local key, rank = f[2], tonumber(f[1])
   if key == '' or (held[key] or 0) == 0 then return false end
   for other, r in pairs(recent_keys()) do
-    if other ~= key and r <= rank and (held[other] or 0) == 0 then return true end
+    if other ~= key and (r == rank or (r < rank and not same_class)) and (held[other] or 0) == 0 then
+      return true
+    end
   end
   return false
 end
@@ -302,7 +306,7 @@ local function dispatch(cache, wanted)
     local allowed = may_take(order[1], total)
     if allowed <= 0 then break end
     local replica = nil
-    if allowed > 1 or not left_for_another(best[2], order[1]) then replica = pick_replica(best[2]) end
+    if allowed > 1 or not left_for_another(best[2], allowed < total) then replica = pick_replica(best[2]) end
     if replica == nil then
       table.remove(waiting, best_at)  -- its replicas are full: the others may still go
     else
@@ -439,6 +443,8 @@ class Admission:
                            loop.create_task(self._renew(), context=contextvars.Context())]
 
     async def aclose(self) -> None:
+        if self._flushing:  # the slots given back on their way: sent before the process goes (else they lapse)
+            await asyncio.wait(list(self._flushing.values()), timeout=2)
         while not all(task.done() for task in self._tasks):
             for task in self._tasks:
                 task.cancel()
@@ -546,6 +552,7 @@ class Admission:
         await done
 
     async def _flush(self, model: str) -> None:
+        pending: list = []
         try:
             while pending := self._releasing.pop(model, None):
                 replicas = list(self._release_replicas.pop(model))
@@ -560,11 +567,17 @@ class Admission:
                     await self._run("release", model, replicas, *args)
                 except Exception as exc:  # the leases lapse in LEASE_TTL
                     log.warning("could not release %d slot(s) of %s (%s)", len(pending), model, exc)
-                for _, _, done in pending:
-                    if not done.done():
-                        done.set_result(None)
-        finally:
+                self._settled(pending)
+        finally:  # cancelled (the process stopping): no one waits on for these, nor for any given back since
             self._flushing.pop(model, None)
+            self._settled(pending or [])
+            self._settled(self._releasing.pop(model, []))
+
+    @staticmethod
+    def _settled(pending: list) -> None:
+        for _, _, done in pending:
+            if not done.done():
+                done.set_result(None)
 
     def _forget_grant(self, ticket: str) -> None:
         task = asyncio.get_running_loop().create_task(self.redis.delete(grant_key(ticket)), context=contextvars.Context())

@@ -263,7 +263,8 @@ async def test_a_key_holding_a_slot_leaves_the_last_one_to_another_active_key_of
     """The quiet key between its requests: the flood, holding a slot already, may not take the model's last
     one, so the quiet key's next request finds it free rather than wait for one of the flood's to end. Once the
     quiet key has not been seen for KEY_HOLD, the flood has it."""
-    monkeypatch.setattr(admission, "KEY_HOLD", 1.0)
+    monkeypatch.setattr(admission, "KEY_HOLD", 1.5)
+    monkeypatch.setattr(admission, "PROMOTE_AFTER", 0.3)
     one, two = processes
     reps = replicas(2, model=model)
     done = await admit(two, model, reps, key="quiet")
@@ -271,6 +272,8 @@ async def test_a_key_holding_a_slot_leaves_the_last_one_to_another_active_key_of
     flood = [start(one, model, reps, key="flood") for _ in range(3)]
     await asyncio.sleep(0.3)
     assert sum(t.done() for t in flood) == 1  # the other slot stays for the quiet key
+    await asyncio.sleep(0.7)  # the flood's class has risen twice as its tickets waited (they look every 0.5 s)
+    assert sum(t.done() for t in flood) == 1  # risen, it is still the quiet key's class the slot is kept for
     quiet = await admit(two, model, reps, key="quiet", wait=0.2)
     await two.release(quiet, reps(), 10)
     await asyncio.sleep(0.3)
