@@ -81,8 +81,9 @@ def _sentinels(value: str) -> list[tuple[str, int]]:
         host, colon, port = part.rpartition(":") if not part.endswith("]") else (part, "", "")
         if not colon:
             host, port = part, "26379"
+        bare_v6 = ":" in host and not host.startswith("[")  # an IPv6 address goes in brackets: [::1]:26379
         host = host.strip("[]")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not host or bare_v6 or not port.isdigit() or not 0 < int(port) < 65536:
             raise ImproperlyConfigured(f"LLMGW_REDIS_SENTINELS must be host:port, comma-separated, not {part!r}")
         found.append((host, int(port)))
     return found
@@ -93,6 +94,9 @@ def _sentinels(value: str) -> list[tuple[str, int]]:
 LLMGW_REDIS_SENTINELS = _sentinels(envstr("LLMGW_REDIS_SENTINELS"))
 LLMGW_REDIS_MASTER = envstr("LLMGW_REDIS_MASTER", "mymaster").strip() or "mymaster"
 LLMGW_REDIS_SENTINEL_PASSWORD = envstr("LLMGW_REDIS_SENTINEL_PASSWORD")  # the Sentinels' own, when they ask one
+if LLMGW_REDIS_SENTINELS and not REDIS_URL.startswith("redis://"):
+    raise ImproperlyConfigured("LLMGW_REDIS_SENTINELS takes REDIS_URL as redis://[:password@]host/db: TLS to a "
+                               "master found through Sentinel (rediss://) is not supported")
 
 SECRET_KEY = envstr("LLMGW_SECRET_KEY", "") or secret_key(LLMGW_HOME)
 
@@ -177,7 +181,8 @@ def database(url: str) -> dict:
             raise ValueError(f"host {part!r} of the list is not host[:port]")
         names.append(name.strip("[]"))
         ports.append(port or "5432")
-    parsed = database(url.replace(hosts, "multiple-hosts", 1))
+    at = len(scheme) + len(sep) + len(netloc) - len(hosts)  # the host list's place: not a match elsewhere
+    parsed = database(url[:at] + "multiple-hosts" + url[at + len(hosts):])
     parsed["HOST"], parsed["PORT"] = ",".join(names), ",".join(ports)
     return parsed
 
@@ -300,7 +305,8 @@ if LLMGW_REDIS_SENTINELS:  # kombu's own Sentinel transport: a sentinel:// URL f
     CELERY_BROKER_URL = sentinel_broker_url(REDIS_URL, LLMGW_REDIS_SENTINELS)
     CELERY_BROKER_TRANSPORT_OPTIONS |= {"master_name": LLMGW_REDIS_MASTER}
     if LLMGW_REDIS_SENTINEL_PASSWORD:
-        CELERY_BROKER_TRANSPORT_OPTIONS["sentinel_kwargs"] = {"password": LLMGW_REDIS_SENTINEL_PASSWORD}
+        CELERY_BROKER_TRANSPORT_OPTIONS["sentinel_kwargs"] = {  # they replace redis-py's defaults: the timeouts too
+            "password": LLMGW_REDIS_SENTINEL_PASSWORD, "socket_connect_timeout": 3, "socket_timeout": 3}
 CELERY_TASK_PUBLISH_RETRY = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_WORKER_CONSUMER = "llmgw.worker:Consumer"  # survives a Redis restart with messages unacknowledged (its doc)

@@ -87,25 +87,27 @@ class SentinelSet:
 
     def kill_primary(self, timeout: float = 30.0) -> float:
         """SIGKILL the primary; the seconds until the Sentinels name the replica master."""
-        killed = self.primary
+        killed = self.primary = self.master_port()  # the master the Sentinels name: the one that counts
         self.servers.pop(killed).send_signal(signal.SIGKILL)
         began = time.monotonic()
         while self.master_port() == killed:
             if time.monotonic() - began > timeout:
                 raise TimeoutError("no failover")
             time.sleep(0.05)
-        self.primary, self.replica = self.replica, killed
+        self.primary, self.replica = self.master_port(), killed
         return time.monotonic() - began
 
     def restart_primary(self) -> None:
         """The primary stopped and started again on its port at once, empty (no persistence), before the
         Sentinels count it down: Redis restarted, as `llmgw up`'s supervisor or systemd would; the replica syncs
         the empty data set from it."""
-        port = self.primary
+        port = self.master_port()
         proc = self.servers.pop(port)
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
         self.start_server(port)
+        self.primary = self.master_port()  # the Sentinels' word: should they have failed over meanwhile
+        self.replica = next(p for p in self.servers if p != self.primary)
 
     def revive(self, port: int) -> None:
         """A server killed before, started again as a replica of the master the Sentinels name now."""

@@ -15,6 +15,7 @@ from kombu import Connection
 import llmgw.settings
 from cluster import redis_options
 from llmgw.channel_layer import RedisChannelLayer
+from llmgw.settings import database
 from tests.sentinel import MASTER, PASSWORD, SentinelSet
 
 
@@ -102,13 +103,26 @@ def test_the_settings_read_the_sentinels_and_keep_redis_urls_database_and_passwo
     assert module.CELERY_BROKER_URL == ("sentinel://:p%40ss@10.0.0.1:26379/2;sentinel://:p%40ss@sentinel-b:26380/2;"
                                         "sentinel://:p%40ss@[fd00::3]:26381/2")
     assert module.CELERY_BROKER_TRANSPORT_OPTIONS["master_name"] == "cache"
-    assert module.CELERY_BROKER_TRANSPORT_OPTIONS["sentinel_kwargs"] == {"password": "sent"}
+    assert module.CELERY_BROKER_TRANSPORT_OPTIONS["sentinel_kwargs"]["password"] == "sent"
     assert redis_options.url_auth(module.REDIS_URL) == {"db": 2, "password": "p@ss"}
     plain = settings_with(monkeypatch, LLMGW_REDIS_SENTINELS="", REDIS_URL="redis://127.0.0.1:6390/0")
     assert plain.LLMGW_REDIS_SENTINELS == [] and plain.CELERY_BROKER_URL == "redis://127.0.0.1:6390/0"
 
 
-@pytest.mark.parametrize("value", ["host:port", "host:0", ":26379", "a:1,b:99999"])
+def test_tls_through_sentinel_is_refused_plainly(monkeypatch):
+    with pytest.raises(ImproperlyConfigured, match="rediss://"):
+        settings_with(monkeypatch, LLMGW_REDIS_SENTINELS="s1:26379", REDIS_URL="rediss://:pw@x:6379/0")
+
+
+def test_a_database_url_with_a_host_list_goes_to_libpq_as_it_is():
+    parsed = database("postgres://u:p%40ss,w@db1:5432,[fd00::2]:5433,db3/llmgw?target_session_attrs=read-write")
+    assert (parsed["HOST"], parsed["PORT"]) == ("db1,fd00::2,db3", "5432,5433,5432")
+    assert (parsed["USER"], parsed["PASSWORD"], parsed["NAME"]) == ("u", "p@ss,w", "llmgw")
+    assert parsed["OPTIONS"] == {"target_session_attrs": "read-write"}
+    assert database("postgres://u@db1:5432/llmgw")["HOST"] == "db1"
+
+
+@pytest.mark.parametrize("value", ["host:port", "host:0", ":26379", "a:1,b:99999", "::1", "fd00::3:26379"])
 def test_a_sentinel_list_it_cannot_read_is_refused_by_name(monkeypatch, value):
     with pytest.raises(ImproperlyConfigured, match="LLMGW_REDIS_SENTINELS must be host:port"):
         settings_with(monkeypatch, LLMGW_REDIS_SENTINELS=value)
