@@ -126,6 +126,18 @@ class Control(Instance):
         super().__init__("fleet", env=env, up_args=["--no-agent"])
         self.env.update(env)
 
+    def transactions(self) -> int | None:
+        """The transactions PostgreSQL has run in this run's database so far (each statement outside one is one);
+        None on SQLite."""
+        if not self.dropdb:
+            return None
+        import psycopg
+
+        admin, name = self.dropdb
+        with psycopg.connect(admin, autocommit=True) as conn:
+            return conn.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
+                                (name,)).fetchone()[0]
+
     def processes(self) -> dict[str, list[psutil.Process]]:
         roles: dict[str, list[psutil.Process]] = {"web": [], "worker": [], "beat": []}
         for proc in psutil.Process(self.up.pid).children(recursive=True):
@@ -229,9 +241,13 @@ async def measure(n: int, o) -> dict:
             await asyncio.sleep(o.settle)
             roles = control.processes()
             before = {role: cpu_seconds(procs) for role, procs in roles.items()}
+            reports, transactions = sim.reports, control.transactions()
             window = time.monotonic()
             await asyncio.sleep(o.steady)
             elapsed = time.monotonic() - window
+            reports = sim.reports - reports
+            await asyncio.sleep(1.5)  # PostgreSQL flushes its counters within a second
+            transactions = control.transactions() - transactions if transactions is not None else None
             cores = {role: (cpu_seconds(procs) - before[role]) / elapsed for role, procs in roles.items()}
             rss = sum(p.memory_info().rss for p in roles["web"] if p.is_running())
             sim.stop.set()
@@ -240,6 +256,7 @@ async def measure(n: int, o) -> dict:
             await asyncio.gather(*agents, return_exceptions=True)
             return {"agents": n, "connected": connected, "ready": to_ready, "web": cores["web"],
                     "worker": cores["worker"], "beat": cores["beat"], "rss": rss / 1024**2,
+                    "per_report": transactions / reports if transactions is not None and reports else None,
                     "webs": len(roles["web"]), "errors": len(sim.errors), "first_errors": sim.errors[:3]}
     finally:
         control.stop()
@@ -248,13 +265,14 @@ async def measure(n: int, o) -> dict:
 def table(rows: list[dict]) -> None:
     print()
     print("| agents | all connected | model of N replicas: add → N ready | steady CPU web + worker (+ beat) "
-          "| per 100 agents | web RSS | agent errors |")
-    print("|---|---|---|---|---|---|---|")
+          "| per 100 agents | web RSS | per web process | PostgreSQL transactions per report | agent errors |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         total = r["web"] + r["worker"] + r["beat"]
+        per_report = f"{r['per_report']:.2f}" if r["per_report"] is not None else "- (SQLite)"
         print(f"| {r['agents']} | {r['connected']:.1f} s | {r['ready']:.1f} s | {r['web']:.2f} + {r['worker']:.2f} "
               f"(+ {r['beat']:.2f}) cores | {total / r['agents'] * 100:.3f} cores | {r['rss']:.0f} MiB "
-              f"({r['webs']} web) | {r['errors']} |")
+              f"({r['webs']} web) | {r['rss'] / max(1, r['webs']):.0f} MiB | {per_report} | {r['errors']} |")
     for r in rows:
         for error in r["first_errors"]:
             print(f"  {r['agents']} agents: {error}")
