@@ -47,9 +47,10 @@ class OwnPostgres:
         self.start()
 
     def _base_backup(self, primary: OwnPostgres) -> None:
-        """A streaming standby's data: the primary's as it is now, and the primary to follow (-R)."""
+        """A streaming standby's data: the primary's as it is now, and the primary to follow (-R); the primary's
+        checkpoint made at once (its default, spread, waits up to minutes on a server that has been busy)."""
         self._run(str(self.bin / "pg_basebackup"), "-h", "127.0.0.1", "-p", str(primary.port), "-U", "postgres",
-                  "-D", str(self.data), "-R", "-X", "stream", "--no-sync")
+                  "-D", str(self.data), "-R", "-X", "stream", "--no-sync", "--checkpoint=fast")
 
     def _run(self, *argv: str) -> None:
         command = ["runuser", "-u", "postgres", "--", *argv] if self._as_root else list(argv)
