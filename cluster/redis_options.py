@@ -28,6 +28,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelConnectionPool
 from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
@@ -99,14 +100,10 @@ def client(socket_timeout: float = 10, asyncio: bool = False):
     """A redis-py client for llmgw's Redis: REDIS_URL's server, or the master the Sentinels name."""
     from django.conf import settings
 
-    found = _sentinel_settings()
-    if found is None:
-        return (aioredis.Redis if asyncio else redis.Redis).from_url(
-            settings.REDIS_URL, **options(socket_timeout=socket_timeout, asyncio=asyncio))
-    sentinels, master, sentinel_kwargs, auth = found
-    manager = (AsyncSentinel if asyncio else Sentinel)(sentinels, sentinel_kwargs=sentinel_kwargs)
-    return manager.master_for(master, redis_class=aioredis.Redis if asyncio else redis.Redis,
-                              **options(socket_timeout=socket_timeout, asyncio=asyncio), **auth)
+    redis_class = aioredis.Redis if asyncio else redis.Redis
+    kwargs = options(socket_timeout=socket_timeout, asyncio=asyncio)
+    pool = sentinel_pool(AsyncSentinelConnectionPool if asyncio else SentinelConnectionPool, asyncio, **kwargs)
+    return redis_class.from_url(settings.REDIS_URL, **kwargs) if pool is None else redis_class.from_pool(pool)
 
 
 def sentinel_pool(pool_class, asyncio: bool, **kwargs):
