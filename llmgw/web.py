@@ -102,6 +102,10 @@ def serve(fd: int | None = None, host: str = "", port: int = 0) -> None:
     import socket
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")  # what the application loads anyway
+    # the application before anything reads the settings: they see it loading (`WEB_PROCESS`), so this process
+    # keeps its pool of PostgreSQL connections; read first by the limits, they made every agent's report open a
+    # connection of its own (bench/fleet.py at 500 agents: all connected 14-15 s, add -> ready 47-56 s)
+    import llmgw.asgi  # noqa: F401
     from llmgw.uvicorn_limits import Limits
 
     config = uvicorn_config(host, port)

@@ -1,12 +1,16 @@
-"""The Celery worker under a broker that goes away: a real worker and beat (`start_system`) on a Valkey of the
-test's own, which it restarts."""
+"""The control plane's processes and their servers: the Celery worker under a broker that goes away (a real
+worker and beat, `start_system`, on a Valkey of the test's own, which it restarts); a web process's pool of
+PostgreSQL connections."""
 
 from __future__ import annotations
 
 import re
+import time
 
+import psutil
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from llmgw.valkey import EmbeddedValkey
 from tests.integration.harness import start_system, wait_for
@@ -51,3 +55,25 @@ def test_a_worker_holding_messages_it_has_not_acknowledged_survives_redis_restar
     finally:
         system.stop()
         valkey.stop()
+
+
+def test_a_web_process_on_postgresql_keeps_its_connections_in_a_pool(tmp_path, postgresql_server):
+    # Every agent's report is a few queries run through database_sync_to_async, which gives the connection back
+    # after each: a web process without its pool opened a PostgreSQL connection for each of them (bench/fleet.py).
+    # With the pool, the connections stay open between requests.
+    system = start_system(tmp_path / "home", database_url=postgresql_server)
+    try:
+        web = psutil.Process(system.procs["web"].pid)
+        port = int(conninfo_to_dict(system.env["DATABASE_URL"]).get("port") or 5432)
+
+        def connected() -> int:
+            return sum(1 for c in web.net_connections(kind="tcp")
+                       if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+        for _ in range(3):  # requests that read the database, each on a connection of the web process's
+            assert system.api("GET", "/api/v1/nodes/").status_code == 200
+        wait_for(lambda: connected() >= 1, 10, what="a connection held by the web process's pool")
+        time.sleep(1.5)
+        assert connected() >= 1
+    finally:
+        system.stop()
