@@ -10,6 +10,7 @@ supported: `LLMGW_WEB_SERVER=daphne` or `llmgw up --server daphne`.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -105,7 +106,7 @@ def serve(fd: int | None = None, host: str = "", port: int = 0) -> None:
     # the application before anything reads the settings: they see it loading (`WEB_PROCESS`), so this process
     # keeps its pool of PostgreSQL connections; read first by the limits, they made every agent's report open a
     # connection of its own (bench/fleet.py at 500 agents: all connected 14-15 s, add -> ready 47-56 s)
-    import llmgw.asgi  # noqa: F401
+    importlib.import_module(APPLICATION.partition(":")[0])  # as uvicorn will, by its name
     from llmgw.uvicorn_limits import Limits
 
     config = uvicorn_config(host, port)
