@@ -1,12 +1,15 @@
 """`/mirror/<sha256>`: model files for agents, with HTTP Range so an interrupted download resumes. The agents'
-second door on the server, beside their stream (agents.consumers)."""
+second door on the server, beside their stream (agents.consumers). A file this control plane does not hold yet
+is streamed from one that does (cluster/peers.py), Range and all."""
 
 import asyncio
 import re
 
+import httpx
 from asgiref.sync import sync_to_async
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
+from cluster import peers
 from cluster.models import ModelFile
 from cluster.reports import node_for_token
 from cluster.roles import can_change
@@ -15,12 +18,16 @@ CHUNK = 1024 * 1024
 RANGE_RE = re.compile(r"^bytes=([0-9]{1,19})-([0-9]{0,19})$", re.ASCII)  # 19 digits hold any file size
 
 
-def _allowed(request) -> bool:
-    """Agents with their node token; people who may change the cluster. Viewers do not fetch model files."""
+def _allowed(request) -> str | None:
+    """Who may fetch: agents with their node token ("node"), the other control planes with theirs ("peer"),
+    people who may change the cluster ("user"). Viewers do not fetch model files."""
     auth = request.headers.get("Authorization", "")
-    if auth.lower().startswith("bearer ") and node_for_token(auth[7:].strip()) is not None:
-        return True
-    return can_change(request.user)
+    bearer = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    if bearer and node_for_token(bearer) is not None:
+        return "node"
+    if bearer and peers.is_peer(bearer):
+        return "peer"
+    return "user" if can_change(request.user) else None
 
 
 async def _chunks(path, start: int, length: int):
@@ -35,13 +42,60 @@ async def _chunks(path, start: int, length: int):
             yield data
 
 
+RELAYED = ("Content-Length", "Content-Range", "Accept-Ranges", "X-Sha256")
+
+
+async def _relayed(client: httpx.AsyncClient, upstream: httpx.Response):
+    try:
+        async for chunk in upstream.aiter_raw(CHUNK):
+            yield chunk
+    finally:
+        await upstream.aclose()
+        await client.aclose()
+
+
+async def _from_peer(request, sha256: str):
+    """The file from the first control plane that holds it and answers, as it answers; None when none does."""
+    headers = {"Authorization": f"Bearer {peers.token()}"}
+    if request.headers.get("Range"):
+        headers["Range"] = request.headers["Range"]
+    await sync_to_async(peers.me)()  # known to the others by its token before it shows it
+    for peer in await sync_to_async(peers.sources)(sha256):
+        client = httpx.AsyncClient(timeout=peers.TIMEOUT)
+        try:
+            upstream = await client.send(client.build_request("GET", f"{peer.url}/mirror/{sha256}", headers=headers),
+                                         stream=True)
+        except httpx.HTTPError:
+            await client.aclose()
+            continue
+        if upstream.status_code not in (200, 206, 416):
+            await upstream.aclose()
+            await client.aclose()
+            continue
+        response = StreamingHttpResponse(_relayed(client, upstream), status=upstream.status_code,
+                                         content_type="application/octet-stream")
+        for name in RELAYED:
+            if name in upstream.headers:
+                response[name] = upstream.headers[name]
+        response["X-Llmgw-Mirror"] = peer.name
+        return response
+    return None
+
+
 async def mirror_file(request, sha256: str):
-    if not await sync_to_async(_allowed)(request):
+    who = await sync_to_async(_allowed)(request)
+    if who is None:
         return JsonResponse({"detail": "a node token, or a login with the operator or admin role, is needed"}, status=401)
     model_file = await ModelFile.objects.filter(sha256=sha256).afirst()
-    if model_file is None or not model_file.path.exists():
+    if model_file is None:
         return JsonResponse({"detail": f"no file {sha256} in the mirror"}, status=404)
-    size = model_file.path.stat().st_size
+    if not await asyncio.to_thread(peers.whole, model_file):
+        # not here (yet): from a control plane that holds it; a peer's own request is not passed on (no loops)
+        relayed = await _from_peer(request, sha256) if who != "peer" else None
+        if relayed is not None:
+            return relayed
+        return JsonResponse({"detail": f"file {sha256} is on no control plane that answers"}, status=404)
+    size = model_file.size
     start, end, status = 0, size - 1, 200
     requested = request.headers.get("Range", "")
     if requested:

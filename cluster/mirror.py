@@ -75,6 +75,14 @@ def store(source: Path) -> tuple[str, int, Path]:
         raise
 
 
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def remove(sha: str) -> None:
     path = settings.MIRROR_DIR / sha
     if path.exists():

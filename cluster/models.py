@@ -189,6 +189,35 @@ class ModelFile(models.Model):
         return settings.MIRROR_DIR / self.sha256
 
 
+class ControlPlane(models.Model):
+    """A control plane's mirror of model files (cluster/peers.py): where the others fetch what it holds. Known by
+    the hash of the token it keeps in its LLMGW_HOME; written by its own processes as they start and by its
+    worker every few seconds."""
+
+    token_hash = models.CharField(max_length=64, unique=True)
+    name = models.CharField(max_length=100)
+    url = models.CharField(max_length=255, blank=True)  # LLMGW_CONTROL_PLANE_URL: empty, the others cannot fetch
+    seen_at = models.DateTimeField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name", "pk"]
+
+    def __str__(self):
+        return self.name
+
+
+class FileCopy(models.Model):
+    """A control plane holds a model file in its mirror directory, whole and checked against its sha256."""
+
+    file = models.ForeignKey(ModelFile, on_delete=models.CASCADE, related_name="copies")
+    control_plane = models.ForeignKey(ControlPlane, on_delete=models.CASCADE, related_name="copies")
+    verified_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["file", "control_plane"], name="one_copy_per_control_plane")]
+
+
 DEFAULT_MAX_LOGPROBS = 20  # top log-probabilities per token a request may ask for (OpenAI's own top_logprobs limit)
 DEFAULT_MAX_CHOICES = 8  # choices per request
 

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "user list": ("users", "GET /api/v1/users/"),
     "mirror import": ("mirror-import", "POST /api/v1/model-files/"),  # and Mirror: Upload (multipart "file")
     "mirror list": ("mirror", "GET /api/v1/model-files/"),
+    "mirror ls": ("mirror", "GET /api/v1/model-files/"),  # and GET /api/v1/control-planes/: where each file is
     "ctl nodes": ("nodes", "GET /api/v1/nodes/"),
     "ctl drain": ("node-drain", "POST /api/v1/nodes/{name}/drain/"),
     "ctl undrain": ("node-undrain", "POST /api/v1/nodes/{name}/undrain/"),

@@ -23,7 +23,7 @@ from django.views.decorators.http import require_POST
 
 from agents.facts import parse_size
 from agents.units import parse_duration
-from cluster import operations, queries
+from cluster import operations, peers, queries
 from cluster.clients import agents_url
 from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Profile, Replica
 from cluster.operations import OperationError
@@ -157,7 +157,11 @@ def _engines(request) -> dict:
 
 
 def _mirror(request) -> dict:
-    return {"files": ModelFile.objects.annotate(used=Count("models")).order_by("name")}
+    planes = list(peers.listed())
+    for plane in planes:
+        plane.alive = peers.alive(plane)
+    files = ModelFile.objects.annotate(used=Count("models")).order_by("name").prefetch_related("copies__control_plane")
+    return {"files": files, "planes": planes}
 
 
 def _budget_shown(key, now) -> dict | None:

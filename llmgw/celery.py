@@ -20,7 +20,10 @@ app.autodiscover_tasks()
 def _worker_ready(**kwargs):
     from cluster import control, system
 
+    from cluster import peers
+
     control.start("worker", system.successor_started)  # register with the control plane; obey `llmgw restart`
+    peers.start()  # this control plane's mirror: what it lacks, pulled from the others
 
 
 @beat_init.connect

@@ -47,18 +47,28 @@ def where_looked() -> str:
 
 
 def secret_key(state: Path) -> str:
-    """The installation's Django secret key, made on first use and kept in `secret-key` (mode 0600). Processes that
-    start together agree: the first to write it wins, atomically. Where nothing is installed yet, this process's
-    own (it has no sessions to keep)."""
-    path = state / "secret-key"
+    """The installation's Django secret key, made on first use and kept in `secret-key` (mode 0600)."""
+    return kept_secret(state, "secret-key", lambda: secrets.token_urlsafe(50))
+
+
+def control_plane_token(state: Path) -> str:
+    """What this control plane shows the others when it fetches a model file from their mirrors (cluster/peers.py),
+    made on first use and kept in `control-plane-token` (mode 0600); its hash is the control plane's identity."""
+    return kept_secret(state, "control-plane-token", lambda: "lcp_" + secrets.token_urlsafe(32))
+
+
+def kept_secret(state: Path, name: str, make) -> str:
+    """A secret made on first use and kept in the file `name` of `state`. Processes that start together agree: the
+    first to write it wins, atomically. Where nothing is installed yet, this process's own."""
+    path = state / name
     try:
         return path.read_text().strip()
     except FileNotFoundError:
         pass
-    key = secrets.token_urlsafe(50)
+    key = make()
     if not state.is_dir():
         return key
-    fd, temporary = tempfile.mkstemp(dir=state, prefix=".secret-key.")  # 0600
+    fd, temporary = tempfile.mkstemp(dir=state, prefix=f".{name}.")  # 0600
     try:
         with os.fdopen(fd, "w") as out:
             out.write(key)

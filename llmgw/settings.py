@@ -10,7 +10,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from cluster.redis_options import sentinel_broker_url  # no Django
 from gateway.affinity import LOAD_FACTOR  # pure: the one default of prefix routing's load bound
-from llmgw.home import home, secret_key
+from llmgw.home import control_plane_token, home, secret_key
 from llmgw.hostnames import HostNames
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -323,6 +323,14 @@ LLMGW_BACKOFF_BASE = envint("LLMGW_BACKOFF_BASE", 5)
 LLMGW_BACKOFF_CAP = envint("LLMGW_BACKOFF_CAP", 300)
 # Where the API and the dashboard may import model files from by path (the CLI may import any path).
 LLMGW_IMPORT_DIRS = [d for d in envstr("LLMGW_IMPORT_DIRS", str(LLMGW_HOME / "import")).split(":") if d]
+# The mirror on every control plane (cluster/peers.py): the address the other control planes fetch model files
+# from this one at (`llmgw up` and the systemd units set it; empty: the others cannot fetch from this one), its
+# name in `mirror ls` (default: the host and port of that address), and the seconds between its worker's looks
+# for files it lacks (0: never).
+LLMGW_CONTROL_PLANE_URL = envstr("LLMGW_CONTROL_PLANE_URL", "").strip().rstrip("/")
+LLMGW_CONTROL_PLANE_NAME = envstr("LLMGW_CONTROL_PLANE_NAME", "").strip()[:100]
+LLMGW_MIRROR_SYNC = envfloat("LLMGW_MIRROR_SYNC", 5.0, 0.0, 3600.0)
+CONTROL_PLANE_TOKEN = control_plane_token(LLMGW_HOME)  # what it shows the others; kept in LLMGW_HOME
 
 # Gateway knobs.
 LLMGW_UPSTREAM_TIMEOUT = envint("LLMGW_UPSTREAM_TIMEOUT", 600)  # seconds an engine may take between bytes

@@ -4,6 +4,7 @@ for systemctl (LLMGW_SYSTEMCTL, the one place llmgw runs it)."""
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -71,8 +72,10 @@ def test_install_writes_enables_and_orders_the_units(systemd):
     assert "After=network-online.target llmgw-web.service" in worker and "celery -A llmgw worker" in worker
     beat = (systemd.units / "llmgw-beat.service").read_text()
     assert "celery -A llmgw beat" in beat
+    here = f"Environment=LLMGW_CONTROL_PLANE_URL=http://{socket.getfqdn()}:8100\n"  # where peers fetch its files
+    assert here in web and here in worker and here in beat
     agent = (systemd.units / "llmgw-agent.service").read_text()
-    assert "llmgw agent --server http://ctl:8000" in agent
+    assert "llmgw agent --server http://ctl:8000" in agent and "LLMGW_CONTROL_PLANE_URL" not in agent
     assert "\nKillMode=process\n" in agent  # stopping the agent leaves its engines serving
     for unit in systemd.units.iterdir():  # systemd takes no comment after a value
         assert all("#" not in line for line in unit.read_text().splitlines() if "=" in line and not line.startswith("#"))

@@ -9,9 +9,9 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from agents.engines import CAPABILITIES, DRIVERS
-from cluster import queries
+from cluster import peers, queries
 from cluster.api.base import NameField, StrictSerializer, UserNameField
-from cluster.models import EngineVersion, Event, ModelFile, Node, Profile, Replica
+from cluster.models import ControlPlane, EngineVersion, Event, FileCopy, ModelFile, Node, Profile, Replica
 from cluster.operations import MAX_QUEUE_LIMIT, MAX_WAIT_SECONDS, PROFILE_MAXIMA
 from cluster.roles import ROLES
 
@@ -271,11 +271,36 @@ class EngineCreateSerializer(StrictSerializer):
 # Model files
 
 
+class FileCopySerializer(serializers.ModelSerializer):
+    control_plane = serializers.CharField(source="control_plane.name")
+
+    class Meta:
+        model = FileCopy
+        fields = ["control_plane", "verified_at"]
+        read_only_fields = fields
+
+
 class ModelFileSerializer(serializers.ModelSerializer):
+    locations = FileCopySerializer(source="copies", many=True, read_only=True,
+                                   help_text="the control planes whose mirror holds it, whole and checked")
+
     class Meta:
         model = ModelFile
-        fields = ["sha256", "name", "size", "format", "gguf", "created_at"]
+        fields = ["sha256", "name", "size", "format", "gguf", "created_at", "locations"]
         read_only_fields = fields
+
+
+class ControlPlaneSerializer(serializers.ModelSerializer):
+    files = serializers.IntegerField(read_only=True, help_text="model files its mirror holds")
+    alive = serializers.SerializerMethodField(help_text=f"heard from in the last {peers.ALIVE} s")
+
+    class Meta:
+        model = ControlPlane
+        fields = ["name", "url", "seen_at", "alive", "files"]
+        read_only_fields = fields
+
+    def get_alive(self, plane) -> bool:
+        return peers.alive(plane)
 
 
 class ModelFileImportSerializer(StrictSerializer):

@@ -5,6 +5,7 @@ from django.urls import path
 
 from cluster.api import schema  # noqa: F401  (registers the bearer token scheme with drf-spectacular)
 from cluster.api.views import (
+    ControlPlaneViewSet,
     EngineKeyRotateView,
     EngineKeyView,
     EngineViewSet,
@@ -31,6 +32,7 @@ ROUTES = [
     ("profiles", ProfileViewSet, "profile"),
     ("engines", EngineViewSet, "engine"),
     ("model-files", ModelFileViewSet, "model-file"),
+    ("control-planes", ControlPlaneViewSet, "control-plane"),
     ("events", EventViewSet, "event"),
     ("users", UserViewSet, "user"),
     ("system", SystemViewSet, "system"),

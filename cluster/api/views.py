@@ -11,7 +11,7 @@ from rest_framework.parsers import MultiPartParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from cluster import operations, queries
+from cluster import operations, peers, queries
 from cluster.api.base import BIGINT_MAX, NamedViewSet, actor_of, datetime_param, flag_param, int_param, text_param
 from cluster.api.errors import Refused, refused
 from cluster.api.parsers import JSONParser
@@ -24,6 +24,7 @@ from cluster.api.model_serializers import (
 )
 from cluster.api.serializers import (
     ClusterSettingsSerializer,
+    ControlPlaneSerializer,
     ClusterSettingsUpdateSerializer,
     EngineCreateSerializer,
     EngineKeyRotatedSerializer,
@@ -291,7 +292,7 @@ class ModelFileViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedVi
     serializer_class = ModelFileSerializer
     parser_classes = [JSONParser, MultiPartParser]  # a path as JSON, or the file itself
     missing = "no model file with sha256 {value!r} in the mirror"
-    queryset = ModelFile.objects.order_by("name", "sha256")
+    queryset = ModelFile.objects.order_by("name", "sha256").prefetch_related("copies__control_plane")
     lookup_field = "sha256"
 
     @extend_schema(
@@ -323,6 +324,15 @@ class ModelFileViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedVi
                          description="only events after the one with this id (to follow the log)"),
     ]
 )
+class ControlPlaneViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
+    """The control planes, each with its own mirror of model files (docs/high-availability.md)."""
+
+    serializer_class = ControlPlaneSerializer
+
+    def get_queryset(self):
+        return peers.listed()
+
+
 class EventViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
     """What happened and who did it, newest first."""
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from django.conf import settings
 from django.db import transaction
 
-from cluster import mirror
+from cluster import mirror, peers
 from cluster.errors import NotFound, OperationError
 from cluster.events import record
 from cluster.models import ModelFile
@@ -70,8 +70,10 @@ def _import(source: Path, actor: str, name: str, shown: str) -> tuple[ModelFile,
     with transaction.atomic():
         existing = ModelFile.objects.filter(sha256=sha).first()
         if existing:
+            peers.held_here(existing)  # perhaps imported through another control plane: now here too
             return existing, False
         model_file = ModelFile.objects.create(sha256=sha, name=name, size=size, format=fmt, gguf=gguf)
+        peers.held_here(model_file)  # the other control planes pull it from here (cluster/peers.py)
         record(
             "file.imported", actor, f"file {model_file.name} ({sha[:12]}, {size} bytes) imported", subject=sha[:12]
         )

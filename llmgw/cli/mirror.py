@@ -39,5 +39,10 @@ def mirror_list(o, out):
         return as_json(files, out)
     used = Counter(m["file"]["sha256"] for m in api.rows("models/"))
     rows = [[f["sha256"][:12], f["name"], size(f["size"]), f["format"], f["gguf"].get("architecture", "-"),
-             used[f["sha256"]]] for f in files]
-    table(["SHA256", "NAME", "SIZE", "FORMAT", "ARCH", "MODELS"], rows, out)
+             used[f["sha256"]], ",".join(c["control_plane"] for c in f.get("locations", [])) or "-"] for f in files]
+    table(["SHA256", "NAME", "SIZE", "FORMAT", "ARCH", "MODELS", "ON"], rows, out)
+    planes = api.rows("control-planes/")
+    if planes:  # each control plane keeps a mirror of its own (docs/high-availability.md)
+        out.write("control planes: " + "; ".join(
+            f"{p['name']} {p['url'] or '(no URL: the others cannot fetch from it)'}, {p['files']} of {len(files)} "
+            f"file(s){'' if p['alive'] else ', not heard from lately'}" for p in planes) + "\n")

@@ -14,6 +14,7 @@ import getpass
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -192,6 +193,12 @@ def render(part: str, o: dict, user: str) -> str:
         "RestartSec=2",
         "TimeoutStopSec=60",
     ]
+    if part in ("web", "worker", "beat"):  # where the other control planes fetch its model files (cluster/peers.py);
+        # /etc/llmgw/env may say otherwise (systemd: an EnvironmentFile's settings win)
+        host = o.get("host") or "0.0.0.0"
+        named = socket.getfqdn() if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host
+        lines.insert(lines.index("Environment=PYTHONUNBUFFERED=1"),
+                     f"Environment=LLMGW_CONTROL_PLANE_URL=http://{named}:{o.get('port') or 8000}")
     if part == "web":  # a Host naming the address it binds is one it allows (settings.ALLOWED_HOSTS)
         lines.insert(lines.index("Environment=PYTHONUNBUFFERED=1"), f"Environment=LLMGW_BIND_HOST={o.get('host') or '0.0.0.0'}")
     if part == "agent":

@@ -77,8 +77,11 @@ def connection_args(p, top: bool = False) -> None:
 def _leaves(parser, path=()):
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
+            seen = set()
             for name, child in action.choices.items():
-                yield from _leaves(child, (*path, name))
+                if id(child) not in seen:  # a command's aliases (`mirror ls`) are the one parser
+                    seen.add(id(child))
+                    yield from _leaves(child, (*path, name))
             return
     yield " ".join(path), parser
 
@@ -166,7 +169,7 @@ def build(parser) -> None:
     p.add_argument("path")
     p.add_argument("--name", default=None, help="name to list it by (default: the file's name)")
     p.set_defaults(func=mirror_import)
-    p = mirror.add_parser("list", help="list model files")
+    p = mirror.add_parser("list", aliases=["ls"], help="list model files and the control planes holding them")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=mirror_list)
 

@@ -29,6 +29,7 @@ import openai
 import psycopg
 
 from agents.agent.records import engines_dir
+from agents.ports import free_port
 from tests.integration import netns
 from tests.integration.harness import (
     MANAGE,
@@ -38,7 +39,6 @@ from tests.integration.harness import (
     make_model_file,
     start_nginx,
     start_system,
-    start_web,
     wait_for,
 )
 from tests.postgres import OwnPostgres
@@ -77,28 +77,34 @@ class Fleet:
         for name in self.control_plane(which):
             self.system.procs[name].popen.wait(10)
 
+    @property
+    def home_b(self) -> Path:
+        """Control plane B's LLMGW_HOME: its mirror directory and its token its own, its secret key A's."""
+        return self.system.home / "b"
+
+    def env_b(self) -> dict:
+        return dict(self.system.env, LLMGW_HOME=str(self.home_b), LLMGW_CONTROL_PLANE_URL=self.url_b,
+                    LLMGW_SECRET_KEY=(self.system.home / "secret-key").read_text().strip())
+
     def start_control_plane(self, which: str) -> None:
-        py, home, port = sys.executable, self.system.home, self.system.port
-        if which == "a":
-            from llmgw.web import web_argv
-
-            self.system.spawn("web", web_argv(self.system.host, port))
-            wait_for(lambda: _answers(self.system.url), 60, what="control plane A's web")
-        else:
-            self.url_b = start_web(self.system, "web-b") if not self.url_b else self._restart_web_b()
-        suffix = "" if which == "a" else "-b"
-        self.system.spawn(f"worker{suffix}", [py, "-m", "celery", "-A", "llmgw", "worker", "-l", "info", "-c", "1",
-                                              "--without-gossip", "--without-mingle", "-n", f"fleet{suffix}-{port}@%h"])
-        self.system.spawn(f"beat{suffix}", [py, "-m", "celery", "-A", "llmgw", "beat", "-l", "info",
-                                            "-s", str(home / f"celerybeat-schedule{suffix}")])
-
-    def _restart_web_b(self) -> str:
         from llmgw.web import web_argv
 
-        host, port = self.url_b.removeprefix("http://").rsplit(":", 1)
-        self.system.spawn("web-b", web_argv(host, int(port)))
-        wait_for(lambda: _answers(self.url_b), 60, what="control plane B's web")
-        return self.url_b
+        py, port, system = sys.executable, self.system.port, self.system
+        if which == "a":
+            env, home, suffix = system.env, system.home, ""
+            system.spawn("web", web_argv(system.host, port))
+            wait_for(lambda: _answers(system.url), 60, what="control plane A's web")
+        else:
+            self.home_b.mkdir(exist_ok=True)
+            self.url_b = self.url_b or f"http://{system.host}:{free_port()}"
+            env, home, suffix = self.env_b(), self.home_b, "-b"
+            system.spawn("web-b", web_argv(system.host, int(self.url_b.rsplit(":", 1)[1])), env=env)
+            wait_for(lambda: _answers(self.url_b), 60, what="control plane B's web")
+        system.spawn(f"worker{suffix}", [py, "-m", "celery", "-A", "llmgw", "worker", "-l", "info", "-c", "1",
+                                         "--without-gossip", "--without-mingle", "-n", f"fleet{suffix}-{port}@%h"],
+                     env=env)
+        system.spawn(f"beat{suffix}", [py, "-m", "celery", "-A", "llmgw", "beat", "-l", "info",
+                                       "-s", str(home / "celerybeat-schedule")], env=env)
 
     def api(self, path: str, url: str | None = None, **params):
         import httpx

@@ -284,6 +284,7 @@ def start_system(home: Path, extra_env: dict | None = None, redis_db: int = 3, h
     # Our own Redis db, so the in-process tests' flushes never touch the running system.
     env["REDIS_URL"] = _redis_db(redis_url or os.environ["REDIS_URL"], redis_db)
     system = System(home=home, env=env, port=free_port(), _dropdb=dropdb, host=host)
+    env.setdefault("LLMGW_CONTROL_PLANE_URL", system.url)  # as `llmgw up` sets it: where peers fetch model files
     try:
         flush_redis(env["REDIS_URL"])
         # One process: migrate; the reconciler every second instead of every 5 (the cluster setting the

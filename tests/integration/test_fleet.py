@@ -8,6 +8,7 @@ to recover.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
@@ -158,9 +159,16 @@ def test_a_lossy_slow_link_replaces_nothing_and_fails_nothing(fleet, scenario):
 def test_a_control_plane_killed_the_agents_and_the_gateway_go_on_through_the_other(fleet, scenario):
     load, watch, outcome = scenario
     system = fleet.system
+    # a model file uploaded through A alone; B's worker pulls it (cluster/peers.py) before A is lost
+    uploaded = system.api("POST", "/api/v1/model-files/", files={"file": ("pulled.bin", os.urandom(3 * 1024 * 1024))})
+    assert uploaded.status_code == 201, uploaded.text
+    sha = uploaded.json()["sha256"]
+    wait_for(lambda: len(fleet.api(f"/api/v1/model-files/{sha}/")["locations"]) == 2, 60,
+             what="control plane B holding the file uploaded through A")
     last_event = fleet.api("/api/v1/events/", limit=1)["results"][0]["id"]
     killed_at = time.monotonic()
     fleet.kill_control_plane("a")
+    shutil.rmtree(system.home / "mirror")  # its disk gone with it
 
     def reconnected():
         events = fleet.api("/api/v1/events/", kind_prefix="node.connected", after=last_event, limit=100)["results"]
@@ -168,6 +176,14 @@ def test_a_control_plane_killed_the_agents_and_the_gateway_go_on_through_the_oth
 
     wait_for(reconnected, 60, what="every agent connected to control plane B")
     outcome["recovered"] = f"agents on B {time.monotonic() - killed_at:.1f} s after the kill"
+    # a replica of a model on that file starts: its agent downloads the file from B
+    system.cli("ctl", "model", "add", "pulled", "--file", sha, "--engine", "testengine", "--replicas", "1",
+               "--memory", "300MiB")
+    wait_for(lambda: len(fleet.ready("pulled")) == 1, 60, what="a replica of the model on the file A held")
+    outcome["recovered"] += f"; a replica on A's file ready {time.monotonic() - killed_at:.1f} s after"
+    system.cli("ctl", "model", "remove", "pulled")
+    wait_for(lambda: not [r for r in fleet.replicas("pulled") if r["state"] not in ("stopped", "failed")], 60,
+             what="the model on A's file removed")
     # the reconciler still acts (B's beat and worker): a third replica, and back to two
     system.cli("ctl", "model", "set", MODEL, "--replicas", "3")
     wait_for(lambda: len(fleet.ready()) == 3, 60, what="a third replica ready, placed by B's reconciler")
@@ -176,6 +192,7 @@ def test_a_control_plane_killed_the_agents_and_the_gateway_go_on_through_the_oth
                                                        and r["state"] != "failed"]) == 2, 60, what="back to two")
 
     fleet.start_control_plane("a")
+    wait_for(lambda: (system.home / "mirror" / sha).exists(), 60, what="A pulling back the file its disk lost")
     web_log = system.home / "logs" / "web.log"
     served_before = web_log.read_text().count("llmgw.access")
     wait_for(lambda: web_log.read_text().count("llmgw.access") > served_before + 5, 30,

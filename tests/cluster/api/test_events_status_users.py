@@ -149,6 +149,7 @@ def test_api_root_lists_the_resources(viewer):
         "profiles",
         "engines",
         "model-files",
+        "control-planes",
         "events",
         "users",
         "keys",

@@ -54,6 +54,7 @@ def test_schema_covers_every_endpoint(schema):
         ("/api/v1/engines/{name}/", "put"),
         ("/api/v1/engines/{name}/", "patch"),
         ("/api/v1/model-files/", "get"),
+        ("/api/v1/control-planes/", "get"),
         ("/api/v1/model-files/", "post"),
         ("/api/v1/model-files/{sha256}/", "get"),
         ("/api/v1/events/", "get"),
