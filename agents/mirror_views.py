@@ -59,7 +59,7 @@ async def _from_peer(request, sha256: str):
     headers = {"Authorization": f"Bearer {peers.token()}"}
     if request.headers.get("Range"):
         headers["Range"] = request.headers["Range"]
-    await sync_to_async(peers.me)()  # known to the others by its token before it shows it
+    await sync_to_async(peers.announce)()  # known to the others by its token before it shows it
     for peer in await sync_to_async(peers.sources)(sha256):
         client = httpx.AsyncClient(timeout=peers.TIMEOUT)
         try:

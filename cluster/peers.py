@@ -39,9 +39,14 @@ from cluster.models import ControlPlane, FileCopy, ModelFile
 
 log = logging.getLogger("llmgw.peers")
 ALIVE = 60  # seconds: a control plane not heard from for longer is not asked for files
+HEARTBEAT = 5.0  # seconds between a worker's heartbeats (its own thread: a long copy does not hold them up)
+MISMATCH_PAUSE = 600.0  # seconds a peer that sent a file not matching its sha256 is not asked for it again
 TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 
-_thread: threading.Thread | None = None
+_threads: list[threading.Thread] = []
+_announced = float("-inf")  # when this process last wrote its row (monotonic)
+_mismatched: dict[tuple[str, int], float] = {}  # (sha256, peer pk) -> when its copy failed the check
+_unmatched: dict[str, tuple] = {}  # sha256 -> (inode, mtime, size) of a file on disk that failed the check
 
 
 def token() -> str:
@@ -72,8 +77,31 @@ def name() -> str:
 
 def me() -> ControlPlane:
     """This control plane's row, made or brought up to date (name, address, last seen)."""
+    global _announced
     values = {"name": name(), "url": settings.LLMGW_CONTROL_PLANE_URL, "seen_at": timezone.now()}
-    return ControlPlane.objects.update_or_create(token_hash=hash_token(token()), defaults=values)[0]
+    plane = ControlPlane.objects.update_or_create(token_hash=hash_token(token()), defaults=values)[0]
+    _announced = time.monotonic()
+    return plane
+
+
+def announce() -> None:
+    """`me`, unless this process said so lately: what a web process does before it fetches from a peer."""
+    if time.monotonic() - _announced > HEARTBEAT:
+        me()
+
+
+def retire_former() -> None:
+    """Rows of this same control plane (its name and address) under another token: its LLMGW_HOME made anew, a
+    lost disk. What they said it held is gone with them."""
+    here = me()
+    with transaction.atomic():
+        former = list(ControlPlane.objects.filter(name=here.name, url=here.url).exclude(pk=here.pk)
+                      .select_for_update())
+        for plane in former:
+            plane.delete()
+            record("control_plane.replaced", f"control-plane:{here.name}", f"control plane {here.name} started "
+                   "with a new token (a new LLMGW_HOME): its former record and the files it said it held forgotten",
+                   subject=here.name)
 
 
 def held_here(model_file: ModelFile) -> None:
@@ -108,13 +136,24 @@ class PullFailed(Exception):
     pass
 
 
+class Mismatch(PullFailed):
+    pass
+
+
 def pull(model_file: ModelFile) -> str | None:
     """Copy `model_file` into this mirror from a control plane that holds it; the name of that one, or None when
     none could give it (or another process here is pulling it)."""
     for peer in sources(model_file.sha256):
+        if time.monotonic() - _mismatched.get((model_file.sha256, peer.pk), float("-inf")) < MISMATCH_PAUSE:
+            continue
         try:
             if not _fetch(peer, model_file):
                 return None
+        except Mismatch as exc:
+            _mismatched[(model_file.sha256, peer.pk)] = time.monotonic()
+            log.warning("pulling %s from %s: %s; not asked again for %d s", model_file.sha256[:12], peer.name, exc,
+                        MISMATCH_PAUSE)
+            continue
         except (httpx.HTTPError, OSError, PullFailed) as exc:
             log.warning("pulling %s from %s: %s", model_file.sha256[:12], peer.name, exc)
             continue
@@ -129,21 +168,25 @@ def pull(model_file: ModelFile) -> str | None:
 
 def _fetch(peer: ControlPlane, model_file: ModelFile) -> bool:
     """Download into `.pull-<sha256>` (resumed where an earlier pull stopped), check, and move into place. False
-    when another process of this control plane holds the partial file."""
+    when another process of this control plane holds the partial file, or has pulled the file meanwhile."""
     sha, size = model_file.sha256, model_file.size
     settings.MIRROR_DIR.mkdir(parents=True, exist_ok=True)
-    if mirror.free_bytes() < size:
-        raise PullFailed(f"{size} bytes do not fit in {settings.MIRROR_DIR}")
     part = settings.MIRROR_DIR / f".pull-{sha}"
     with open(part, "ab") as out:
         try:
             fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
+        if whole(model_file) and FileCopy.objects.filter(file=model_file, control_plane__token_hash=hash_token(
+                token())).exists():  # another process of this control plane was quicker
+            part.unlink(missing_ok=True)
+            return False
         have = out.tell()
         if have > size:
             out.truncate(0)
             have = 0
+        if mirror.free_bytes() < size - have:
+            raise PullFailed(f"{size - have} more bytes do not fit in {settings.MIRROR_DIR}")
         if have < size or size == 0:
             headers = {"Authorization": f"Bearer {token()}", **({"Range": f"bytes={have}-"} if have else {})}
             with httpx.stream("GET", f"{peer.url}/mirror/{sha}", headers=headers, timeout=TIMEOUT) as response:
@@ -159,8 +202,8 @@ def _fetch(peer: ControlPlane, model_file: ModelFile) -> bool:
         got = mirror.sha256_of(part)
         if got != sha:
             part.unlink(missing_ok=True)
-            raise PullFailed(f"sha256 mismatch: got {got}")
-        os.chmod(part, 0o644)
+            raise Mismatch(f"sha256 mismatch: got {got}")
+        os.chmod(part, 0o600)  # as an imported file is
         os.replace(part, model_file.path)
     return True
 
@@ -180,33 +223,59 @@ def sync_once() -> None:
                            f"the mirror of {here.name}", subject=model_file.sha256[:12])
             lacking.append(model_file)
         elif model_file.sha256 not in held and on_disk:
-            if mirror.sha256_of(model_file.path) == model_file.sha256:
-                held_here(model_file)
-            else:
-                log.warning("%s in the mirror does not match its sha256: removed", model_file.sha256[:12])
-                mirror.remove(model_file.sha256)
-                lacking.append(model_file)
+            if not _adopt(model_file):
+                lacking.append(model_file)  # a pull replaces what failed the check
         elif not on_disk:
             lacking.append(model_file)
     for model_file in lacking:
         pull(model_file)
 
 
+def _adopt(model_file: ModelFile) -> bool:
+    """A file on disk the database does not say this control plane holds: held, once checked. One that fails the
+    check is left where it is (a pull replaces it) and not read again until it changes."""
+    try:
+        st = model_file.path.stat()
+    except OSError:
+        return False
+    seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+    if _unmatched.get(model_file.sha256) == seen:
+        return False
+    if mirror.sha256_of(model_file.path) == model_file.sha256:
+        _unmatched.pop(model_file.sha256, None)
+        held_here(model_file)
+        return True
+    _unmatched[model_file.sha256] = seen
+    log.warning("%s in the mirror does not match its sha256: not counted as held here", model_file.sha256[:12])
+    return False
+
+
 def start() -> None:
-    """The worker's look every LLMGW_MIRROR_SYNC seconds, from a daemon thread (once per process)."""
-    global _thread
-    if _thread is not None or settings.LLMGW_MIRROR_SYNC <= 0:
+    """From the worker's main process (once): its heartbeat every HEARTBEAT seconds, and its look every
+    LLMGW_MIRROR_SYNC seconds (0: none), each on a daemon thread of its own."""
+    if _threads:
         return
-    _thread = threading.Thread(target=_run, name="llmgw-mirror", daemon=True)
-    _thread.start()
+    _threads.append(threading.Thread(target=_every, args=(HEARTBEAT, _heartbeat), name="llmgw-peer", daemon=True))
+    if settings.LLMGW_MIRROR_SYNC > 0:
+        _threads.append(threading.Thread(target=_every, args=(settings.LLMGW_MIRROR_SYNC, sync_once),
+                                         name="llmgw-mirror", daemon=True))
+    for thread in _threads:
+        thread.start()
 
 
-def _run() -> None:
+def _heartbeat() -> None:
+    if not getattr(_heartbeat, "retired", False):
+        retire_former()
+        _heartbeat.retired = True
+    me()
+
+
+def _every(seconds: float, work) -> None:
     while True:
         try:
-            sync_once()
-        except Exception:  # the database or a peer away: the next look tries again
-            log.exception("mirror sync")
+            work()
+        except Exception:  # the database or a peer away: the next round tries again
+            log.exception("%s", work.__name__)
         finally:
             close_old_connections()
-        time.sleep(settings.LLMGW_MIRROR_SYNC)
+        time.sleep(seconds)

@@ -33,6 +33,17 @@ def this_machine(public_url: str = "", bind_host: str = "") -> list[str]:
     return sorted(names)
 
 
+def url_host(url: str) -> list[str]:
+    """The host a URL names, as ALLOWED_HOSTS takes it (none for no URL, or one that is not a URL)."""
+    from urllib.parse import urlsplit
+
+    try:
+        host = urlsplit(url).hostname or "" if url else ""
+    except ValueError:
+        host = ""
+    return [f"[{host}]" if ":" in host else host.lower()] if host else []
+
+
 class HostNames(list):
     """this_machine(public_url, bind_host) and then `extra` (what the operator adds: a proxy's public name; `*`
     for any Host), found when first read. A list, as Django requires of ALLOWED_HOSTS: every method fills it

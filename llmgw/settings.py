@@ -11,7 +11,7 @@ from django.core.exceptions import ImproperlyConfigured
 from cluster.redis_options import sentinel_broker_url  # no Django
 from gateway.affinity import LOAD_FACTOR  # pure: the one default of prefix routing's load bound
 from llmgw.home import control_plane_token, home, secret_key
-from llmgw.hostnames import HostNames
+from llmgw.hostnames import HostNames, url_host
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -107,7 +107,8 @@ LLMGW_PUBLIC_URL = envstr("LLMGW_PUBLIC_URL", "")  # what agents on other machin
 # This machine's names and addresses, and what the operator adds (a proxy's public name; `*` for any Host): found
 # when first read (llmgw/hostnames.py), not by every process that imports the settings
 ALLOWED_HOSTS = HostNames(LLMGW_PUBLIC_URL, envstr("LLMGW_BIND_HOST"),
-                          [h.strip() for h in envstr("LLMGW_ALLOWED_HOSTS", "").split(",") if h.strip()])
+                          [h.strip() for h in envstr("LLMGW_ALLOWED_HOSTS", "").split(",") if h.strip()]
+                          + url_host(envstr("LLMGW_CONTROL_PLANE_URL", "")))  # the other control planes ask by it
 CSRF_TRUSTED_ORIGINS = [o for o in envstr("LLMGW_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
 
 INSTALLED_APPS = [

@@ -313,6 +313,15 @@ class ModelFileViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedVi
         return self.shown(model_file, status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
 
+class ControlPlaneViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
+    """The control planes, each with its own mirror of model files (docs/high-availability.md)."""
+
+    serializer_class = ControlPlaneSerializer
+
+    def get_queryset(self):
+        return peers.listed()
+
+
 @extend_schema(
     parameters=[
         OpenApiParameter("kind", str, description="e.g. model.added"),
@@ -324,15 +333,6 @@ class ModelFileViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedVi
                          description="only events after the one with this id (to follow the log)"),
     ]
 )
-class ControlPlaneViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
-    """The control planes, each with its own mirror of model files (docs/high-availability.md)."""
-
-    serializer_class = ControlPlaneSerializer
-
-    def get_queryset(self):
-        return peers.listed()
-
-
 class EventViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
     """What happened and who did it, newest first."""
 

@@ -23,7 +23,7 @@ from agents.ports import port_free
 from cluster import operations
 from gateway.models import ApiKey
 from gateway.operations import create_key
-from llmgw.home import secret_key
+from llmgw.home import control_plane_token, secret_key
 from llmgw.processes import Child, LogLimit, Supervisor, exit_said
 from llmgw.valkey import EmbeddedValkey, use
 from llmgw.web import web_argv
@@ -109,6 +109,8 @@ def up(o, out):
     for sub in ("run", "logs"):
         (home / sub).mkdir(parents=True, exist_ok=True)
     secret_key(home)  # made once, before the web processes that sign sessions with it start together
+    # this control plane's token, read before its home existed on a first run: the one its processes will read
+    settings.CONTROL_PLANE_TOKEN = control_plane_token(home)
     lock = open(home / "run" / "up.lock", "w")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -125,6 +127,9 @@ def up(o, out):
     if ":" in host and (web_workers or 1) > 1:
         raise CommandError("--web-workers above 1 needs an IPv4 address to share (on IPv6 each web process binds its own)")
     web_workers = web_workers or (1 if ":" in host else os.cpu_count() or 1)
+    if not settings.LLMGW_CONTROL_PLANE_URL:  # where the other control planes fetch its model files, unless said
+        named = socket.getfqdn() if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host
+        settings.LLMGW_CONTROL_PLANE_URL = f"http://{named}:{port}"
     agent_memory = None
     if o.get("agent_memory"):
         from llmgw.cli.args import parse_size_arg
@@ -177,7 +182,7 @@ def up(o, out):
         demo_key = None if o["no_demo"] else _demo(out)
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         # where the other control planes fetch this one's model files (cluster/peers.py), unless said otherwise
-        env["LLMGW_CONTROL_PLANE_URL"] = settings.LLMGW_CONTROL_PLANE_URL or base
+        env["LLMGW_CONTROL_PLANE_URL"] = settings.LLMGW_CONTROL_PLANE_URL
         py = sys.executable
         # `up` holds the listening socket and hands it to each web process it starts: while a restarted web
         # process is on its way, connections wait in the socket's backlog instead of being refused
