@@ -159,8 +159,8 @@ def seen(node_pk: int, stream: str | None = None) -> None:
 
 @retry_on_lock
 def report(node_pk: int, statuses: list[protocol.ReplicaStatus], full: bool, stream: str | None = None) -> bool:
-    """Apply an agent's report (from its stream `stream`). Returns True when a replica left the node's desired
-    list (send it again)."""
+    """Apply an agent's report (from its stream `stream`). Returns True when the node's desired list is to be
+    sent again (`_statuses`)."""
     now = timezone.now()
     with transaction.atomic():
         node = Node.objects.filter(pk=node_pk).first()
@@ -170,9 +170,15 @@ def report(node_pk: int, statuses: list[protocol.ReplicaStatus], full: bool, str
         return _statuses(node, statuses, full, now)
 
 
+UNHEARD = timedelta(seconds=10)  # a replica placed this long ago and not in its agent's full report: not told
+
+
 def _statuses(node: Node, statuses: list[protocol.ReplicaStatus], full: bool, now) -> bool:
     """The replicas' states as the agent reports them (`full`: the list is all it runs); in the caller's
-    transaction. True when a replica left the node's desired list."""
+    transaction. True when the node's desired list is to be sent again: a replica left it, or one placed on the
+    node UNHEARD ago or more is not in the agent's full report (the message telling it was lost on its way: the
+    channel layer drops what waits past its expiry). A stream applies an unchanged report whole every 30 s
+    (agents.consumers), so a lost message is made good within about that."""
     if not all(isinstance(s, dict) for s in statuses):
         raise ValueError("each replica status must be an object")
     terminal_change = False
@@ -188,15 +194,21 @@ def _statuses(node: Node, statuses: list[protocol.ReplicaStatus], full: bool, no
         change = _apply(replica, status, now, actor)
         any_change |= change is not None
         terminal_change |= change in Replica.TERMINAL
+    untold = []
     if full:
         for replica in rows.values():
             if replica.name not in seen and replica.state == S.STOPPING:
                 if _set(replica, S.STOPPED, now, reason=replica.reason):
                     record("replica.stopped", actor, f"replica {replica.name} stopped", subject=replica.name)
                     any_change = terminal_change = True
+            elif replica.name not in seen and replica.state == S.PENDING and now - replica.state_changed_at >= UNHEARD:
+                untold.append(replica.name)
+    if untold:
+        log.warning("node %s does not run %s, placed on it %d s ago or more: its desired list sent again",
+                    node.name, ", ".join(sorted(untold)), UNHEARD.seconds)
     if any_change:
         kick_reconciler()
-    return terminal_change
+    return terminal_change or bool(untold)
 
 
 class _Raced(Exception):

@@ -243,7 +243,15 @@ CHANNEL_LAYERS = {
         # how it recovers a connection Redis closed: llmgw.channel_layer (cluster.redis_options.channel_layer_retry)
         # behind Sentinel the address gives the database number and password; the pool asks the Sentinels for the
         # master (llmgw.channel_layer)
-        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30, "socket_connect_timeout": 5}]},
+        "CONFIG": {
+            "hosts": [{"address": REDIS_URL, "socket_timeout": 30, "socket_connect_timeout": 5}],
+            # messages waiting for one web process: every stream of a process shares one inbox in Redis, and past
+            # its capacity (channels_redis's default: 100) a message is dropped. The reconciler placing a replica on
+            # each of 1,000 nodes at once sends each node's stream its desired list: 100 dropped dozens
+            # (bench/fleet.py; a stream also sends the list again when its agent's full report lacks a replica
+            # placed 10 s ago, cluster.reports._statuses)
+            "capacity": 20000,
+        },
     }
 }
 

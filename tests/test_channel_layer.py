@@ -43,3 +43,22 @@ async def test_the_plain_layer_fails_such_a_burst():
 
 def test_the_project_uses_it():
     assert settings.CHANNEL_LAYERS["default"]["BACKEND"] == "llmgw.channel_layer.RedisChannelLayer"
+
+
+async def test_one_process_holds_a_message_for_each_of_a_thousand_streams_before_it_reads_any():
+    # every stream (consumer) of a web process has its channel in the process's one inbox in Redis: the reconciler
+    # placing a replica on each of 1,000 nodes sends each node's group a message at once (channels_redis's default
+    # capacity, 100, dropped the rest)
+    config = settings.CHANNEL_LAYERS["default"]["CONFIG"]
+    layer = RedisChannelLayer(hosts=config["hosts"], capacity=config["capacity"], prefix="llmgw-test-capacity")
+    try:
+        channels = [await layer.new_channel() for _ in range(1000)]
+        for i, channel in enumerate(channels):
+            await layer.group_add(f"node-{i}", channel)
+        for i in range(len(channels)):
+            await layer.group_send(f"node-{i}", {"type": "send.desired", "i": i})
+        got = [await asyncio.wait_for(layer.receive(channel), 5) for channel in channels]
+        assert [m["i"] for m in got] == list(range(1000))
+    finally:
+        await layer.flush()
+        await layer.close_pools()

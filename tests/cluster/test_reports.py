@@ -155,6 +155,19 @@ def test_report_moves_replicas_forward_with_an_event_each(node, model):
     assert [events(f"replica.{s}", replica.name) for s in ("downloading", "starting", "ready")] == [1, 1, 1]
 
 
+def test_a_replica_placed_a_while_ago_that_the_agent_does_not_run_has_the_desired_list_sent_again(node, model):
+    # the channel layer drops a message that waited past its expiry: the agent was never told of the replica
+    told_late = make_replica(model, node, S.PENDING, state_changed_at=timezone.now() - timedelta(seconds=11))
+    running = make_replica(model, node, S.READY)
+    assert reports.report(node.pk, [status(running, "ready")], full=True) is True
+    assert reports.report(node.pk, [status(running, "ready"), status(told_late, "downloading")], full=True) is False
+    just_placed = make_replica(model, node, S.PENDING)  # its message may be on its way
+    assert reports.report(node.pk, [status(running, "ready"), status(told_late, "downloading")], full=True) is False
+    assert reports.report(node.pk, [status(running, "ready")], full=False) is False  # a partial list says nothing
+    just_placed.refresh_from_db()
+    assert just_placed.state == S.PENDING
+
+
 def test_report_may_skip_states_but_never_goes_back(node, model):
     replica = make_replica(model, node, S.PENDING)
     reports.report(node.pk, [status(replica, "ready")], full=False)
