@@ -27,7 +27,10 @@ ACTOR = "reconciler"
 LOCK_KEY = "llmgw:reconcile:lock"
 DIRTY_KEY = "llmgw:reconcile:dirty"
 LAST_RUN_KEY = "llmgw:reconcile:last"
-LOCK_TTL = 60  # seconds; a run takes well under one
+# seconds the lock outlives the last pass begun under it: a process killed in the middle of a run (a control plane
+# lost) holds the others' reconcilers back this long at most. A run takes well under one; a pass slower than this
+# lets another run begin beside it, which each replica change's conditional update makes safe
+LOCK_TTL = 10
 DEFAULT_PORT_RANGE = (20000, 20999)
 
 
@@ -413,9 +416,15 @@ def reconcile(max_passes: int = 5) -> int | None:
         return None  # the holder will see the dirty flag and go round again
     applied = 0
     try:
-        for _ in range(max_passes):
+        for i in range(max_passes):
             if not r.delete(DIRTY_KEY):
                 break
+            if i:
+                try:
+                    lock.reacquire()  # LOCK_TTL from now, for this pass
+                except redis.exceptions.LockError:  # lapsed under a slow pass: the run holding it now goes round
+                    r.set(DIRTY_KEY, 1, ex=60)
+                    break
             applied += reconcile_once()
             r.set(LAST_RUN_KEY, time.time(), ex=3600)
     finally:

@@ -47,6 +47,7 @@ RECHECK_AGE = 0.02
 # tries it; a replica that answers is taken back at once
 UNREACHABLE_FOR = 10.0
 LEDGER_INTERVAL = 1.0  # usage counted in this process goes to Redis this often
+LOOK_AGAIN = 0.25  # seconds between reloads for a key or model not in the table (may_look_again)
 PREFIX = Model.Routing.PREFIX
 
 _runtimes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -124,10 +125,11 @@ class Gateway:
 
     def may_look_again(self, what: str) -> bool:
         """A key or a model this process has not seen may have been created a moment ago, or the system started a
-        moment ago, before the change reached it: a reload answers that, at most once a second for each (not one
-        per bad request)."""
+        moment ago, before the change reached it: a reload answers that, at most every LOOK_AGAIN seconds for
+        each (not one per bad request; unknown keys from one address are throttled besides). A quarter of a
+        second, not a whole one: a wrong key tried just before held back a key created a moment after it."""
         now = time.monotonic()
-        if now - self._looked_again[what] < 1.0:
+        if now - self._looked_again[what] < LOOK_AGAIN:
             return False
         self._looked_again[what] = now
         return True

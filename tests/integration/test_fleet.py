@@ -179,7 +179,16 @@ def test_a_control_plane_killed_the_agents_and_the_gateway_go_on_through_the_oth
     # a replica of a model on that file starts: its agent downloads the file from B
     system.cli("ctl", "model", "add", "pulled", "--file", sha, "--engine", "testengine", "--replicas", "1",
                "--memory", "300MiB")
-    wait_for(lambda: len(fleet.ready("pulled")) == 1, 60, what="a replica of the model on the file A held")
+    def pulled_ready() -> bool:
+        if len(fleet.ready("pulled")) == 1:
+            return True
+        said = fleet.api("/api/v1/events/", after=last_event, limit=200)["results"]
+        print(f"{time.monotonic() - killed_at:.1f} s: {fleet.replicas('pulled')}",
+              *(f"{e['created_at']} {e['kind']} {e['message']}" for e in said if "pulled" in e["message"]
+                or e["kind"].startswith(("file.", "control_plane."))), sep="\n  ")
+        return False
+
+    wait_for(pulled_ready, 90, interval=2.0, what="a replica of the model on the file A held (printed above)")
     outcome["recovered"] += f"; a replica on A's file ready {time.monotonic() - killed_at:.1f} s after"
     system.cli("ctl", "model", "remove", "pulled")
     wait_for(lambda: not [r for r in fleet.replicas("pulled") if r["state"] not in ("stopped", "failed")], 60,

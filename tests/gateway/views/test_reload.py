@@ -64,6 +64,32 @@ async def test_a_model_added_a_moment_ago_is_served_before_the_change_reaches_th
     assert missing.status_code == 404 and json.loads(missing.content)["error"]["code"] == "model_not_found"
 
 
+async def test_a_key_created_a_moment_after_a_wrong_one_was_tried_is_served_before_the_change_arrives(cluster):
+    """A client tries a wrong key (the gateway looks again, finds nothing); the operator creates a key; the next
+    request brings it before this process's listener has heard of it. A look again a quarter of a second after the
+    last one finds it (a CI run: `llmgw ctl keys create` then the key at once, 401 while a look again waited
+    a whole second)."""
+    assert (await Client(authorization=f"Bearer {cluster.secret}").post(
+        "/v1/chat/completions", data=json.dumps({"model": "qwen", "messages": MESSAGES}),
+        content_type="application/json")).status_code == 200  # the table is loaded
+    wrong = await Client(authorization="Bearer sk-llmgw-wrong").post(
+        "/v1/chat/completions", data=json.dumps({"model": "qwen", "messages": MESSAGES}), content_type="application/json")
+    assert wrong.status_code == 401
+
+    def create_unheard() -> str:  # what `ctl keys create` writes, without the channel layer's word
+        from gateway.models import ApiKey
+
+        secret = ApiKey.new_secret()
+        ApiKey.objects.create(name="new-key", prefix=secret[:14], key_hash=ApiKey.hash(secret))
+        return secret
+
+    secret = await sync_to_async(create_unheard)()
+    await asyncio.sleep(0.3)  # a CLI's start takes longer
+    answer = await Client(authorization=f"Bearer {secret}").post(
+        "/v1/chat/completions", data=json.dumps({"model": "qwen", "messages": MESSAGES}), content_type="application/json")
+    assert answer.status_code == 200, answer.content
+
+
 async def test_a_start_a_moment_ago_is_served_before_the_change_reaches_this_process(cluster):
     """`llmgw start` returned; the next request comes before this process's listener has heard of it: the gateway
     looks again before it answers 503 system_stopped."""
