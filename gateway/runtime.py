@@ -47,7 +47,7 @@ RECHECK_AGE = 0.02
 # tries it; a replica that answers is taken back at once
 UNREACHABLE_FOR = 10.0
 LEDGER_INTERVAL = 1.0  # usage counted in this process goes to Redis this often
-LOOK_AGAIN = 0.25  # seconds between reloads for a key or model not in the table (may_look_again)
+LOOK_AGAIN = 0.25  # seconds between reloads for a key or model not in the table (look_again)
 PREFIX = Model.Routing.PREFIX
 
 _runtimes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -104,7 +104,10 @@ class Gateway:
         self.ledger = Ledger()
         self.admission = Admission(self.redis)
         self.headroom = settings.LLMGW_ADMISSION_HEADROOM
-        self._looked_again = {"key": 0.0, "model": 0.0, "stopped": 0.0, "admission": 0.0}
+        # when the last reload for each began (look_again), or the last warning was said (may_look_again)
+        self._looked_again = {"key": float("-inf"), "model": float("-inf"), "stopped": float("-inf"),
+                              "admission": float("-inf")}
+        self._looking: dict[str, asyncio.Future] = {}
 
     def spawn(self, coro) -> None:
         """Run `coro` in the background, holding on to it until it ends (the loop keeps only weak references)."""
@@ -123,16 +126,33 @@ class Gateway:
         await self.engines.aclose()
         await self.redis.aclose()
 
-    def may_look_again(self, what: str) -> bool:
-        """A key or a model this process has not seen may have been created a moment ago, or the system started a
-        moment ago, before the change reached it: a reload answers that, at most every LOOK_AGAIN seconds for
-        each (not one per bad request; unknown keys from one address are throttled besides). A quarter of a
-        second, not a whole one: a wrong key tried just before held back a key created a moment after it."""
+    def may_look_again(self, what: str, every: float = 1.0) -> bool:
+        """At most once every `every` seconds for `what`: True, and counted (a warning's rate)."""
         now = time.monotonic()
-        if now - self._looked_again[what] < LOOK_AGAIN:
+        if now - self._looked_again[what] < every:
             return False
         self._looked_again[what] = now
         return True
+
+    async def look_again(self, what: str) -> None:
+        """A key or a model this process has not seen may have been created a moment ago, or the system started a
+        moment ago, before the change reached it: a reload that begins after this request came answers that.
+        Reloads for `what` begin at most every LOOK_AGAIN seconds (not one per bad request; unknown keys from one
+        address are throttled besides): a request that comes sooner waits for the next, shared with every
+        request waiting meanwhile. (Refused at once, a key created a moment after a wrong one was tried got 401.)"""
+        asked = time.monotonic()
+        while self._looked_again[what] < asked:
+            pending = self._looking.get(what)
+            if pending is None or pending.done():
+                delay = max(0.0, self._looked_again[what] + LOOK_AGAIN - time.monotonic())
+                pending = self._looking[what] = asyncio.ensure_future(self._look_after(what, delay))
+            await asyncio.shield(pending)
+
+    async def _look_after(self, what: str, delay: float) -> None:
+        if delay:
+            await asyncio.sleep(delay)
+        self._looked_again[what] = time.monotonic()
+        await self.refresh()
 
     def slots_of(self, model: str, exclude=()) -> list[tuple[str, int]]:
         """The model's ready replicas not in `exclude`, each with the requests admission lets into it at once."""

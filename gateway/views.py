@@ -56,8 +56,8 @@ async def model_detail(request, model: str):
         table = await gw.current()
         key = await _authenticate(gw, table, request)
         route = table.find(model)
-        if route is None and gw.may_look_again("model"):
-            await gw.refresh()
+        if route is None:
+            await gw.look_again("model")
             route = gw.table.find(model)
         if route is None or (key.models and route.name not in key.models):  # what it may not use, it is not told of
             raise GatewayError(404, "model_not_found", f"no model named {model!r}")
@@ -209,8 +209,8 @@ async def _proxy(call, request, endpoint: str):
             raise GatewayError(405, "method_not_allowed", f"{request.path} takes POST")
         gw = call.gw = runtime()
         table = await gw.current()
-        if table.serving_stopped and gw.may_look_again("stopped"):
-            await gw.refresh()  # `llmgw start` a moment ago, before the change reached this process
+        if table.serving_stopped:
+            await gw.look_again("stopped")  # `llmgw start` a moment ago, before the change reached this process
             table = gw.table
         if table.serving_stopped:
             raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)
@@ -219,8 +219,8 @@ async def _proxy(call, request, endpoint: str):
         raw, body = _parse(await request.read_body(), surface)
         call.model = body["model"]
         route = table.find(call.model)
-        if route is None and gw.may_look_again("model"):
-            await gw.refresh()  # a model added a moment ago, before the change reached this process
+        if route is None:
+            await gw.look_again("model")  # a model added a moment ago, before the change reached this process
             route = gw.table.find(call.model)
         if route is None:
             raise GatewayError(404, "model_not_found", f"no model named {call.model[:64]!r}")
@@ -294,8 +294,8 @@ async def _authenticate(gw, table, request):
         raise GatewayError(401, "invalid_api_key", "give your API key as `Authorization: Bearer sk-…` or `x-api-key: sk-…`")
     key_hash = ApiKey.hash(secret)
     key = table.keys.get(key_hash)
-    if key is None and gw.may_look_again("key"):
-        await gw.refresh()  # a key created a moment ago, before the change reached this process
+    if key is None:
+        await gw.look_again("key")  # a key created a moment ago, before the change reached this process
         key = gw.table.keys.get(key_hash)
     if key is None:
         await throttle.GATEWAY.afailed(gw.redis, found)
