@@ -126,10 +126,10 @@ class Gateway:
         await self.engines.aclose()
         await self.redis.aclose()
 
-    def may_look_again(self, what: str, every: float = 1.0) -> bool:
-        """At most once every `every` seconds for `what`: True, and counted (a warning's rate)."""
+    def may_look_again(self, what: str) -> bool:
+        """At most once a second for `what`: True, and counted (a warning's rate)."""
         now = time.monotonic()
-        if now - self._looked_again[what] < every:
+        if now - self._looked_again[what] < 1.0:
             return False
         self._looked_again[what] = now
         return True

@@ -24,8 +24,8 @@ from cluster.api.model_serializers import (
 )
 from cluster.api.serializers import (
     ClusterSettingsSerializer,
-    ControlPlaneSerializer,
     ClusterSettingsUpdateSerializer,
+    ControlPlaneSerializer,
     EngineCreateSerializer,
     EngineKeyRotatedSerializer,
     EngineKeyShownSerializer,
