@@ -74,8 +74,12 @@ class SentinelSet:
         """Every Sentinel sees the master and its replica, and the replica is in sync."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            info = redis.Redis(port=self.replica, password=PASSWORD).info("replication")
-            seen = [redis.Redis(port=p).sentinel_master(MASTER) for p in self.sentinels]
+            try:
+                info = redis.Redis(port=self.replica, password=PASSWORD, socket_timeout=2).info("replication")
+                seen = [redis.Redis(port=p, socket_timeout=2).sentinel_master(MASTER) for p in self.sentinels]
+            except redis.RedisError:  # not answering yet, or gone: the deadline decides
+                time.sleep(0.1)
+                continue
             if info.get("master_link_status") == "up" and all(
                     m.get("num-slaves", 0) >= 1 and int(m["port"]) == self.primary for m in seen):
                 return
@@ -110,9 +114,18 @@ class SentinelSet:
         self.replica = next(p for p in self.servers if p != self.primary)
 
     def revive(self, port: int) -> None:
-        """A server killed before, started again as a replica of the master the Sentinels name now."""
+        """A server killed before, started again as a replica of the master the Sentinels name now. (A CI run saw
+        the revived server refuse connections right after it had answered: started again once if it exited.)"""
         self.start_server(port, replica_of=self.master_port())
-        self.wait_replicated()
+        try:
+            self.wait_replicated()
+        except (TimeoutError, redis.RedisError):
+            if self.servers[port].poll() is None:
+                raise
+            log = (self.workdir / f"valkey-{port}.log").read_text(errors="replace")[-2000:]
+            print(f"valkey on {port} exited ({self.servers[port].returncode}); its log ends:\n{log}")
+            self.start_server(port, replica_of=self.master_port())
+            self.wait_replicated()
 
     @property
     def url(self) -> str:
