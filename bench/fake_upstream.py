@@ -2,6 +2,7 @@
 """A fast fake OpenAI-compatible engine for benchmarks: answers at once, never thinks.
 
     python bench/fake_upstream.py --port 9100 --key lek_... [--chunks 20] [--host 127.0.0.1]
+    python bench/fake_upstream.py --port 9100 --key lek_... --chunks 128 --slots 64 --step-ms 10   # a GPU's pace
 
 A raw asyncio HTTP/1.1 server (uvloop when it imports), keep-alive, no framework, stdlib only, so it costs the
 benchmark as little as possible. It honours `Authorization: Bearer <key>` (401 OpenAI-shaped otherwise; with no
@@ -22,6 +23,16 @@ benchmark as little as possible. It honours `Authorization: Bearer <key>` (401 O
 - `POST /v1/embeddings`: one small vector per input, with `usage`;
 - `GET /v1/models`, `GET /health`.
 
+With `--slots N` it keeps a GPU engine's pace instead of answering at once (chat and completions; the other
+endpoints answer at once): at most N requests generate together, as an engine's N slots (llama.cpp's
+`--parallel`, vLLM's `--max-num-seqs`); one more waits inside the engine, first come first served, for a slot to
+free. Every `--step-ms` the engine takes one step, as continuous batching does: a request given a slot spends
+`--prefill-steps` steps on its prompt, then its stream's headers and role chunk go out with its first token, and
+each later step gives every generating slot its next token; its `--chunks`th token ends it (finish, usage and
+`[DONE]` in that step). A client that hangs up frees its slot (or its place in line) at once. A whole answer
+comes when its last token would have. At 64 slots and 10 ms a step, a 128-token answer takes about 1.3 s and a
+slot turns over every 20 ms: the pace of a small model on a datacenter GPU.
+
 Prints `READY <port>` on stdout once it listens. Stops on SIGTERM or SIGINT.
 """
 
@@ -33,6 +44,7 @@ import json
 import signal
 import sys
 import time
+from collections import deque
 
 MAX_HEAD = 64 * 1024
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed"}
@@ -210,21 +222,112 @@ class Engine:
         ]
 
 
+class Generation:
+    """One request in a paced engine: what it sends, step by step."""
+
+    __slots__ = ("conn", "events", "whole", "close", "steps_left", "sent")
+
+    def __init__(self, conn: "Connection", events: list[bytes] | None, whole: bytes | None, close: bool, prefill: int):
+        self.conn, self.events, self.whole, self.close = conn, events, whole, close
+        self.steps_left = prefill  # steps of prefill still to go
+        self.sent = 0  # events sent so far (streams)
+
+
+class Pacer:
+    """A GPU engine's pace: `slots` requests generate together, one token each per `step` seconds."""
+
+    def __init__(self, slots: int, step: float, prefill: int, chunks: int):
+        self.slots, self.step, self.prefill, self.chunks = slots, step, prefill, chunks
+        self.waiting: deque[Generation] = deque()
+        self.active: list[Generation] = []
+        self.task: asyncio.Task | None = None
+
+    def add(self, gen: Generation) -> None:
+        self.waiting.append(gen)
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def drop(self, conn: "Connection") -> None:
+        """The client hung up: its slot, or its place in line, is free at once."""
+        self.active = [g for g in self.active if g.conn is not conn]
+        if any(g.conn is conn for g in self.waiting):
+            self.waiting = deque(g for g in self.waiting if g.conn is not conn)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        at = loop.time()
+        while self.active or self.waiting:
+            while self.waiting and len(self.active) < self.slots:
+                self.active.append(self.waiting.popleft())
+            still = []
+            for gen in self.active:
+                if gen.conn.transport is None:
+                    continue
+                if gen.steps_left > 0:
+                    gen.steps_left -= 1
+                    still.append(gen)
+                    continue
+                if self._advance(gen):
+                    still.append(gen)
+            self.active = still
+            at += self.step
+            await asyncio.sleep(max(0.0, at - loop.time()))
+
+    def _advance(self, gen: Generation) -> bool:
+        """One step of one slot: its next token (True), or its last (False: the slot is free)."""
+        conn = gen.conn
+        if gen.events is None:  # a whole answer: it comes when its last token would have
+            gen.sent += 1
+            if gen.sent < self.chunks:
+                return True
+            conn.reply(200, gen.whole, gen.close)
+            conn.resume()
+            return False
+        if gen.sent == 0:  # headers, the role chunk and the first token together
+            conn.stream_head(gen.close)
+            n = 2 if len(gen.events) > 2 else 1
+        elif len(gen.events) - gen.sent <= len(gen.events) - self.chunks:  # the last token: finish, usage, [DONE]
+            n = len(gen.events) - gen.sent
+        else:
+            n = 1
+        write = conn.transport.write
+        for event in gen.events[gen.sent:gen.sent + n]:
+            write(b"%x\r\n%s\r\n" % (len(event), event))
+        gen.sent += n
+        if gen.sent < len(gen.events):
+            return True
+        write(b"0\r\n\r\n")
+        if gen.close:
+            conn.transport.close()
+        conn.resume()
+        return False
+
+
 class Connection(asyncio.Protocol):
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, pacer: Pacer | None = None):
         self.engine = engine
+        self.pacer = pacer
         self.transport = None
         self.buffer = bytearray()
+        self.busy = False  # a paced request is under way: the next one on this connection waits for it
 
     def connection_made(self, transport):
         self.transport = transport
 
     def connection_lost(self, exc):
         self.transport = None
+        if self.pacer is not None:
+            self.pacer.drop(self)
+
+    def resume(self) -> None:
+        """A paced answer is done: the next request already sent on this connection, if any."""
+        self.busy = False
+        if self.buffer and self.transport is not None:
+            self.data_received(b"")
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        while self.transport is not None:
+        while self.transport is not None and not self.busy:
             end = self.buffer.find(b"\r\n\r\n")
             if end < 0:
                 if len(self.buffer) > MAX_HEAD:
@@ -286,9 +389,15 @@ class Connection(asyncio.Protocol):
             whole, events = (engine.message, engine.message_events) if endpoint == "messages" else (
                 engine.response, engine.response_events)
             return self.stream(events(data), close) if data.get("stream") else self.reply(200, whole(data), close)
+        chat = endpoint == "chat"
+        if self.pacer is not None:  # at a GPU's pace: it waits for a slot, then a token a step
+            self.busy = True
+            events = engine.events(data, chat) if data.get("stream") else None
+            whole = None if events else (engine.chat(data) if chat else engine.completion(data))
+            return self.pacer.add(Generation(self, events, whole, close, self.pacer.prefill))
         if data.get("stream"):
-            return self.stream(engine.events(data, endpoint == "chat"), close)
-        return self.reply(200, engine.chat(data) if endpoint == "chat" else engine.completion(data), close)
+            return self.stream(engine.events(data, chat), close)
+        return self.reply(200, engine.chat(data) if chat else engine.completion(data), close)
 
     def reply(self, status: int, payload: bytes, close: bool) -> None:
         head = (
@@ -299,12 +408,15 @@ class Connection(asyncio.Protocol):
         if close:
             self.transport.close()
 
-    def stream(self, events: list[bytes], close: bool) -> None:
-        write = self.transport.write
-        write(
+    def stream_head(self, close: bool) -> None:
+        self.transport.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
             b"transfer-encoding: chunked\r\n" + (b"connection: close" if close else b"connection: keep-alive") + b"\r\n\r\n"
         )
+
+    def stream(self, events: list[bytes], close: bool) -> None:
+        write = self.transport.write
+        self.stream_head(close)
         for event in events:  # one write per event, as an engine sends token by token
             write(b"%x\r\n%s\r\n" % (len(event), event))
         write(b"0\r\n\r\n")
@@ -332,9 +444,9 @@ def _dechunk(buffer: bytearray, start: int) -> tuple[bytes, int] | None:
         pos = eol + 2 + size + 2
 
 
-async def serve(host: str, port: int, engine: Engine) -> None:
+async def serve(host: str, port: int, engine: Engine, pacer: Pacer | None = None) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Connection(engine), host, port, backlog=4096, reuse_address=True)
+    server = await loop.create_server(lambda: Connection(engine, pacer), host, port, backlog=4096, reuse_address=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -350,8 +462,13 @@ def main(argv=None) -> None:
     parser.add_argument("--key", default="", help="the engine key clients must send as a bearer token")
     parser.add_argument("--chunks", type=int, default=20, help="content chunks per streamed answer")
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
+    parser.add_argument("--slots", type=int, default=0,
+                        help="keep a GPU engine's pace: this many requests generate at once (0: answer at once)")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="with --slots: milliseconds per step (a token)")
+    parser.add_argument("--prefill-steps", type=int, default=1, help="with --slots: steps a prompt takes")
     o = parser.parse_args(argv)
     engine = Engine(o.key or None, o.chunks)
+    pacer = Pacer(o.slots, o.step_ms / 1000, o.prefill_steps, o.chunks) if o.slots > 0 else None
     run = asyncio.run
     if o.loop != "asyncio":
         try:
@@ -361,7 +478,7 @@ def main(argv=None) -> None:
         except ImportError:
             if o.loop == "uvloop":
                 sys.exit("uvloop is not installed")
-    run(serve(o.host, o.port, engine))
+    run(serve(o.host, o.port, engine, pacer))
 
 
 if __name__ == "__main__":

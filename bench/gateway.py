@@ -153,9 +153,10 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, configs)")
     parser.add_argument("--json", metavar="FILE", help="also write every cell's numbers to FILE")
     parser.add_argument("--setup-llmgw", type=int, metavar="UPSTREAM_PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--setup-parallel", type=int, default=256, help=argparse.SUPPRESS)
     o = parser.parse_args(argv)
     if o.setup_llmgw:
-        setup_child(o.setup_llmgw)
+        setup_child(o.setup_llmgw, o.setup_parallel)
         return 0
 
     targets = [t.strip() for t in o.targets.split(",") if t.strip()]

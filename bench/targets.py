@@ -178,8 +178,9 @@ def importable(python: str, module: str) -> bool:
 # --- llmgw: a real instance, set up from nothing ---------------------------------------------------------
 
 
-def setup_child(upstream_port: int) -> None:
-    """In a child with LLMGW_HOME and friends set: the rows the gateway routes by. Prints the engine key."""
+def setup_child(upstream_port: int, parallel: int = 256) -> None:
+    """In a child with LLMGW_HOME and friends set: the rows the gateway routes by, the model's replica taking
+    `parallel` requests at once. Prints the engine key."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")
     import django
 
@@ -192,8 +193,9 @@ def setup_child(upstream_port: int) -> None:
     now = timezone.now()
     cluster = ClusterSettings.load()  # makes the engine key, as a real cluster has one
     engine = EngineVersion.objects.get(name="xllamacpp")  # from migration 0002
-    # slots for every concurrency measured: admission admits each request at once (what it costs, not a queue)
-    profile = Profile.objects.create(name="bench", parallel=256)
+    # bench/gateway.py: slots for every concurrency measured, so admission admits each request at once (what it
+    # costs, not a queue); bench/admission.py: the fake engine's own slots
+    profile = Profile.objects.create(name="bench", parallel=parallel)
     file = ModelFile.objects.create(
         sha256=hashlib.sha256(b"bench/gateway.py").hexdigest(), name="bench.gguf", size=gib, format="gguf", gguf={}
     )
@@ -213,13 +215,14 @@ def setup_child(upstream_port: int) -> None:
     print(RESULT_MARK + json.dumps({"engine_key": cluster.engine_key}), flush=True)
 
 
-def setup_llmgw(home: Path, env: dict, upstream_port: int) -> tuple[str, str]:
-    """migrate, the rows, a client key: (engine key, client key)."""
+def setup_llmgw(home: Path, env: dict, upstream_port: int, parallel: int = 256) -> tuple[str, str]:
+    """migrate, the rows (the replica taking `parallel` requests at once), a client key: (engine key, client key)."""
     py = sys.executable
     manage = str(ROOT / "manage.py")
     steps = [
         ("migrate", [py, manage, "migrate", "--no-input", "-v", "0"]),
-        ("rows", [py, str(ROOT / "bench" / "gateway.py"), "--setup-llmgw", str(upstream_port)]),
+        ("rows", [py, str(ROOT / "bench" / "gateway.py"), "--setup-llmgw", str(upstream_port),
+                  "--setup-parallel", str(parallel)]),
         ("key", [py, manage, "llmgw", "ctl", "keys", "create", "bench"]),
     ]
     out = {}
