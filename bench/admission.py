@@ -22,7 +22,7 @@ on a keep-alive connection) run `--seconds` per cell after a warm-up of one answ
 cell in turn, `--rounds` times, and the table keeps each cell's round with the most tokens a second. With two or
 more CPUs the web process has the last CPU to itself and the engine, the clients and Valkey the others.
 
-Columns: tokens/s (content tokens of the answers finished in the cell, a second) and its ratio to direct; TTFT
+Columns: tokens/s (content tokens of the answers that ended in the cell's seconds, a second) and its ratio to direct; TTFT
 (time to the first byte of the answer's body: the role chunk comes with the first token) p50 and p99, and what
 llmgw adds to direct's (+p50, +p99: target minus direct, same concurrency, same run); the whole answer's p50;
 the web process's CPU ms per answer; answers and errors. Below the table, issue 35's targets: at 64 streams on
@@ -108,7 +108,7 @@ async def run_cell(cell: Cell, port: int, request: bytes, seconds: float, cpu) -
                 if warm:  # the first answer of each client warms up
                     warm = False
                     continue
-                if start < measure_from[0]:  # begun in the warm-up
+                if end < measure_from[0]:  # ended in the warm-up
                     continue
                 why = answer_ok(status, body, True, "chat")
                 if why:

@@ -8,7 +8,6 @@ gateway (gateway.runtime) writes them; this module names the keys and adds them 
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 PREFIX = "llmgw:inflight:"
@@ -63,36 +62,45 @@ def last_requests(client) -> dict[str, float]:
     return out
 
 
-# Admission's queues (gateway.admission writes them): per model a sorted set of waiting tickets and a hash of their
-# fields (`rank|key|cost|expires ms|enqueued ms|process|prefs`), and per replica a sorted set of the slots held.
+# Admission's queues (gateway/admission.py and gateway/lua/admission.lua write them): per model, under
+# `ADMISSION_PREFIX + <model>:`, its waiting tickets by class (`c0`, `c1`, `c2`: ticket -> when enqueued, ms on
+# Redis's clock) and when each lapses unless its web process keeps it alive (`exp`: ticket -> ms).
 ADMISSION_PREFIX = "llmgw:adm:"
 
 
-def queue_keys(model: str) -> tuple[str, str]:
-    """A model's queue (ticket -> arrival) and its tickets (ticket -> fields)."""
-    return f"{ADMISSION_PREFIX}{model}:queue", f"{ADMISSION_PREFIX}{model}:tickets"
+def queue_keys(model: str) -> tuple[list[str], str]:
+    """A model's tickets by class (ticket -> when enqueued), and when each lapses (ticket -> when)."""
+    prefix = f"{ADMISSION_PREFIX}{model}:"
+    return [f"{prefix}c{rank}" for rank in range(3)], f"{prefix}exp"
 
 
 def queued(client, models) -> dict[str, tuple[int, float | None]]:
     """Requests waiting for a slot of each model, and since when (epoch seconds) the oldest has waited; a ticket
-    that lapsed (its process gone) is not counted."""
-    now_ms = time.time() * 1000
-    pipe = client.pipeline(transaction=False)
+    that lapsed (its process gone, not yet cleared by the next admission call) is not counted. On Redis's clock,
+    as admission keeps its tickets."""
     names = list(models)
+    pipe = client.pipeline(transaction=False)
+    pipe.time()
     for name in names:
-        pipe.hvals(queue_keys(name)[1])
+        for key in queue_keys(name)[0]:
+            pipe.zrange(key, 0, OLDEST_LOOKED_AT - 1, withscores=True)
+    replies = pipe.execute()
+    seconds, micro = replies[0]
+    now_ms = seconds * 1000 + micro // 1000
+    firsts = [sorted((enqueued, ticket) for reply in replies[1 + i * 3: 4 + i * 3] for ticket, enqueued in reply)
+              for i in range(len(names))]
+    pipe = client.pipeline(transaction=False)
+    for name, first in zip(names, firsts):
+        pipe.zcount(queue_keys(name)[1], now_ms, "+inf")
+        pipe.zmscore(queue_keys(name)[1], [ticket for _, ticket in first] or ["-"])
+    replies = pipe.execute()
     found = {}
-    for name, values in zip(names, pipe.execute()):
-        n, oldest = 0, None
-        for value in values:
-            fields = value.decode().split("|")
-            try:
-                expires, enqueued = float(fields[3]), float(fields[4]) / 1000
-            except (IndexError, ValueError):
-                continue
-            if expires < now_ms:
-                continue
-            n += 1
-            oldest = enqueued if oldest is None else min(oldest, enqueued)
-        found[name] = (n, oldest)
+    for i, name in enumerate(names):
+        n, lapses = int(replies[2 * i]), replies[2 * i + 1]
+        oldest = next((enqueued for (enqueued, _), lapse in zip(firsts[i], lapses) if lapse and lapse > now_ms),
+                      None)
+        found[name] = (n, oldest / 1000 if n and oldest is not None else None)
     return found
+
+
+OLDEST_LOOKED_AT = 16  # of each class's first tickets, for the oldest still alive

@@ -2,13 +2,12 @@
 
 A replica takes as many requests at once as its engine has slots (its profile's `parallel`): a request beyond
 that waits inside the engine, first come first served, where nothing can order, bound or see it. So the gateway
-lets a request through only with a slot: a lease on one replica, held in Redis (a sorted set per replica,
-member -> when it lapses), so every web process of every control plane counts the same slots, and a process that
-dies leaks none (its leases lapse LEASE_TTL after it last renewed them).
+lets a request through only with a slot: a lease on one replica, held in Redis (a sorted set per replica, member ->
+when it lapses, on Redis's own clock), so every web process of every control plane counts the same slots, and a
+process that dies leaks none (its leases lapse LEASE_TTL after it last kept them alive).
 
-A request that finds no free slot takes a ticket in its model's queue (Redis too) and waits. Whenever a slot
-frees, a ticket is added, or a waiter looks again, the queue is dispatched (one Lua script: atomic, whichever
-process runs it), granting free slots to tickets in this order:
+A request that finds no free slot takes a ticket in its model's queue (Redis too) and waits. The order in which
+free slots go to tickets (gateway/lua/admission.lua, one script, atomic, whichever process runs it):
 
 1. by class: `interactive`, `standard`, `batch` (the key's, or lower with `X-Llmgw-Priority`); a class whose
    oldest ticket has waited PROMOTE_AFTER rises one class for each such wait, so nothing starves (the class,
@@ -29,12 +28,20 @@ there rather than move to a free replica, where its conversation's cache is not 
 replica is over the bound or its prompt is short (under SHORT_PROMPT tokens: its cold prefill costs less than a
 wait for a slot); else the one with the most free slots.
 
-Slots a process gives back while a release of the same model is on its way to Redis go together in the next
-script call (one dispatch for all of them). A grant is published on the waiter's process's channel (pub/sub), so
-it wakes at once; a waiter also looks
-again every LOOK_EVERY seconds (a message lost, a replica come ready). A ticket whose process stopped renewing it
-lapses after TICKET_TTL; a waiter that gives up (its client gone, its wait over) cancels it, returning a slot
-granted in the meantime.
+One web process's work on a model goes to Redis in one script call at a time: what comes while a call is on its way
+(slots given back, new tickets, tickets given up, slots and tickets kept alive) goes together in the next, so a
+slot freed and a request wanting one meet in one round trip, and a busy process makes one call for many requests.
+A grant to a ticket of the calling process comes back in the call's answer; one to another process's ticket is
+published on that process's channel (pub/sub) and recorded, so a waiter whose message was lost finds it when it
+looks again (every LOOK_EVERY seconds). A ticket whose process stopped keeping it alive lapses after TICKET_TTL; a
+waiter that gives up (its client gone, its wait over) gives its ticket up, and a slot granted to it meanwhile goes
+back in the same call. Slots and tickets kept alive that Redis lost (a restart, a failover) are added back.
+
+What one call costs grows with the model's replicas, never with the tickets waiting when no slot is free; granting
+looks at the first ticket of each key waiting (bench/admission.py measures a queue of 10,000).
+
+Redis away (gateway/redis_reach.py): a request does not wait on it more than a quarter of a second, and then goes
+straight to an engine the routing picks (admission fails open), until Redis answers again.
 """
 
 from __future__ import annotations
@@ -47,12 +54,15 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from django.conf import settings
 
-from cluster.inflight import ADMISSION_PREFIX, queue_keys
+from cluster.inflight import ADMISSION_PREFIX
+from gateway import scripts
 from gateway.errors import GatewayError
+from gateway.redis_reach import Reach, RedisAway
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -60,11 +70,11 @@ CLASSES = ("interactive", "standard", "batch")
 DEFAULT_CLASS = "standard"
 RANK = {name: rank for rank, name in enumerate(CLASSES)}
 
-LEASE_TTL = 30.0  # seconds a slot outlives the last renewal by its holder
-TICKET_TTL = 10.0  # seconds a waiting ticket outlives the last renewal by its waiter
+LEASE_TTL = 30.0  # seconds a slot outlives the last time its holder kept it alive
+TICKET_TTL = 10.0  # seconds a waiting ticket outlives the last time its waiter kept it alive
 RENEW_EVERY = 3.0
-LOOK_EVERY = 0.5  # a waiter dispatches again this often: a replica came ready, a grant's message was lost
-PROMOTE_AFTER = 15.0  # a ticket rises one class per this many seconds waited
+LOOK_EVERY = 0.5  # a waiter looks again this often: a replica came ready, a grant's message was lost
+PROMOTE_AFTER = 15.0  # a class rises one rank per this many seconds its oldest ticket waited
 HOLD = 10.0  # seconds a class counts as active after its last admission, holding slots back from lower classes
 HOLD_BACK = 1  # slots of a model a lower class may not take while a higher one is active
 KEY_HOLD = 10.0  # seconds a key counts as active after its last admission: a key holding a slot already leaves
@@ -72,332 +82,31 @@ KEY_HOLD = 10.0  # seconds a key counts as active after its last admission: a ke
 TAU = 60.0  # seconds: attained service decays by e over this
 OUTPUT_WEIGHT = 2  # a completion token's weight in attained service, against a prompt token's 1
 SHORT_PROMPT = 256  # tokens: a prompt shorter takes a free slot off its replica rather than wait there
+GRANT_TTL = 120.0  # seconds a grant's record waits for its waiter to read it
+# A slot its request gives back is kept for the next request of its key and class, in this process, while that is
+# what Redis would grant anyway: nobody waits, no other key and no higher class was admitted lately, as the model's
+# last call answered at most HINTS_FOR seconds ago. Kept at most KEEP_FOR seconds unused, given back at once when
+# a ticket is enqueued anywhere (llmgw:adm:wanted). A key's closed loop then costs no Redis round trip a request.
+HINTS_FOR = 0.2
+KEEP_FOR = 0.025
+RETRY_AFTER = 0.5  # seconds before a call that failed is tried again (slots given back, tickets given up)
 
 PREFIX = ADMISSION_PREFIX
 SERVICE = PREFIX + "service"  # key id -> "<attained service>|<at ms>", across models
-GRANT_TTL = 120  # seconds a grant's record waits for its waiter to read it
+RS, US = "\x1e", "\x1f"  # the script's record and field separators
+WANTED = PREFIX + "wanted"  # a model's name, published when a ticket is enqueued into its empty queue
 
 
-def _keys(model: str) -> tuple[str, str, str, str]:
-    """A model's queue (ticket -> seq), its tickets (ticket -> fields), when each class was last admitted, and its
-    ticket counter."""
-    queue, tickets = queue_keys(model)
-    return queue, tickets, f"{PREFIX}{model}:active", f"{PREFIX}{model}:seq"
+def model_prefix(model: str) -> str:
+    return f"{PREFIX}{model}:"
 
 
 def slots_key(replica: str) -> str:
     return f"{PREFIX}slots:{replica}"
 
 
-def grant_key(ticket: str) -> str:
-    return f"{PREFIX}grant:{ticket}"
-
-
 def channel(process: str) -> str:
     return f"{PREFIX}granted:{process}"
-
-
-# KEYS: queue, tickets, active, seq, service, then each replica's slots. ARGV: op, now (ms), lease ttl (ms), promote
-# (ms), hold (ms), tau (ms), hold back, queue limit, output weight, load factor, replica count, key hold (ms), then
-# name and capacity per replica, then the op's own. A ticket's fields: rank|key|cost|expires (ms)|enqueued (ms)|process|prefs
-# (names, ,)|movable (1: it may take a free slot off its replica within the bound).
-# A lease's member: ticket|rank|key.
-SCRIPT = r"""
-local queue, tickets, active, seqkey, service = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local op = ARGV[1]
-local now, lease_ttl, promote, hold, tau = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local hold_back, limit, weight, factor = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local nrep = tonumber(ARGV[11])
-local key_hold = tonumber(ARGV[12])
-local names, caps, index, free, holders, homed, held = {}, {}, {}, {}, {}, {}, {}
-local at = 13
-for i = 1, nrep do
-  names[i] = ARGV[at]; caps[i] = tonumber(ARGV[at + 1]); index[ARGV[at]] = i; at = at + 2
-end
-local args = {}
-for i = at, #ARGV do args[#args + 1] = ARGV[i] end
-
-local function split(s)
-  local out = {}
-  for part in string.gmatch(s .. '|', '([^|]*)|') do out[#out + 1] = part end
-  return out
-end
-
-local function attained(key, cache)
-  if cache[key] ~= nil then return cache[key] end
-  local v = redis.call('HGET', service, key)
-  local value = 0
-  if v then
-    local f = split(v)
-    value = tonumber(f[1]) * math.exp(-(now - tonumber(f[2])) / tau)
-  end
-  cache[key] = value
-  return value
-end
-
-local function add_service(key, amount, cache)
-  if key == '' then return end
-  local value = math.max(0, attained(key, cache) + amount)
-  cache[key] = value
-  redis.call('HSET', service, key, string.format('%.3f|%d', value, now))
-end
-
-local function count_slots()
-  for i = 1, nrep do
-    local k = KEYS[5 + i]
-    redis.call('ZREMRANGEBYSCORE', k, '-inf', now)
-    local members = redis.call('ZRANGE', k, 0, -1)
-    free[i] = caps[i] - #members
-    for _, m in ipairs(members) do
-      local f = split(m)
-      local rank = tonumber(f[2]) or 1
-      holders[rank] = (holders[rank] or 0) + 1
-      if f[3] then held[f[3]] = (held[f[3]] or 0) + 1 end
-    end
-  end
-end
-
--- how many of the free slots a class may take: HOLD_BACK of them (less those a higher active class already holds)
--- stay for a higher class admitted within HOLD
-local function may_take(rank, total)
-  local held = 0
-  local higher_active = false
-  for r = 0, rank - 1 do
-    local last = tonumber(redis.call('HGET', active, tostring(r)) or '0')
-    if now - last < hold then higher_active = true end
-    held = held + (holders[r] or 0)
-  end
-  if not higher_active then return total end
-  return total - math.max(0, hold_back - held)
-end
-
--- the keys of each class admitted within KEY_HOLD (the active hash's 'k:<key>' fields: rank|when), read once
-local recent = nil
-local function recent_keys()
-  if recent then return recent end
-  recent = {}
-  local all = redis.call('HGETALL', active)
-  for i = 1, #all, 2 do
-    local name = all[i]
-    if string.sub(name, 1, 2) == 'k:' then
-      local f = split(all[i + 1])
-      if now - tonumber(f[2]) < key_hold then
-        recent[string.sub(name, 3)] = tonumber(f[1])
-      else
-        redis.call('HDEL', active, name)
-      end
-    end
-  end
-  return recent
-end
-
--- whether the model's last slot a class may take stays for another key: the ticket's key holds a slot already,
--- and another key of its class or a higher one (by the classes the keys have, not as they rose waiting), admitted
--- within KEY_HOLD, holds none (it is between requests). `same_class`: a slot is held back for the higher classes
--- already, so only a key of the ticket's own class counts
-local function left_for_another(f, same_class)
-  local key, rank = f[2], tonumber(f[1])
-  if key == '' or (held[key] or 0) == 0 then return false end
-  for other, r in pairs(recent_keys()) do
-    if other ~= key and (r == rank or (r < rank and not same_class)) and (held[other] or 0) == 0 then
-      return true
-    end
-  end
-  return false
-end
-
-local function grant(id, f, replica, cache, wanted)
-  local i = index[replica]
-  local rank = f[1]
-  redis.call('ZADD', KEYS[5 + i], now + lease_ttl, id .. '|' .. rank .. '|' .. f[2])
-  redis.call('PEXPIRE', KEYS[5 + i], lease_ttl * 2)
-  free[i] = free[i] - 1
-  holders[tonumber(rank)] = (holders[tonumber(rank)] or 0) + 1
-  redis.call('ZREM', queue, id)
-  redis.call('HDEL', tickets, id)
-  if id ~= wanted then  -- the caller's own ticket is answered by the script itself
-    redis.call('SET', ARGV[#ARGV - 1] .. id, replica, 'EX', 120)
-    redis.call('PUBLISH', ARGV[#ARGV] .. f[6], id .. '|' .. replica)
-  end
-  redis.call('HSET', active, rank, now)
-  if f[2] ~= '' then
-    held[f[2]] = (held[f[2]] or 0) + 1
-    redis.call('HSET', active, 'k:' .. f[2], rank .. '|' .. now)
-    if recent then recent[f[2]] = tonumber(rank) end
-  end
-  add_service(f[2], tonumber(f[3]), cache)
-end
-
-local function home_of(f)
-  return f[7] ~= '' and string.match(f[7], '^([^,]+)') or nil
-end
-
--- `prefix` routing's bounded load, over slots held and requests waiting: the ticket's replica is the first on its
--- ring walk whose load, with it, stays within ceil(factor x everything / replicas) (gateway/affinity.py); it
--- waits for a slot there rather than move (a move costs the engine a cold prefill) unless that is over the bound
-local function pick_replica(f)
-  if f[7] ~= '' then
-    local load, total = {}, 0
-    local home = home_of(f)
-    for i = 1, nrep do
-      load[i] = caps[i] - free[i] + (homed[names[i]] or 0)
-      if names[i] == home then load[i] = load[i] - 1 end  -- counted among the waiting: this ticket itself
-      total = total + load[i]
-    end
-    local bound = math.ceil(factor * (total + 1) / nrep)
-    for name in string.gmatch(f[7], '([^,]+)') do
-      local i = index[name]
-      if i and load[i] + 1 <= bound then
-        if free[i] > 0 then return name end
-        if f[8] ~= '1' then return nil end
-        break  -- a short prompt: any free slot, on its walk
-      end
-    end
-    for name in string.gmatch(f[7], '([^,]+)') do  -- every one over the bound (or a short prompt): any free slot
-      local i = index[name]
-      if i and free[i] > 0 then return name end
-    end
-    return nil
-  end
-  local best, most = nil, 0
-  for i = 1, nrep do
-    if free[i] > most then best, most = names[i], free[i] end
-  end
-  return best
-end
-
-local function dispatch(cache, wanted)
-  local got = nil
-  local waiting = {}
-  for _, id in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
-    local v = redis.call('HGET', tickets, id)
-    local f = v and split(v)
-    if not f or tonumber(f[4]) < now then
-      redis.call('ZREM', queue, id)
-      redis.call('HDEL', tickets, id)
-    else
-      waiting[#waiting + 1] = {id, f, #waiting}
-      local home = home_of(f)
-      if home then homed[home] = (homed[home] or 0) + 1 end
-    end
-  end
-  while #waiting > 0 do
-    local total = 0
-    for i = 1, nrep do total = total + math.max(0, free[i]) end
-    if total <= 0 then break end
-    -- a class rises one rank for each PROMOTE_AFTER its oldest ticket has waited: the class, not the ticket, so
-    -- within it the order stays least attained service first (a flood's long-waiting tickets do not pass a
-    -- quiet key of their own class)
-    local oldest = {}
-    for _, w in ipairs(waiting) do
-      local r, at = tonumber(w[2][1]), tonumber(w[2][5])
-      if oldest[r] == nil or at < oldest[r] then oldest[r] = at end
-    end
-    local best, best_at, order = nil, nil, nil
-    for n, w in ipairs(waiting) do
-      local f = w[2]
-      local r = tonumber(f[1])
-      local rank = math.max(0, r - math.floor((now - oldest[r]) / promote))
-      local key = {rank, attained(f[2], cache), w[3]}
-      if order == nil or key[1] < order[1] or (key[1] == order[1] and (key[2] < order[2] or (key[2] == order[2] and key[3] < order[3]))) then
-        best, best_at, order = w, n, key
-      end
-    end
-    local allowed = may_take(order[1], total)
-    if allowed <= 0 then break end
-    local replica = nil
-    if allowed > 1 or not left_for_another(best[2], allowed < total) then replica = pick_replica(best[2]) end
-    if replica == nil then
-      table.remove(waiting, best_at)  -- its replicas are full: the others may still go
-    else
-      grant(best[1], best[2], replica, cache, wanted)
-      table.remove(waiting, best_at)
-      local home = home_of(best[2])
-      if home then homed[home] = homed[home] - 1 end
-      if best[1] == wanted then got = replica end
-    end
-  end
-  return got
-end
-
-count_slots()
-local cache = {}
-if op == 'admit' then
-  -- args: ticket, fields..., then the grant prefix and channel prefix
-  local id = args[1]
-  local fields = args[2]
-  redis.call('PEXPIRE', queue, 3600000)
-  local f = split(fields)
-  if redis.call('ZCARD', queue) >= limit then
-    dispatch(cache, nil)
-    if redis.call('ZCARD', queue) >= limit then return {-1, ''} end
-  end
-  redis.call('HSET', tickets, id, fields)
-  redis.call('ZADD', queue, redis.call('INCR', seqkey), id)
-  local got = dispatch(cache, id)
-  if got then return {1, got} end
-  return {0, tostring(redis.call('ZCARD', queue))}
-elseif op == 'release' then
-  -- args: replica's slots, member, key, service to add (for each slot given back), grant prefix, channel prefix
-  for a = 1, #args - 2, 4 do
-    local k = args[a]
-    if redis.call('ZREM', k, args[a + 1]) == 1 then
-      for i = 1, nrep do
-        if KEYS[5 + i] == k then free[i] = free[i] + 1 end
-      end
-      local f = split(args[a + 1])
-      local rank = tonumber(f[2]) or 1  -- its class and key no longer hold that slot
-      holders[rank] = math.max(0, (holders[rank] or 0) - 1)
-      if f[3] then held[f[3]] = math.max(0, (held[f[3]] or 0) - 1) end
-    end
-    add_service(args[a + 2], tonumber(args[a + 3]), cache)
-  end
-  dispatch(cache, nil)
-  return {1, ''}
-elseif op == 'cancel' then
-  -- args: ticket, grant prefix, channel prefix
-  local id = args[1]
-  if redis.call('ZREM', queue, id) == 1 then
-    redis.call('HDEL', tickets, id)
-    return {0, ''}
-  end
-  local replica = redis.call('GET', ARGV[#ARGV - 1] .. id)
-  if replica then
-    redis.call('DEL', ARGV[#ARGV - 1] .. id)
-    return {1, replica}
-  end
-  return {-1, ''}
-elseif op == 'look' then
-  -- args: ticket (or ''), grant prefix, channel prefix
-  local got = dispatch(cache, args[1])
-  if got then return {1, got} end
-  local replica = args[1] ~= '' and redis.call('GET', ARGV[#ARGV - 1] .. args[1])
-  if replica then return {1, replica} end
-  return {0, ''}
-end
-return {-2, ''}
-"""
-
-
-# keeps waiting tickets alive, and only those still waiting (a granted one is not brought back). KEYS: queue,
-# tickets; ARGV: ticket, fields, ticket, fields, ...
-RENEW_TICKETS = r"""
-for i = 1, #ARGV, 2 do
-  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
-end
-return 0
-"""
-
-
-# a key's requests at once (its max_concurrency), across every web process: a sorted set per key, member -> when it
-# lapses. KEYS: the key's set; ARGV: now (ms), lease ttl (ms), limit, member. Returns 1 (held) or 0 (refused).
-KEY_SLOT = r"""
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
-redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + tonumber(ARGV[2]), ARGV[4])
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * 2)
-return 1
-"""
 
 
 def key_slots_key(key_id: int) -> str:
@@ -410,31 +119,79 @@ class Lease:
 
     model: str
     replica: str
-    member: str
+    member: str  # ticket|rank|key
     key: str
     cost: int  # the attained service counted at the grant
+
+
+@dataclass
+class _Waiter:
+    model: str
+    placed: asyncio.Future  # (replica or None, position in the queue; -1: the queue is full)
+    granted: asyncio.Future  # the replica
+
+
+@dataclass
+class _Hints:
+    """What the model's last call said: whether a slot may be kept for its key's next request."""
+
+    at: float  # monotonic
+    waiting: int  # tickets in the queue
+    only_key: str  # the one key admitted within KEY_HOLD ("": none, or several)
+    top: int  # the highest class admitted within HOLD (3: none)
+
+    def keep(self, key: str, rank: int, now: float) -> bool:
+        return now - self.at < HINTS_FOR and not self.waiting and self.only_key == key and self.top >= rank
+
+
+@dataclass
+class _Kept:
+    lease: Lease
+    rank: int
+    timer: asyncio.TimerHandle
+
+
+@dataclass
+class _Batch:
+    """What goes to Redis in one call for one model."""
+
+    releases: list[tuple[Lease, int]] = field(default_factory=list)  # a slot given back, the service to add
+    service: dict[str, int] = field(default_factory=dict)  # key -> service of slots kept, to add
+    cancels: list[tuple[str, asyncio.Future]] = field(default_factory=list)
+    forgets: list[str] = field(default_factory=list)
+    news: list[tuple[str, str]] = field(default_factory=list)
+    keep: bool = False  # the model's slots and tickets kept alive
+    look: bool = False
+    done: list[asyncio.Future] = field(default_factory=list)  # resolved when the call has been made
+
+    def __bool__(self) -> bool:
+        return bool(self.releases or self.cancels or self.forgets or self.news or self.keep or self.look
+                    or self.service)
 
 
 class Admission:
     """One web process's side of admission: its waiters, its leases and tickets kept alive, its grants heard."""
 
-    def __init__(self, redis):
+    def __init__(self, redis, reach: Reach | None = None):
         self.redis = redis
+        self.reach = reach or Reach(redis)
         self.process = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-        self._script = redis.register_script(SCRIPT)
-        self._renew_tickets = redis.register_script(RENEW_TICKETS)
-        self._key_slot = redis.register_script(KEY_SLOT)
+        self._script = scripts.register(redis, "admission")
+        self._key_slot = scripts.register(redis, "key_slot")
         self.key_slots: dict[str, int] = {}  # member -> key id: the key slots this process holds
-        self.waiters: dict[str, asyncio.Future] = {}
+        self.waiters: dict[str, _Waiter] = {}  # by ticket
         self.leases: dict[str, Lease] = {}  # by member
-        self.tickets: dict[str, tuple[str, str]] = {}  # ticket -> (model, its fields but the expiry)
-        self._looked: dict[str, float] = {}  # model -> when this process last dispatched its queue to look
-        self._releasing: dict[str, list] = {}  # model -> (lease, served, done) given back, not yet sent
-        self._release_replicas: dict[str, list[tuple[str, int]]] = {}  # model -> its replicas as last given
-        self._flushing: dict[str, asyncio.Task] = {}  # model -> the task sending its releases
+        self.tickets: dict[str, tuple[str, str]] = {}  # ticket -> (model, fields): kept alive while it waits
+        self._batches: dict[str, _Batch] = {}  # model -> what waits to go in its next call
+        self._calls: dict[str, asyncio.Task] = {}  # model -> the task making its calls
+        self._replicas: dict[str, Callable[[], list[tuple[str, int]]]] = {}  # model -> its replicas, as given
+        self._looked: dict[str, float] = {}  # model -> when this process last looked
         self._tasks: list[asyncio.Task] = []
         self.enabled = settings.LLMGW_ADMISSION
         self.load_factor = settings.LLMGW_ROUTING_LOAD_FACTOR  # `prefix` routing's bound (gateway/affinity.py)
+        self._limits: dict[str, int] = {}  # model -> its queue limit, as last given
+        self._hints: dict[str, _Hints] = {}  # model -> what its last call said
+        self._kept: dict[str, list[_Kept]] = {}  # model -> slots kept for their key's next request
 
     def start(self) -> None:
         if not self._tasks:
@@ -442,49 +199,158 @@ class Admission:
             self._tasks = [loop.create_task(self._hear(), context=contextvars.Context()),
                            loop.create_task(self._renew(), context=contextvars.Context())]
 
-    async def aclose(self) -> None:
-        if self._flushing:  # the slots given back on their way: sent before the process goes (else they lapse)
-            await asyncio.wait(list(self._flushing.values()), timeout=2)
-        while not all(task.done() for task in self._tasks):
-            for task in self._tasks:
-                task.cancel()
-            await asyncio.wait(self._tasks, timeout=0.5)
+    async def aclose(self, timeout: float = 2.0) -> None:
+        """Stop: what waits to go to Redis (slots given back) sent first, within `timeout`; then the tasks."""
+        calls = [task for task in self._calls.values() if not task.done()]
+        if calls:
+            await asyncio.wait(calls, timeout=timeout)
+        for task in [*self._tasks, *self._calls.values()]:
+            task.cancel()
+        while not all(task.done() for task in [*self._tasks, *self._calls.values()]):
+            await asyncio.wait([*self._tasks, *self._calls.values()], timeout=0.5)
 
-    async def _run(self, op: str, model: str, replicas: list[tuple[str, int]], *args, queue_limit: int = 0):
-        queue, tickets, active, seq = _keys(model)
-        keys = [queue, tickets, active, seq, SERVICE, *(slots_key(name) for name, _ in replicas)]
-        argv = [op, int(time.time() * 1000), int(LEASE_TTL * 1000), int(PROMOTE_AFTER * 1000), int(HOLD * 1000),
-                int(TAU * 1000), HOLD_BACK, queue_limit, OUTPUT_WEIGHT, self.load_factor, len(replicas),
-                int(KEY_HOLD * 1000)]
-        for name, capacity in replicas:
-            argv += [name, capacity]
-        argv += [*args, PREFIX + "grant:", PREFIX + "granted:"]
-        status, value = await self._script(keys=keys, args=argv)
-        return int(status), value.decode() if isinstance(value, bytes) else str(value)
+    # the calls
+
+    def _batch(self, model: str) -> _Batch:
+        batch = self._batches.get(model)
+        if batch is None:
+            batch = self._batches[model] = _Batch()
+        task = self._calls.get(model)
+        if task is None or task.done():
+            self._calls[model] = asyncio.get_running_loop().create_task(self._call_while(model),
+                                                                         context=contextvars.Context())
+        return batch
+
+    async def _call_while(self, model: str) -> None:
+        """The model's calls, one at a time, each with everything that came while the last was on its way."""
+        while batch := self._batches.pop(model, None):
+            try:
+                answer = await self._call(model, batch)
+            except asyncio.CancelledError:
+                self._failed(model, batch, RedisAway("the process is stopping"), again=False)
+                raise
+            except Exception as exc:
+                self.reach.lost(exc)
+                self._failed(model, batch, exc, again=True)
+                await asyncio.sleep(RETRY_AFTER)
+                continue
+            self._answered(model, batch, answer)
+
+    async def _call(self, model: str, batch: _Batch) -> list:
+        replicas = self._replicas.get(model, list)()
+        names = {name for name, _ in replicas}
+        releases = []
+        for lease, served in batch.releases:
+            releases.append(f"{lease.replica}{US}{lease.member}{US}{served - lease.cost}")
+            names.add(lease.replica)
+        kept_slots = kept_tickets = ""
+        if batch.keep:
+            kept_slots = RS.join(f"{l.replica}{US}{l.member}" for l in self.leases.values() if l.model == model)
+            kept_tickets = RS.join(f"{t}{US}{fields}" for t, (m, fields) in self.tickets.items() if m == model)
+        args = [model_prefix(model), self._settings_for(model), self.process,
+                RS.join(f"{name}{US}{cap}" for name, cap in replicas), RS.join(releases), kept_slots, kept_tickets,
+                RS.join(t for t, _ in batch.cancels), RS.join(batch.forgets),
+                RS.join(f"{t}{US}{fields}" for t, fields in batch.news), "1" if batch.look else "",
+                RS.join(f"{key}{US}{n}" for key, n in batch.service.items())]
+        return await self._script(keys=[SERVICE], args=args)
+
+    def _settings_for(self, model: str) -> str:
+        """The script's settings (read each call: tests change them), with the model's queue limit."""
+        return "|".join(str(v) for v in (
+            int(LEASE_TTL * 1000), int(PROMOTE_AFTER * 1000), int(HOLD * 1000), int(TAU * 1000), HOLD_BACK,
+            self._limits.get(model, 0), OUTPUT_WEIGHT, self.load_factor, int(KEY_HOLD * 1000),
+            int(TICKET_TTL * 1000), int(GRANT_TTL * 1000)))
+
+    def _answered(self, model: str, batch: _Batch, answer: list) -> None:
+        self._hints[model] = _Hints(time.monotonic(), int(answer[0]), _text(answer[2]), int(answer[3]))
+        at = 4
+        n = int(answer[at])
+        at += 1
+        for ticket, _ in batch.news:
+            replica, position = _text(answer[at]), int(answer[at + 1])
+            at += 2
+            waiter = self.waiters.get(ticket)
+            if waiter is not None and not waiter.placed.done():
+                waiter.placed.set_result((replica or None, position))
+            elif waiter is None and position != -1:  # given up as the call went: out again in the next
+                self._batch(model).cancels.append((ticket, asyncio.get_running_loop().create_future()))
+        assert n == len(batch.news)
+        m = int(answer[at])
+        at += 1
+        for (ticket, future), replica in zip(batch.cancels, answer[at:at + m]):
+            if not future.done():
+                future.set_result(_text(replica))
+        at += m
+        k = int(answer[at])
+        at += 1
+        for i in range(k):
+            self._granted(_text(answer[at + 2 * i]), _text(answer[at + 2 * i + 1]))
+        for done in batch.done:
+            if not done.done():
+                done.set_result(None)
+
+    def _failed(self, model: str, batch: _Batch, exc: BaseException, again: bool) -> None:
+        """A call that failed: new tickets are answered with the failure at once (their requests go on without
+        admission); slots given back, tickets given up and grants read go again in the next call (unless the
+        process is stopping: they lapse)."""
+        for ticket, _ in batch.news:
+            waiter = self.waiters.get(ticket)
+            if waiter is not None and not waiter.placed.done():
+                waiter.placed.set_exception(RedisAway(str(exc) or type(exc).__name__))
+        self._hints.pop(model, None)
+        if again and (batch.releases or batch.cancels or batch.forgets):
+            retry = self._batches.setdefault(model, _Batch())
+            retry.releases[:0] = batch.releases
+            retry.cancels[:0] = batch.cancels
+            retry.forgets[:0] = batch.forgets
+            retry.done[:0] = batch.done
+        else:
+            for ticket, future in batch.cancels:
+                if not future.done():
+                    future.set_result("")
+            for done in batch.done:
+                if not done.done():
+                    done.set_result(None)
+        if not again:
+            log.warning("admission: %d slot(s) of %s not given back as the process stops (they lapse in %.0f s)",
+                        len(batch.releases), model, LEASE_TTL)
+
+    def _granted(self, ticket: str, replica: str) -> None:
+        waiter = self.waiters.get(ticket)
+        if waiter is not None and not waiter.granted.done():
+            waiter.granted.set_result(replica)
+
+    # a request's side
 
     async def admit(self, model: str, replicas, *, key: str, rank: int, cost: int, prefs: list[str],
-                    queue_limit: int, max_wait: float, on_wait=None, check=None, movable: bool = False) -> Lease:
-        """A slot on one of `replicas()` ((name, capacity) each, as they are now, none while a model loads),
-        waiting for it at most `max_wait` seconds (`on_wait()` is called when it must; `check()`, as it waits,
-        raises what ends the wait sooner). Raises a 429 when the queue is full, a 503 when the wait is over; a
-        cancellation (the client gone) gives the ticket up. `movable`: it may take a free slot of a replica
-        other than the first of `prefs` (a short prompt)."""
+                    queue_limit: int, max_wait: float, on_wait=None, check=None, movable: bool = False,
+                    exclude=(), chosen: str | None = None) -> Lease:
+        """A slot on one of `replicas()` ((name, capacity) each, as they are now, none while a model loads), not
+        one of `exclude`, waiting for it at most `max_wait` seconds (`on_wait()` is called when it must; `check()`,
+        as it waits, raises what ends the wait sooner). Raises a 429 when the queue is full, a 503 when the wait is
+        over, RedisAway when Redis did not answer in time; a cancellation (the client gone) gives the ticket up.
+        `movable`: it may take a free slot of a replica other than the first of `prefs` (a short prompt).
+        `chosen`: the replica the model's routing picks, where a slot this process kept may be taken."""
         self.start()
+        self._replicas[model] = replicas
+        self._limits[model] = queue_limit
+        if chosen and (lease := self._take_kept(model, key, rank, cost, chosen)) is not None:
+            return lease
         ticket = f"{self.process}:{secrets.token_hex(6)}"
-        fields = (f"{rank}|{key}|{cost}|{{expires}}|{int(time.time() * 1000)}|{self.process}|{','.join(prefs)}"
-                  f"|{int(movable)}")
-        future = asyncio.get_running_loop().create_future()
-        self.waiters[ticket] = future
-        self.tickets[ticket] = (model, fields)
+        fields = f"{rank}|{key}|{cost}|{','.join(prefs)}|{int(movable)}|{','.join(exclude)}"
+        loop = asyncio.get_running_loop()
+        waiter = self.waiters[ticket] = _Waiter(model, loop.create_future(), loop.create_future())
         started = time.monotonic()
+        replica = None
         try:
-            status, value = await self._run("admit", model, replicas(), ticket, self._expiring(fields),
-                                            queue_limit=queue_limit)
-            if status == -1:
+            if self.reach.away:
+                raise RedisAway("Redis is away")
+            self.tickets[ticket] = (model, fields)
+            self._batch(model).news.append((ticket, fields))
+            replica, position = await self.reach.call(asyncio.shield(waiter.placed))
+            if position == -1:
                 raise GatewayError(429, "queue_full",
                                    f"model {model} has {queue_limit} requests waiting already; try again shortly", 2)
-            replica = value if status == 1 else None
-            direct = replica is not None  # granted by its own admission: no record of the grant was made
             if replica is None and on_wait is not None:
                 on_wait()
             while replica is None:
@@ -495,100 +361,116 @@ class Admission:
                     raise GatewayError(503, "queue_timeout",
                                        f"model {model} had no free slot for {max_wait:g}s; try again shortly", 5)
                 try:
-                    replica = await asyncio.wait_for(asyncio.shield(future), min(left, LOOK_EVERY))
+                    replica = await asyncio.wait_for(asyncio.shield(waiter.granted), min(left, LOOK_EVERY))
                 except TimeoutError:
-                    replica = await self._look(model, replicas, ticket)
+                    self._look(model)
         except BaseException:
+            self._give_up(model, ticket, waiter)
+            raise
+        finally:
             self.waiters.pop(ticket, None)
             self.tickets.pop(ticket, None)
-            await self._give_up(model, replicas(), ticket, key, rank, cost)
-            raise
-        self.waiters.pop(ticket, None)
-        self.tickets.pop(ticket, None)
-        if not direct:  # granted by a dispatch: its record is not needed any more
-            self._forget_grant(ticket)
+        self._batch_later(model).forgets.append(ticket)  # its grant's record is not needed any more
         lease = Lease(model, replica, f"{ticket}|{rank}|{key}", key, cost)
         self.leases[lease.member] = lease
         return lease
 
-    async def _look(self, model: str, replicas, ticket: str) -> str | None:
-        """Dispatch the model's queue again (a replica may have come ready, a release been missed), once per
-        LOOK_EVERY in this process however many of its requests wait; then whether this ticket was granted."""
+    def _batch_later(self, model: str) -> _Batch:
+        """The model's next batch, without making a call for it now (what it holds waits for the next call)."""
+        return self._batches.setdefault(model, _Batch())
+
+    def _look(self, model: str) -> None:
+        """Look again (a replica may have come ready, a grant's message been lost): once per LOOK_EVERY in this
+        process however many of its requests wait."""
         now = time.monotonic()
         if now - self._looked.get(model, 0.0) >= LOOK_EVERY * 0.9:
             self._looked[model] = now
-            status, value = await self._run("look", model, replicas(), ticket)
-            return value if status == 1 else None
-        found = await self.redis.get(grant_key(ticket))
-        return found.decode() if found else None
+            self._batch(model).look = True
 
-    async def _give_up(self, model, replicas, ticket, key, rank, cost) -> None:
-        """The ticket out of the queue, and a slot granted to it meanwhile back (shielded: it runs even as the
-        request is cancelled)."""
+    def _give_up(self, model: str, ticket: str, waiter: _Waiter) -> None:
+        """The ticket out of the queue, and a slot granted to it meanwhile back: in the model's next call, which
+        runs whatever happens to the request."""
+        pending = self._batches.get(model)
+        if pending is not None and any(t == ticket for t, _ in pending.news):  # never sent: never will be
+            pending.news = [(t, f) for t, f in pending.news if t != ticket]
+            return
+        replica = _result(waiter.granted) or (_result(waiter.placed) or (None, 0))[0]
+        if replica:
+            rank, key = self.tickets.get(ticket, (model, "|"))[1].split("|")[:2]
+            batch = self._batch(model)
+            batch.releases.append((Lease(model, replica, f"{ticket}|{rank}|{key}", key, 0), 0))
+            batch.forgets.append(ticket)
+        elif not (waiter.placed.done() and not waiter.placed.cancelled() and waiter.placed.exception()):
+            self._batch(model).cancels.append((ticket, asyncio.get_running_loop().create_future()))
 
-        async def cancel():
-            status, replica = await self._run("cancel", model, replicas, ticket)
-            if status == 1:  # granted meanwhile: released, as the request that never ran
-                await self.release(Lease(model, replica, f"{ticket}|{rank}|{key}", key, cost), replicas, 0)
-
-        try:
-            await asyncio.shield(asyncio.get_running_loop().create_task(cancel(), context=contextvars.Context()))
-        except asyncio.CancelledError:
-            pass
-        except Exception as exc:  # it lapses in TICKET_TTL (a ticket) or LEASE_TTL (a slot)
-            log.warning("could not give up a place in %s's queue (%s)", model, exc)
-
-    async def release(self, lease: Lease, replicas: list[tuple[str, int]], served: int) -> None:
+    def give_back(self, lease: Lease, served: int) -> asyncio.Future:
         """The slot back, the request's service settled (`served`: its attained service, of which `lease.cost` was
-        counted at the grant), and the queue dispatched. The slots of a model this process gives back while a
-        release of it is on its way to Redis go together, in one script call after it."""
+        counted at the grant), and the queue's free slots granted, in the model's next call; the future is done
+        once that call was made. Or the slot kept for its key's next request (HINTS_FOR), done at once."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        rank = int(lease.member.rsplit("|", 2)[1])
+        hints = self._hints.get(lease.model)
+        if hints is not None and hints.keep(lease.key, rank, time.monotonic()):
+            batch = self._batch_later(lease.model)
+            batch.service[lease.key] = batch.service.get(lease.key, 0) + served - lease.cost
+            kept = _Kept(lease, rank, loop.call_later(KEEP_FOR, self._unkeep, lease.model, lease.member))
+            self._kept.setdefault(lease.model, []).append(kept)
+            done.set_result(None)
+            return done
         self.leases.pop(lease.member, None)
-        done = asyncio.get_running_loop().create_future()
-        self._releasing.setdefault(lease.model, []).append((lease, served, done))
-        self._release_replicas[lease.model] = replicas
-        if lease.model not in self._flushing:
-            self._flushing[lease.model] = asyncio.get_running_loop().create_task(
-                self._flush(lease.model), context=contextvars.Context())
-        await done
+        batch = self._batch(lease.model)
+        batch.releases.append((lease, served))
+        batch.done.append(done)
+        return done
 
-    async def _flush(self, model: str) -> None:
-        pending: list = []
-        try:
-            while pending := self._releasing.pop(model, None):
-                replicas = list(self._release_replicas.pop(model))
-                names = {name for name, _ in replicas}
-                args: list = []
-                for lease, served, _ in pending:
-                    if lease.replica not in names:  # gone from the table: its slots still counted
-                        names.add(lease.replica)
-                        replicas.append((lease.replica, 0))
-                    args += [slots_key(lease.replica), lease.member, lease.key, served - lease.cost]
-                try:
-                    await self._run("release", model, replicas, *args)
-                except Exception as exc:  # the leases lapse in LEASE_TTL
-                    log.warning("could not release %d slot(s) of %s (%s)", len(pending), model, exc)
-                self._settled(pending)
-        finally:  # cancelled (the process stopping): no one waits on for these, nor for any given back since
-            self._flushing.pop(model, None)
-            self._settled(pending or [])
-            self._settled(self._releasing.pop(model, []))
+    def _take_kept(self, model: str, key: str, rank: int, cost: int, replica: str) -> Lease | None:
+        """A slot this process keeps for the key's next request on `replica` (the one its routing picks), when
+        Redis would grant it one anyway."""
+        kept = self._kept.get(model)
+        if not kept:
+            return None
+        hints = self._hints.get(model)
+        if hints is None or not hints.keep(key, rank, time.monotonic()):
+            return None
+        for i, k in enumerate(kept):
+            if k.lease.key == key and k.rank == rank and k.lease.replica == replica:
+                del kept[i]
+                k.timer.cancel()
+                batch = self._batch_later(model)
+                batch.service[key] = batch.service.get(key, 0) + cost
+                lease = Lease(model, k.lease.replica, k.lease.member, key, cost)
+                self.leases[lease.member] = lease
+                return lease
+        return None
 
-    @staticmethod
-    def _settled(pending: list) -> None:
-        for _, _, done in pending:
-            if not done.done():
-                done.set_result(None)
+    def _unkeep(self, model: str, member: str | None = None) -> None:
+        """Slots kept give back: the one of `member` (kept KEEP_FOR unused), or all of the model's (a ticket
+        enqueued somewhere wants one)."""
+        kept = self._kept.get(model, [])
+        going = [k for k in kept if member is None or k.lease.member == member]
+        if not going:
+            return
+        self._kept[model] = [k for k in kept if k not in going]
+        batch = self._batch(model)
+        for k in going:
+            k.timer.cancel()
+            self.leases.pop(k.lease.member, None)
+            batch.releases.append((k.lease, k.lease.cost))  # its service was counted when it was kept
 
-    def _forget_grant(self, ticket: str) -> None:
-        task = asyncio.get_running_loop().create_task(self.redis.delete(grant_key(ticket)), context=contextvars.Context())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # it expires anyway
+    async def release(self, lease: Lease, replicas: list[tuple[str, int]] | None = None, served: int = 0) -> None:
+        """`give_back`, waited for (`replicas`: the model's, as they are now, when this process has not
+        admitted to it yet)."""
+        if replicas is not None:
+            self._replicas.setdefault(lease.model, lambda: replicas)
+        await self.give_back(lease, served)
 
     async def hold_key(self, key_id: int, name: str, limit: int) -> str:
         """One of the key's `limit` requests at once (waiting or in flight), or a 429 `concurrency_limit`."""
         self.start()
         member = f"{self.process}:{secrets.token_hex(6)}"
-        held = await self._key_slot(keys=[key_slots_key(key_id)],
-                                    args=[int(time.time() * 1000), int(LEASE_TTL * 1000), limit, member])
+        held = await self.reach.call(self._key_slot(keys=[key_slots_key(key_id)],
+                                                    args=["hold", int(LEASE_TTL * 1000), limit, member]))
         if not int(held):
             raise GatewayError(429, "concurrency_limit",
                                f"key {name} has {limit} requests in flight already (its max concurrency)", 1)
@@ -603,57 +485,69 @@ class Admission:
             except Exception as exc:  # it lapses in LEASE_TTL
                 log.warning("could not let a key's request go (%s)", exc)
 
-    @staticmethod
-    def _expiring(fields: str) -> str:
-        return fields.replace("{expires}", str(int((time.time() + TICKET_TTL) * 1000)), 1)
-
     async def _hear(self) -> None:
-        """Grants for this process's waiters, as they are made."""
+        """Grants for this process's waiters, as other processes make them."""
         delay = 1.0
         while True:
             try:
                 async with self.redis.pubsub() as pubsub:
-                    await pubsub.subscribe(channel(self.process))
+                    await pubsub.subscribe(channel(self.process), WANTED)
                     delay = 1.0
                     while True:
                         message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
                         if message is None:
                             continue
-                        ticket, _, replica = message["data"].decode().rpartition("|")
-                        future = self.waiters.get(ticket)
-                        if future is not None and not future.done():
-                            future.set_result(replica)
+                        if message["channel"] == WANTED.encode():  # a ticket waits: no slot kept any more
+                            model = message["data"].decode()
+                            self._hints.pop(model, None)
+                            self._unkeep(model)
+                            continue
+                        for grant in message["data"].decode().split(";"):
+                            ticket, _, replica = grant.rpartition("|")
+                            self._granted(ticket, replica)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # waiters still look every LOOK_EVERY
-                log.warning("admission grants feed interrupted (%s); retrying", exc)
+                if not self.reach.away:
+                    log.warning("admission grants feed interrupted (%s); retrying", exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30)
 
     async def _renew(self) -> None:
-        """This process's leases and tickets kept alive: those of a process that dies lapse."""
+        """This process's leases and tickets kept alive (those of a process that dies lapse), and any Redis lost
+        added back; the grants' records read sent on their way."""
         while True:
             await asyncio.sleep(RENEW_EVERY)
+            models = ({lease.model for lease in self.leases.values()} | {m for m, _ in self.tickets.values()}
+                      | {m for m, b in self._batches.items() if b.forgets})
+            for model in models:
+                self._batch(model).keep = True
             try:
-                now = time.time()
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for lease in list(self.leases.values()):
-                        pipe.zadd(slots_key(lease.replica), {lease.member: int((now + LEASE_TTL) * 1000)}, xx=True)
-                        pipe.pexpire(slots_key(lease.replica), int(LEASE_TTL * 2000))
+                if self.key_slots:
+                    by_key: dict[int, list[str]] = {}
                     for member, key_id in list(self.key_slots.items()):
-                        pipe.zadd(key_slots_key(key_id), {member: int((now + LEASE_TTL) * 1000)}, xx=True)
-                        pipe.pexpire(key_slots_key(key_id), int(LEASE_TTL * 2000))
-                    await pipe.execute()
-                by_model: dict[str, list[str]] = {}
-                for ticket, (model, fields) in list(self.tickets.items()):
-                    by_model.setdefault(model, []).extend([ticket, self._expiring(fields)])
-                for model, pairs in by_model.items():
-                    queue, tickets, _, _ = _keys(model)
-                    await self._renew_tickets(keys=[queue, tickets], args=pairs)
+                        by_key.setdefault(key_id, []).append(member)
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for key_id, members in by_key.items():
+                            pipe.evalsha(self._key_slot.sha, 1, key_slots_key(key_id), "keep",
+                                         int(LEASE_TTL * 1000), 0, *members)
+                        await pipe.execute()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("could not renew admission leases (%s)", exc)
+                if not self.reach.away:
+                    log.warning("could not keep the keys' requests alive (%s)", exc)
+
+
+def _result(future: asyncio.Future):
+    """A future's result, None while it has none (not done, cancelled, failed)."""
+    if future.done() and not future.cancelled() and future.exception() is None:
+        return future.result()
+    return None
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def rank_of(key_class: str, header: str) -> int:

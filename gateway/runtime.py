@@ -29,6 +29,7 @@ from gateway import table as routing
 from gateway.accounting import Ledger
 from gateway.admission import Admission, capacity
 from gateway.engines_http import Pool
+from gateway.redis_reach import Reach
 
 log = logging.getLogger("llmgw.gateway")
 FLUSH_INTERVAL = 0.25
@@ -102,7 +103,8 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
         self._spawned: set[asyncio.Task] = set()
         self.ledger = Ledger()
-        self.admission = Admission(self.redis)
+        self.reach = Reach(self.redis)  # how long a request waits on Redis, and whether it is away
+        self.admission = Admission(self.redis, self.reach)
         self.headroom = settings.LLMGW_ADMISSION_HEADROOM
         # when the last reload for each began (look_again), or the last warning was said (may_look_again)
         self._looked_again = {"key": float("-inf"), "model": float("-inf"), "stopped": float("-inf"),
@@ -123,6 +125,7 @@ class Gateway:
                 task.cancel()
             await asyncio.wait(self._tasks, timeout=0.5)
         await self.admission.aclose()
+        await self.reach.aclose()
         await self.engines.aclose()
         await self.redis.aclose()
 

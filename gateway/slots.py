@@ -12,6 +12,7 @@ from redis.exceptions import RedisError
 from cluster.events import record
 from gateway import admission, budgets, metrics
 from gateway.errors import GatewayError
+from gateway.redis_reach import RedisAway
 from gateway.runtime import PREFIX
 
 log = logging.getLogger("llmgw.gateway")
@@ -50,8 +51,8 @@ async def _note_refusal(gw, key, model: str, exc: GatewayError) -> None:
 async def admit(gw, call, route, tried, chosen, max_wait: float | None = None, check=None):
     """A slot on a ready replica of the route, waiting for one in the model's queue (gateway/admission.py) at most
     `max_wait` seconds (the model's own by default; `check()` raises what ends the wait sooner); the upstream it
-    is on (None: that replica is gone from the table since). With Redis out of reach, the replica routing `chosen`
-    without a slot: serving goes on, unordered, until Redis is back."""
+    is on (None: that replica is gone from the table since). With Redis away (gateway/redis_reach.py), the replica
+    routing `chosen` without a slot: serving goes on, unordered, until Redis is back."""
     ring = route.ring.walk(call.affinity) if call.affinity is not None and route.routing == PREFIX else ()
     prefs = [name for name in ring if name not in tried]
     if gw.unreachable:  # tried last
@@ -70,16 +71,17 @@ async def admit(gw, call, route, tried, chosen, max_wait: float | None = None, c
     began = time.monotonic()
     try:
         call.lease = await gw.admission.admit(
-            call.model, lambda: gw.slots_of(call.model, tried), key=str(call.key.id),
+            call.model, lambda: gw.slots_of(call.model), key=str(call.key.id),
             rank=admission.RANK["interactive"] if tried else call.rank, cost=admission.service(call.prompt_about, 0),
             prefs=prefs, queue_limit=route.queue_limit, max_wait=route.max_wait if max_wait is None else max_wait,
-            on_wait=waits, check=check, movable=call.prompt_about < admission.SHORT_PROMPT)
+            on_wait=waits, check=check, movable=call.prompt_about < admission.SHORT_PROMPT, exclude=tried,
+            chosen=chosen.replica if chosen is not None and not tried else None)
     except GatewayError as exc:
         metrics.REJECTED.labels(call.model, priority, exc.code).inc()
         raise
-    except (RedisError, OSError) as exc:
-        if gw.may_look_again("admission"):  # a warning a second at most, not one per request
-            log.warning("admission is off while Redis cannot be reached (%s): requests go straight to engines", exc)
+    except (RedisAway, RedisError, OSError) as exc:  # said once (gateway/redis_reach.py), not per request
+        gw.admission.reach.lost(exc)
+        gw.admission.reach.went_without()
         return chosen
     finally:
         if queued:
@@ -100,6 +102,6 @@ def release(gw, call) -> None:
     if call.lease is not None:
         lease, call.lease = call.lease, None
         served = admission.service(call.prompt or call.prompt_about, call.completion or call.passed)
-        gw.spawn(gw.admission.release(lease, gw.slots_of(lease.model), served))
+        gw.admission.give_back(lease, served)
 
 

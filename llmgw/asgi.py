@@ -1,3 +1,4 @@
+import gc
 import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")
@@ -30,3 +31,9 @@ application = ProtocolTypeRouter(
         ),
     }
 )
+
+# What the process has made by now (Django, every app, the URL tree) lives as long as the process: out of the
+# collector's sight, so a full collection no longer walks it (measured: 93 ms pauses in a web process under load,
+# bench/admission.py; a few ms after)
+gc.collect()
+gc.freeze()

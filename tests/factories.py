@@ -140,19 +140,20 @@ def seed_defaults() -> None:
     Event.objects.filter(kind="engine_key.created").delete()  # as every test starts: see tests/conftest.py
 
 
-def put_waiting(client, model: str, *waited: float, lapsed: int = 0) -> str:
+def put_waiting(client, model: str, *waited: float, lapsed: int = 0) -> list[str]:
     """Requests waiting in `model`'s admission queue in Redis, one per number of seconds it has waited, written as
-    the gateway's admission writes them (cluster.inflight: `rank|key|cost|expires ms|enqueued ms|process|prefs`);
-    `lapsed` more whose process is gone (not counted). The tickets' hash, for the test to delete."""
-    import time
-
+    the gateway's admission writes them (cluster.inflight: per class, ticket -> when enqueued; ticket -> when it
+    lapses); `lapsed` more whose process is gone (not counted). The keys, for the test to delete."""
     from cluster.inflight import queue_keys
 
-    now_ms = time.time() * 1000
-    tickets = queue_keys(model)[1]
-    client.delete(tickets)
-    for i, seconds in enumerate(waited):
-        client.hset(tickets, f"t{i}", f"1|key-1|10|{now_ms + 60_000:.0f}|{now_ms - seconds * 1000:.0f}|p|")
+    seconds, micro = client.time()
+    now_ms = seconds * 1000 + micro // 1000
+    classes, lapses = queue_keys(model)
+    client.delete(*classes, lapses)
+    for i, waited_for in enumerate(waited):
+        client.zadd(classes[1], {f"t{i}": now_ms - waited_for * 1000})
+        client.zadd(lapses, {f"t{i}": now_ms + 60_000})
     for i in range(lapsed):
-        client.hset(tickets, f"gone{i}", f"1|key-1|10|{now_ms - 1000:.0f}|{now_ms - 99_000:.0f}|p|")
-    return tickets
+        client.zadd(classes[1], {f"gone{i}": now_ms - 99_000})
+        client.zadd(lapses, {f"gone{i}": now_ms - 1000})
+    return [*classes, lapses]

@@ -541,7 +541,7 @@ def test_ctl_models_shows_the_requests_waiting_and_the_longest_wait(db):
         table = cli("ctl", "models").splitlines()
         shown = json.loads(cli("ctl", "models", "--json"))
     finally:
-        redis_client().delete(tickets)
+        redis_client().delete(*tickets)
     at = table[0].index("WAITING"), table[0].index("LONGEST WAIT")
     rows = {line.split()[0]: line for line in table[1:]}
     assert rows["busy"][at[0]:].split()[0] == "2" and re.fullmatch(r"4\.\ds", rows["busy"][at[1]:].split()[0])

@@ -379,7 +379,7 @@ def test_a_models_queue_bounds_and_the_requests_waiting(op):
     try:
         page = op.get("/models/", **HTMX).content.decode()
     finally:
-        redis_client().delete(tickets)
+        redis_client().delete(*tickets)
     shown = re.search(r"queue 3 waiting, longest (\d+\.\d) s", page)
     assert shown and 4.2 <= float(shown.group(1)) < 10
     assert "at most 10 waiting, each at most 2m (default)" in page

@@ -143,8 +143,7 @@ async def test_a_waiter_that_gives_up_leaves_the_queue_and_returns_a_slot_grante
     await asyncio.sleep(0.2)
     gone.cancel()
     await asyncio.gather(gone, return_exceptions=True)
-    queue, *_ = admission._keys(model)
-    assert await one.redis.zcard(queue) == 0
+    assert await one.redis.zcard(admission.model_prefix(model) + "c1") == 0  # its class's tickets
     await one.release(held, reps(), 10)
     # the slot is free again: nobody holds it
     again = await admit(one, model, reps, wait=0.5)
@@ -307,15 +306,15 @@ async def test_slots_given_back_together_go_in_one_call_and_each_is_settled(proc
     waiting = [start(two, model, reps, key=f"{model}-w{i}") for i in range(4)]
     await asyncio.sleep(0.2)
     calls = []
-    run = one._run
+    call = one._call
 
-    async def counted(op, *args, **kw):
-        calls.append(op)
-        return await run(op, *args, **kw)
+    async def counted(model, batch):
+        calls.append(len(batch.releases))
+        return await call(model, batch)
 
-    one._run = counted
+    one._call = counted
     await asyncio.gather(*(one.release(lease, reps(), 100 * (i + 1)) for i, lease in enumerate(held)))
-    assert calls == ["release"]  # all four given back before the first call left: one call
+    assert calls == [4]  # all four given back before the first call left: one call
     await settled(waiting, 4)
     client = aioredis.Redis.from_url(settings.REDIS_URL)
     served = {k.decode(): float(v.decode().split("|")[0]) for k, v in (await client.hgetall(admission.SERVICE)).items()
@@ -328,7 +327,7 @@ async def test_slots_given_back_together_go_in_one_call_and_each_is_settled(proc
     first = asyncio.create_task(one.release(three[0], reps(), 10))
     await asyncio.sleep(0.001)  # on its way to Redis
     await asyncio.gather(first, *(one.release(lease, reps(), 10) for lease in three[1:]))
-    assert calls == ["release", "release"]  # the first alone, the two given back meanwhile together
+    assert calls == [1, 2]  # the first alone, the two given back meanwhile together
     assert await client.zcard(admission.slots_key(f"{model}-r0")) == 0  # every slot back
     await client.aclose()
 
@@ -357,3 +356,84 @@ async def test_a_starved_class_rises_and_a_floods_long_wait_does_not_pass_a_quie
     await settled(flood, 1)
     for t in flood:
         t.cancel()
+
+# issue 35, "a request lost in a restart": a ticket's walk (prefs) is fixed when it is queued. Queued while the
+# model's only replica was the old one (walk: old), it was never granted the replacement once the old one drained
+# and left the table: it waited out max_wait (120 s by default: the 123 s a test saw) and its client, with a 60 s
+# timeout, got no answer. Replicas its walk does not name are now the end of its walk.
+@pytest.mark.parametrize("movable", [False, True], ids=["long-prompt", "short-prompt"])
+async def test_a_request_queued_before_a_restart_is_granted_the_replacement(processes, model, movable):
+    one, two = processes
+    old, new = f"{model}-old", f"{model}-new"
+    table = {"ready": [(old, 1)]}  # the routing table's ready replicas, as both processes see them
+
+    def reps():
+        return list(table["ready"])
+
+    held = await admit(one, model, reps, prefs=[old])  # a request in flight on the only replica
+    waiting = asyncio.create_task(two.admit(model, reps, key="k2", rank=STANDARD, cost=10, prefs=[old],
+                                            queue_limit=100, max_wait=6.0, movable=movable))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    table["ready"] = [(old, 1), (new, 1)]  # the replacement came ready
+    await asyncio.sleep(0.3)
+    table["ready"] = [(new, 1)]  # the old one drains: gone from the table
+    await one.release(held, reps(), 10)  # its request ends; the release names the table of now
+    lease = await asyncio.wait_for(waiting, 3)  # on the old code: 503 queue_timeout after max_wait
+    assert lease.replica == new
+    await two.release(lease, reps(), 10)
+
+
+async def test_a_keys_next_request_takes_the_slot_its_last_gave_back_without_a_round_trip(processes, model):
+    """A closed loop of one key (a GPU engine's streams, a benchmark): while nobody waits and no other key or
+    higher class was admitted lately, the slot a request gives back is kept for the key's next request on the
+    replica its routing picks: no Redis call for either. Its service is still counted, in the next call."""
+    one, _ = processes
+    reps = replicas(2, model=model)
+    first = await admit(one, model, reps)
+    calls = []
+    call = one._call
+
+    async def counted(model_, batch):
+        calls.append((len(batch.releases), len(batch.news), dict(batch.service)))
+        return await call(model_, batch)
+
+    one._call = counted
+    await one.release(first, reps(), 100)
+    again = await one.admit(model, reps, key="k1", rank=STANDARD, cost=30, prefs=[], queue_limit=100, max_wait=1,
+                            chosen=first.replica)
+    assert again.replica == first.replica and again.member == first.member
+    assert calls == []  # neither the slot given back nor the one taken went to Redis
+    other = await one.admit(model, reps, key="k1", rank=STANDARD, cost=10, prefs=[], queue_limit=100, max_wait=1,
+                            chosen=f"{model}-elsewhere")
+    assert calls[0][:2] == (0, 1) and calls[0][2] == {"k1": 100 - 10 + 30}  # the kept slots' service, sent along
+    for lease in (again, other):
+        await one.release(lease, reps(), 10)
+
+
+async def test_a_ticket_enqueued_anywhere_makes_a_kept_slot_go_back_at_once(processes, model, monkeypatch):
+    monkeypatch.setattr(admission, "KEEP_FOR", 30.0)  # kept long: only the word of the ticket gives it back
+    one, two = processes
+    reps = replicas(1, model=model)
+    await one.release(await admit(one, model, reps), reps(), 10)
+    assert one._kept[model]  # kept for k1's next request
+    started = time.monotonic()
+    lease = await admit(two, model, reps, key="k2", wait=5)  # no free slot: enqueued, the word goes out
+    assert time.monotonic() - started < 1 and not one._kept[model]
+    await two.release(lease, reps(), 10)
+
+
+async def test_no_slot_is_kept_while_another_key_was_admitted_lately(processes, model):
+    """The slot stays in Redis, where the rules between keys (a slot left for a key between its requests, one
+    held back for a higher class) decide who has it."""
+    one, two = processes
+    reps = replicas(2, model=model)
+    await two.release(await admit(two, model, reps, key="k2"), reps(), 10)
+    await one.release(await admit(one, model, reps, key="k1"), reps(), 10)
+    assert not one._kept.get(model)
+    alone = model + "-alone"  # one key, but a higher class of it admitted lately: its batch request's slot goes back
+    reps = replicas(2, model=alone)
+    await one.release(await admit(one, alone, reps, key="k1", rank=INTERACTIVE), reps(), 10)
+    batch = await admit(one, alone, reps, key="k1", rank=BATCH)
+    await one.release(batch, reps(), 10)
+    assert batch.member not in {k.lease.member for k in one._kept.get(alone, [])}

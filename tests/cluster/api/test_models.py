@@ -221,8 +221,8 @@ def queued_tickets():
 
     used = []
     yield lambda model, *waited, **kw: used.append(put_waiting(redis_client(), model, *waited, **kw))
-    if used:
-        redis_client().delete(*used)
+    for keys in used:
+        redis_client().delete(*keys)
 
 
 def test_queue_bounds_default_to_the_cluster_and_change_over_the_api(cluster, operator):
