@@ -74,9 +74,9 @@ def rotate_control_plane_token(name: str, actor: str) -> Rotation:
     except NotFound:
         if name != peers.name() or peers.is_peer(peers.token()):
             raise
-        return Rotation(peers.rotate_own(actor), now=True)
+        return Rotation(peers.listed().get(pk=peers.rotate_own(actor).pk), now=True)
     if peers.is_this(plane):
-        return Rotation(peers.rotate_own(actor), now=True)
+        return Rotation(peers.listed().get(pk=peers.rotate_own(actor).pk), now=True)
     with transaction.atomic():
         if not ControlPlane.objects.filter(pk=plane.pk, token_hash=plane.token_hash).update(
                 rotation_asked_at=timezone.now()):

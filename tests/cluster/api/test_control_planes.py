@@ -46,6 +46,6 @@ def test_an_admin_gives_a_control_plane_a_new_token(admin, planes):
     assert (other["name"], other["rotated"], other["rotation_asked_at"] is not None) == ("cp-2", False, True)
     old = peers.token()
     here = admin.post(f"{API}/control-planes/cp-1/token/").json()
-    assert (here["name"], here["rotated"], here["this"]) == ("cp-1", True, True)
+    assert (here["name"], here["rotated"], here["this"], here["files"]) == ("cp-1", True, True, 0)
     assert not peers.is_peer(old) and peers.is_peer(peers.token())
     refused(admin.post(f"{API}/control-planes/cp-9/token/"), 404, "no control plane named 'cp-9'")
