@@ -3,6 +3,7 @@ second door on the server, beside their stream (agents.consumers). A file this c
 is streamed from one that does (cluster/peers.py), Range and all."""
 
 import asyncio
+import logging
 import re
 
 import httpx
@@ -14,6 +15,7 @@ from cluster.models import ModelFile
 from cluster.reports import node_for_token
 from cluster.roles import can_change
 
+log = logging.getLogger("llmgw.peers")
 CHUNK = 1024 * 1024
 RANGE_RE = re.compile(r"^bytes=([0-9]{1,19})-([0-9]{0,19})$", re.ASCII)  # 19 digits hold any file size
 
@@ -59,9 +61,14 @@ async def _from_peer(request, sha256: str):
     headers = {"Authorization": f"Bearer {peers.token()}"}
     if request.headers.get("Range"):
         headers["Range"] = request.headers["Range"]
-    await sync_to_async(peers.announce)()  # known to the others by its token before it shows it
+    try:
+        await sync_to_async(peers.announce)()  # known to the others by its token before it shows it
+        verify = peers.verify()
+    except (peers.Removed, peers.PullFailed) as exc:  # removed: the others would refuse its token anyway
+        log.warning("not streaming %s from another control plane: %s", sha256[:12], exc)
+        return None
     for peer in await sync_to_async(peers.sources)(sha256):
-        client = httpx.AsyncClient(timeout=peers.TIMEOUT)
+        client = httpx.AsyncClient(timeout=peers.TIMEOUT, verify=verify)
         try:
             upstream = await client.send(client.build_request("GET", f"{peer.url}/mirror/{sha256}", headers=headers),
                                          stream=True)

@@ -199,12 +199,23 @@ class ControlPlane(models.Model):
     url = models.CharField(max_length=255, blank=True)  # LLMGW_CONTROL_PLANE_URL: empty, the others cannot fetch
     seen_at = models.DateTimeField()
     created_at = models.DateTimeField(auto_now_add=True)
+    # a new token asked for through another control plane: its own worker makes it at its next heartbeat
+    rotation_asked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["name", "pk"]
 
     def __str__(self):
         return self.name
+
+
+class RevokedControlPlaneToken(models.Model):
+    """A control-plane token that no longer opens /mirror: the former token of a control plane given a new one,
+    or the token of one removed. Kept so that a process still holding it can never record it again."""
+
+    token_hash = models.CharField(max_length=64, unique=True)
+    name = models.CharField(max_length=100)  # whose it was
+    revoked_at = models.DateTimeField(auto_now_add=True)
 
 
 class FileCopy(models.Model):

@@ -12,7 +12,14 @@ which files it holds, whole and checked (`FileCopy`). Its worker looks every LLM
 Until a file is here, `/mirror/<sha256>` streams it from a control plane that holds it (agents.mirror_views).
 So a file imported through any control plane reaches every one within seconds of its size, and losing one
 control plane, its disk included, loses no file another holds. Control planes know each other by the token each
-keeps in its LLMGW_HOME (`control-plane-token`); they fetch from one another with it.
+keeps in its LLMGW_HOME (`control-plane-token`); they fetch from one another with it, over https where their URLs
+say so, checking certificates against LLMGW_CONTROL_PLANE_CA (else the public CAs).
+
+A token is revoked when its control plane is removed or given a new one (cluster.operations.control_planes): the
+hash goes to RevokedControlPlaneToken, so no process still holding it can record it again. A new token is made
+by the control plane that keeps it (`rotate_own`): at once where the command runs on it, else by its worker at its
+next heartbeat. Every process reads the token file again when it changes, so the whole control plane shows the new
+token from its next request on; a download under way was let in when it began and goes on to its end.
 """
 
 from __future__ import annotations
@@ -21,21 +28,26 @@ import fcntl
 import hashlib
 import logging
 import os
+import secrets
 import socket
+import ssl
+import tempfile
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 from django.conf import settings
 from django.db import close_old_connections, transaction
-from django.db.models import Count
+from django.db.models import Count, Exists, OuterRef
 from django.utils import timezone
 
 from cluster import mirror
+from cluster.errors import OperationError
 from cluster.events import record
-from cluster.models import ControlPlane, FileCopy, ModelFile
+from cluster.models import ControlPlane, FileCopy, ModelFile, RevokedControlPlaneToken
 
 log = logging.getLogger("llmgw.peers")
 ALIVE = 60  # seconds: a control plane not heard from for longer is not asked for files
@@ -47,19 +59,70 @@ _threads: list[threading.Thread] = []
 _announced = float("-inf")  # when this process last wrote its row (monotonic)
 _mismatched: dict[tuple[str, int], float] = {}  # (sha256, peer pk) -> when its copy failed the check
 _unmatched: dict[str, tuple] = {}  # sha256 -> (inode, mtime, size) of a file on disk that failed the check
+TOKEN_FILE = "control-plane-token"  # in LLMGW_HOME (llmgw.home.control_plane_token makes it)
+_read: tuple[tuple, str] = ((), "")  # the token file as last read (path, inode, mtime, size), and its token
+_said_removed = ""  # the token this process last said was revoked: said once, not at every heartbeat
+_ca: tuple[tuple, ssl.SSLContext | None] = ((), None)  # LLMGW_CONTROL_PLANE_CA as last loaded
+
+
+class Removed(Exception):
+    """This control plane's token was revoked (`llmgw control-plane remove`): it is not recorded under it again."""
 
 
 def token() -> str:
-    return settings.CONTROL_PLANE_TOKEN
+    """This control plane's token as its file in LLMGW_HOME holds it now, read again whenever the file changes (a
+    new token written there is what every process of this control plane shows from then on); where there is no
+    file, the one the settings read at start."""
+    global _read
+    path = Path(settings.LLMGW_HOME) / TOKEN_FILE
+    try:
+        st = path.stat()
+        seen = (str(path), st.st_ino, st.st_mtime_ns, st.st_size)
+        if _read[0] != seen:
+            _read = (seen, path.read_text().strip())
+    except OSError:
+        return settings.CONTROL_PLANE_TOKEN
+    return _read[1] or settings.CONTROL_PLANE_TOKEN
 
 
 def hash_token(value: str) -> str:
     return hashlib.sha256(value.encode()).hexdigest()
 
 
+def _revoked(hashed: str) -> bool:
+    return RevokedControlPlaneToken.objects.filter(token_hash=hashed).exists()
+
+
 def is_peer(value: str) -> bool:
-    """A token another control plane (or this one) fetches model files with."""
-    return bool(value) and value.startswith("lcp_") and ControlPlane.objects.filter(token_hash=hash_token(value)).exists()
+    """A token another control plane (or this one) fetches model files with: recorded, and not revoked."""
+    if not (value and value.startswith("lcp_")):
+        return False
+    revoked = RevokedControlPlaneToken.objects.filter(token_hash=OuterRef("token_hash"))
+    return ControlPlane.objects.filter(token_hash=hash_token(value)).exclude(Exists(revoked)).exists()
+
+
+def is_this(plane: ControlPlane) -> bool:
+    """Whether `plane` is the control plane this process belongs to (the one a command runs on)."""
+    return plane.token_hash == hash_token(token())
+
+
+def verify() -> ssl.SSLContext | bool:
+    """What a peer's https certificate is checked against: LLMGW_CONTROL_PLANE_CA (a PEM file of the CA that signed
+    the control planes' certificates; read again when it changes), else the public CAs httpx knows (certifi's,
+    or SSL_CERT_FILE's). Never unchecked."""
+    global _ca
+    cafile = settings.LLMGW_CONTROL_PLANE_CA
+    if not cafile:
+        return True
+    try:
+        st = os.stat(cafile)
+        seen = (cafile, st.st_ino, st.st_mtime_ns, st.st_size)
+        if _ca[0] != seen:
+            _ca = (seen, ssl.create_default_context(cafile=cafile))
+    except (OSError, ssl.SSLError) as exc:
+        raise PullFailed(f"LLMGW_CONTROL_PLANE_CA {cafile}: {getattr(exc, 'strerror', None) or exc}") from None
+    assert _ca[1] is not None
+    return _ca[1]
 
 
 def name() -> str:
@@ -76,10 +139,25 @@ def name() -> str:
 
 
 def me() -> ControlPlane:
-    """This control plane's row, made or brought up to date (name, address, last seen)."""
+    """This control plane's row, made or brought up to date (name, address, last seen). Removed where its token
+    was revoked: a row is never made again for a revoked token, even by a process that read it just before."""
     global _announced
+    hashed = hash_token(token())
     values = {"name": name(), "url": settings.LLMGW_CONTROL_PLANE_URL, "seen_at": timezone.now()}
-    plane = ControlPlane.objects.update_or_create(token_hash=hash_token(token()), defaults=values)[0]
+    plane = ControlPlane.objects.filter(token_hash=hashed).first()
+    if plane is not None:
+        ControlPlane.objects.filter(pk=plane.pk).update(**values)
+        for field, value in values.items():
+            setattr(plane, field, value)
+    else:
+        removed = Removed(f"control plane {values['name']} was removed (its token no longer opens /mirror): "
+                          f"`llmgw control-plane token {values['name']}` on this machine makes it a new one")
+        if _revoked(hashed):
+            raise removed
+        plane = ControlPlane.objects.get_or_create(token_hash=hashed, defaults=values)[0]
+        if _revoked(hashed):  # revoked between the two looks: the row just made goes again
+            ControlPlane.objects.filter(pk=plane.pk).delete()
+            raise removed
     _announced = time.monotonic()
     return plane
 
@@ -105,8 +183,73 @@ def retire_former() -> None:
 
 
 def held_here(model_file: ModelFile) -> None:
-    """This control plane's mirror directory holds `model_file`, whole and checked (an import, a pull)."""
-    FileCopy.objects.get_or_create(file=model_file, control_plane=me(), defaults={"verified_at": timezone.now()})
+    """This control plane's mirror directory holds `model_file`, whole and checked (an import, a pull). A removed
+    control plane records nothing: it counts it when it joins again (its look adopts what its disk holds)."""
+    try:
+        here = me()
+    except Removed as exc:
+        log.warning("%s; %s is not recorded as held here", exc, model_file.sha256[:12])
+        return
+    FileCopy.objects.get_or_create(file=model_file, control_plane=here, defaults={"verified_at": timezone.now()})
+
+
+def new_token() -> str:
+    return "lcp_" + secrets.token_urlsafe(32)  # as llmgw.home.control_plane_token makes the first
+
+
+def rotate_own(actor: str) -> ControlPlane:
+    """A new token for this control plane: its record moved to it and the former one revoked, in one transaction
+    that writes the new token file in LLMGW_HOME before it commits (the former file is put back should the commit
+    fail). A removed control plane joins again under it. Under a lock on LLMGW_HOME, so that two rotations here (a
+    command, and the worker's heartbeat obeying one asked for elsewhere) run one after the other."""
+    home = Path(settings.LLMGW_HOME)
+    if not home.is_dir():
+        raise OperationError(f"no LLMGW_HOME at {home}: this control plane's token is kept there")
+    lock = os.open(home, os.O_RDONLY)  # the directory itself: no lock file to own
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        former, new, here = token(), new_token(), name()
+        try:
+            with transaction.atomic():
+                plane = ControlPlane.objects.select_for_update().filter(token_hash=hash_token(former)).first()
+                if plane is not None:
+                    ControlPlane.objects.filter(pk=plane.pk).update(token_hash=hash_token(new), rotation_asked_at=None)
+                RevokedControlPlaneToken.objects.get_or_create(token_hash=hash_token(former),
+                                                               defaults={"name": plane.name if plane else here})
+                said = "a new token; the former one no longer opens /mirror" if plane else (
+                    "a new token, and joins the control planes again (it had been removed)")
+                record("control_plane.token_rotated", actor, f"control plane {here}: {said}", subject=here)
+                _write_token(home, new)
+        except BaseException:
+            if token() == new:
+                _write_token(home, former)
+            raise
+    except OSError as exc:
+        raise OperationError(f"cannot write a new token to {home / TOKEN_FILE}: {exc.strerror or exc} (run this as "
+                             "the user the control plane runs as)") from None
+    finally:
+        os.close(lock)
+    return me()
+
+
+def _write_token(home: Path, value: str) -> None:
+    """The token file replaced whole (mode 0600, its owner kept): a process reading it sees the former token or the
+    new one."""
+    fd, temporary = tempfile.mkstemp(dir=home, prefix=f".{TOKEN_FILE}.")
+    try:
+        with os.fdopen(fd, "w") as out:
+            try:
+                owner = (home / TOKEN_FILE).stat()
+                if os.geteuid() == 0 and owner.st_uid != 0:  # root's command: the file stays the units' user's
+                    os.fchown(out.fileno(), owner.st_uid, owner.st_gid)
+            except FileNotFoundError:
+                pass
+            out.write(value)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, home / TOKEN_FILE)
+    finally:
+        Path(temporary).unlink(missing_ok=True)
 
 
 def sources(sha256: str) -> list[ControlPlane]:
@@ -189,7 +332,8 @@ def _fetch(peer: ControlPlane, model_file: ModelFile) -> bool:
             raise PullFailed(f"{size - have} more bytes do not fit in {settings.MIRROR_DIR}")
         if have < size or size == 0:
             headers = {"Authorization": f"Bearer {token()}", **({"Range": f"bytes={have}-"} if have else {})}
-            with httpx.stream("GET", f"{peer.url}/mirror/{sha}", headers=headers, timeout=TIMEOUT) as response:
+            with httpx.stream("GET", f"{peer.url}/mirror/{sha}", headers=headers, timeout=TIMEOUT,
+                              verify=verify()) as response:
                 if response.status_code == 200:
                     out.truncate(0)
                     out.seek(0)
@@ -210,7 +354,10 @@ def _fetch(peer: ControlPlane, model_file: ModelFile) -> bool:
 
 def sync_once() -> None:
     """One look (the module's doc): what this control plane's disk lost, holds, and lacks."""
-    here = me()
+    try:
+        here = me()
+    except Removed:
+        return  # not one of the control planes now (its heartbeat says so)
     actor = f"control-plane:{here.name}"
     held = set(FileCopy.objects.filter(control_plane=here).values_list("file__sha256", flat=True))
     lacking = []
@@ -264,10 +411,20 @@ def start() -> None:
 
 
 def _heartbeat() -> None:
-    if not getattr(_heartbeat, "retired", False):
-        retire_former()
-        _heartbeat.retired = True
-    me()
+    """This control plane heard from; a new token made where one was asked for through another control plane."""
+    global _said_removed
+    try:
+        if not getattr(_heartbeat, "retired", False):
+            retire_former()
+            _heartbeat.retired = True
+        plane = me()
+    except Removed as exc:
+        if _said_removed != token():
+            log.warning("%s", exc)
+            _said_removed = token()
+        return
+    if plane.rotation_asked_at is not None:
+        rotate_own(f"control-plane:{plane.name}")
 
 
 def _every(seconds: float, work) -> None:

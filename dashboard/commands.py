@@ -20,6 +20,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mirror import": ("mirror-import", "POST /api/v1/model-files/"),  # and Mirror: Upload (multipart "file")
     "mirror list": ("mirror", "GET /api/v1/model-files/"),
     "mirror ls": ("mirror", "GET /api/v1/model-files/"),  # and GET /api/v1/control-planes/: where each file is
+    "control-plane list": ("mirror", "GET /api/v1/control-planes/"),
+    "control-plane remove": ("control-plane-remove", "DELETE /api/v1/control-planes/{name}/"),
+    "control-plane token": ("control-plane-token", "POST /api/v1/control-planes/{name}/token/"),
     "ctl nodes": ("nodes", "GET /api/v1/nodes/"),
     "ctl drain": ("node-drain", "POST /api/v1/nodes/{name}/drain/"),
     "ctl undrain": ("node-undrain", "POST /api/v1/nodes/{name}/undrain/"),

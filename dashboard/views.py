@@ -159,7 +159,7 @@ def _engines(request) -> dict:
 def _mirror(request) -> dict:
     planes = list(peers.listed())
     for plane in planes:
-        plane.alive = peers.alive(plane)
+        plane.alive, plane.this = peers.alive(plane), peers.is_this(plane)
     files = ModelFile.objects.annotate(used=Count("models")).order_by("name").prefetch_related("copies__control_plane")
     return {"files": files, "planes": planes}
 
@@ -547,6 +547,20 @@ def mirror_upload(request):
         raise FormError("file: choose a model file to upload")
     model_file, created = operations.import_uploaded_file(uploaded, _actor(request), name=request.POST.get("name", "").strip() or None)
     return f"{model_file.name} {'uploaded' if created else 'already in the mirror'}: sha256 {model_file.sha256}"
+
+
+@action("mirror", admin=True)
+def control_plane_remove(request, name: str):
+    removal = operations.remove_control_plane(name, _actor(request), force=request.POST.get("force") == "1")
+    orphaned = f"; on no control plane now: {', '.join(removal.orphaned)}" if removal.orphaned else ""
+    return f"control plane {name} removed: its token no longer opens /mirror{orphaned}"
+
+
+@action("mirror", admin=True)
+def control_plane_token(request, name: str):
+    if operations.rotate_control_plane_token(name, _actor(request)).now:
+        return f"control plane {name}: a new token; the old one no longer opens /mirror"
+    return f"control plane {name} makes itself a new token at its worker's next heartbeat; its old one works until then"
 
 
 def _expires_in(request):

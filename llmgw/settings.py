@@ -339,6 +339,8 @@ LLMGW_IMPORT_DIRS = [d for d in envstr("LLMGW_IMPORT_DIRS", str(LLMGW_HOME / "im
 LLMGW_CONTROL_PLANE_URL = envstr("LLMGW_CONTROL_PLANE_URL", "").strip().rstrip("/")
 LLMGW_CONTROL_PLANE_NAME = envstr("LLMGW_CONTROL_PLANE_NAME", "").strip()[:100]
 LLMGW_MIRROR_SYNC = envfloat("LLMGW_MIRROR_SYNC", 5.0, 0.0, 3600.0)
+# The CA (a PEM file) the other control planes' https certificates are checked against; empty: the public CAs.
+LLMGW_CONTROL_PLANE_CA = envstr("LLMGW_CONTROL_PLANE_CA", "").strip()
 CONTROL_PLANE_TOKEN = control_plane_token(LLMGW_HOME)  # what it shows the others; kept in LLMGW_HOME
 
 # Gateway knobs.

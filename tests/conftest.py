@@ -91,3 +91,18 @@ def channel_layer_at(settings):
         assert channel_layers.backends == {}
 
     return point
+
+
+@pytest.fixture
+def this_control_plane(settings, tmp_path):
+    """The test process as control plane cp-1 (needs the database), its token in an LLMGW_HOME of its own, as an
+    installation keeps it: the file `control-plane-token`."""
+    from cluster import peers
+
+    home = tmp_path / "cp-1-home"
+    home.mkdir()
+    (home / peers.TOKEN_FILE).write_text(f"lcp_cp-1-{tmp_path.name}")
+    settings.LLMGW_HOME = home
+    settings.LLMGW_CONTROL_PLANE_URL = "http://cp-1.test:8000"
+    settings.LLMGW_CONTROL_PLANE_NAME = "cp-1"
+    return peers.me()

@@ -10,8 +10,19 @@ import struct
 from django.contrib.auth.models import User
 from django.utils import timezone
 
-from cluster import operations
-from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
+from cluster import operations, peers
+from cluster.models import (
+    ControlPlane,
+    EngineVersion,
+    Event,
+    FileCopy,
+    Model,
+    ModelFile,
+    Node,
+    Profile,
+    Replica,
+    RevokedControlPlaneToken,
+)
 
 _seq = itertools.count(1)
 EMPTY_GGUF = b"GGUF" + struct.pack("<IQQ", 3, 0, 0)  # a valid GGUF v3 header with no tensors and no metadata
@@ -69,6 +80,17 @@ def make_file(name: str | None = None, size: int = 100 * 1024**2, gguf: dict | N
     return ModelFile.objects.create(name=name, size=size, gguf=gguf, **fields)
 
 
+def make_control_plane(name: str, token: str | None = None, holds: tuple[ModelFile, ...] = (),
+                       **fields) -> ControlPlane:
+    """Another control plane (token `lcp_<name>` unless given), holding `holds`."""
+    fields.setdefault("seen_at", timezone.now())
+    fields.setdefault("url", f"http://{name}.test:8000")
+    plane = ControlPlane.objects.create(name=name, token_hash=peers.hash_token(token or f"lcp_{name}"), **fields)
+    for model_file in holds:
+        FileCopy.objects.create(file=model_file, control_plane=plane, verified_at=timezone.now())
+    return plane
+
+
 def make_profile(name: str | None = None, **fields) -> Profile:
     return Profile.objects.create(name=name or f"profile-{next(_seq)}", **fields)
 
@@ -101,7 +123,8 @@ def make_replica(model: Model, node: Node | None = None, state: str = Replica.St
 
 def row_counts() -> dict[str, int]:
     """Rows of everything an operation could change: equal before and after a refused request."""
-    tables = (Node, Profile, EngineVersion, ModelFile, Model, Replica, Event, User)
+    tables = (Node, Profile, EngineVersion, ModelFile, Model, Replica, Event, User, ControlPlane, FileCopy,
+              RevokedControlPlaneToken)
     return {cls.__name__: cls.objects.count() for cls in tables}
 
 

@@ -21,8 +21,8 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.utils import timezone
 
-from cluster.models import EngineVersion, Event, Model, Node, Profile
-from tests.factories import make_file, make_model, make_node, make_replica, make_user
+from cluster.models import ControlPlane, EngineVersion, Event, Model, Node, Profile
+from tests.factories import make_control_plane, make_file, make_model, make_node, make_replica, make_user
 
 
 @pytest.fixture(autouse=True)
@@ -179,6 +179,8 @@ CHANGES = [
     (["ctl", "settings", "--drain-grace", "5"], "change the cluster settings"),
     (["ctl", "engine-key", "rotate"], "rotate the engine key"),
     (["user", "add", "u9", "--role", "viewer"], "add users"),
+    (["control-plane", "remove", "cp-2"], "remove control planes"),
+    (["control-plane", "token", "cp-2"], "give control planes new tokens"),
 ]
 
 
@@ -191,6 +193,36 @@ def test_a_viewer_may_look_and_not_change(cluster, args, doing):
         remote(cluster, *args, token=viewer)
     assert str(refused.value) == f"your role (viewer) may not {doing}"
     assert Event.objects.count() == events
+
+
+def test_control_planes_are_listed_removed_and_given_new_tokens_the_same_from_anywhere(cluster, this_control_plane):
+    old = timezone.now() - timedelta(hours=3)
+    held = make_file("held.gguf")
+    for name in ("cp-lcl", "cp-rmt"):
+        make_control_plane(name, seen_at=old, holds=(held,))
+    ControlPlane.objects.filter(name="cp-1").update(seen_at=old, url="")
+    for args in (["control-plane", "list"], ["control-plane", "list", "--json"]):
+        assert remote(cluster, *args) == run(*args)
+    assert run("control-plane", "list").splitlines() == [
+        "NAME    URL                                  STATUS                 SEEN  FILES  FLAGS",
+        "cp-1    - (the others cannot fetch from it)  not heard from lately  3h    0      this one",
+        "cp-lcl  http://cp-lcl.test:8000              not heard from lately  3h    1",
+        "cp-rmt  http://cp-rmt.test:8000              not heard from lately  3h    1"]
+    said = run("control-plane", "token", "cp-lcl")
+    assert said == ("control plane cp-lcl makes itself a new token when its worker runs again (not heard from for "
+                    "3h); its old token works until then (`llmgw control-plane remove cp-lcl` cuts it off at once)\n")
+    same(said, remote(cluster, "control-plane", "token", "cp-rmt"), "lcl", "rmt")
+    assert "new token asked" in run("control-plane", "list")
+    said = run("control-plane", "remove", "cp-lcl")
+    assert said == "control plane cp-lcl removed: its token no longer opens /mirror; the 1 file(s) it held forgotten\n"
+    assert remote(cluster, "control-plane", "remove", "cp-rmt") == (
+        "control plane cp-rmt removed: its token no longer opens /mirror; the 1 file(s) it held forgotten; on no "
+        "control plane now: held.gguf (import them again)\n")
+    assert list(held.copies.all()) == [] and ControlPlane.objects.get().name == "cp-1"
+    with pytest.raises(CommandError, match="cp-1 is the one this runs on"):
+        run("control-plane", "remove", "cp-1")
+    assert run("control-plane", "token", "cp-1") == (
+        "control plane cp-1: a new token, written to its LLMGW_HOME; the old one no longer opens /mirror\n")
 
 
 def test_adding_a_model_says_how_it_scales_in_plain_words(cluster):

@@ -58,10 +58,13 @@ def exception_handler(exc, context):
 
 
 @contextmanager
-def refused(reads_files: bool = False):
-    """An operation's refusal as the API's answer (see the module's docstring)."""
+def refused(reads_files: bool = False, named: bool = False):
+    """An operation's refusal as the API's answer (see the module's docstring). `named`: the operation looks up
+    what the URL names, so its NotFound is the 404."""
     try:
         yield
+    except NotFound as exc:
+        raise (exceptions.NotFound(str(exc)) if named else as_api_error(exc)) from None
     except OperationError as exc:
         raise as_api_error(exc) from None
     except OSError as exc:

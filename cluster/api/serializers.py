@@ -293,14 +293,37 @@ class ModelFileSerializer(serializers.ModelSerializer):
 class ControlPlaneSerializer(serializers.ModelSerializer):
     files = serializers.IntegerField(read_only=True, help_text="model files its mirror holds")
     alive = serializers.SerializerMethodField(help_text=f"heard from in the last {peers.ALIVE} s")
+    this = serializers.SerializerMethodField(help_text="the control plane that answered this request")
+    rotation_asked_at = serializers.DateTimeField(
+        read_only=True, allow_null=True, help_text="when a new token was asked for, not yet made by its worker")
 
     class Meta:
         model = ControlPlane
-        fields = ["name", "url", "seen_at", "alive", "files"]
+        fields = ["name", "url", "seen_at", "alive", "files", "this", "rotation_asked_at"]
         read_only_fields = fields
 
     def get_alive(self, plane) -> bool:
         return peers.alive(plane)
+
+    def get_this(self, plane) -> bool:
+        return peers.is_this(plane)
+
+
+class ControlPlaneTokenSerializer(ControlPlaneSerializer):
+    rotated = serializers.BooleanField(help_text="true: made at once (the request came to that control plane); "
+                                                 "false: asked for, made by its worker at its next heartbeat")
+
+    class Meta(ControlPlaneSerializer.Meta):
+        fields = [*ControlPlaneSerializer.Meta.fields, "rotated"]
+        read_only_fields = fields
+
+
+class ControlPlaneRemovedSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    files = serializers.IntegerField(help_text="the copies of model files it held, forgotten with it")
+    orphaned = serializers.ListField(child=serializers.CharField(),
+                                     help_text="the model files it alone held: now on no control plane")
+    alive = serializers.BooleanField(help_text="it was heard from lately: it still runs, cut off from the others")
 
 
 class ModelFileImportSerializer(StrictSerializer):

@@ -25,7 +25,9 @@ from cluster.api.model_serializers import (
 from cluster.api.serializers import (
     ClusterSettingsSerializer,
     ClusterSettingsUpdateSerializer,
+    ControlPlaneRemovedSerializer,
     ControlPlaneSerializer,
+    ControlPlaneTokenSerializer,
     EngineCreateSerializer,
     EngineKeyRotatedSerializer,
     EngineKeyShownSerializer,
@@ -313,13 +315,37 @@ class ModelFileViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedVi
         return self.shown(model_file, status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
 
-class ControlPlaneViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
-    """The control planes, each with its own mirror of model files (docs/high-availability.md)."""
+class ControlPlaneViewSet(mixins.ListModelMixin, NamedViewSet):
+    """The control planes, each with its own mirror of model files (docs/high-availability.md). Removing one or
+    giving it a new token needs the admin role."""
 
+    required_role = "admin"
     serializer_class = ControlPlaneSerializer
 
     def get_queryset(self):
         return peers.listed()
+
+    @extend_schema(
+        parameters=[OpenApiParameter("force", bool, description="even the control plane answering this request")],
+        responses={200: ControlPlaneRemovedSerializer},
+    )
+    def destroy(self, request, name=None):
+        """Forget it: its token no longer opens /mirror, and what it said it held goes. The control plane answering
+        the request is refused (409) unless `force`."""
+        force = flag_param(request, "force")
+        with refused(named=True):
+            removal = operations.remove_control_plane(name, self.actor, force=force)
+        return Response(ControlPlaneRemovedSerializer(removal).data)
+
+    @extend_schema(request=None, responses={200: ControlPlaneTokenSerializer})
+    @action(detail=True, methods=["post"])
+    def token(self, request, name=None):
+        """A new token, made by that control plane: at once where it is the one answering (the old token stops
+        working), else by its worker at its next heartbeat (`rotation_asked_at` until then)."""
+        with refused(named=True):
+            rotation = operations.rotate_control_plane_token(name, self.actor)
+        rotation.plane.rotated = rotation.now
+        return Response(ControlPlaneTokenSerializer(rotation.plane).data)
 
 
 @extend_schema(

@@ -6,6 +6,7 @@ importable from here. Client keys and usage are the gateway's (gateway.operation
 """
 
 from cluster.errors import Conflict, NotFound, OperationError, Unavailable
+from cluster.operations.control_planes import Removal, Rotation, remove_control_plane, rotate_control_plane_token
 from cluster.operations.engines import add_engine, set_engine
 from cluster.operations.files import import_model_file, import_uploaded_file, resolve_file
 from cluster.operations.models import (
@@ -53,7 +54,9 @@ __all__ = [
     "Conflict",
     "NotFound",
     "OperationError",
+    "Removal",
     "RestartQueued",
+    "Rotation",
     "Unavailable",
     "add_engine",
     "add_model",
@@ -66,6 +69,7 @@ __all__ = [
     "drain_node",
     "import_model_file",
     "import_uploaded_file",
+    "remove_control_plane",
     "remove_model",
     "remove_node",
     "remove_profile",
@@ -73,6 +77,7 @@ __all__ = [
     "reset_node_token",
     "resolve_file",
     "restart_replicas",
+    "rotate_control_plane_token",
     "rotate_engine_key",
     "set_engine",
     "set_model",

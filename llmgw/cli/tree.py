@@ -37,6 +37,7 @@ from llmgw.cli.args import (
 from llmgw.cli.completion import add_completion
 from llmgw.cli.login import login, logout
 from llmgw.cli.cluster_settings import engine_key_rotate, engine_key_show, settings_show_or_set
+from llmgw.cli.control_planes import control_plane_list, control_plane_remove, control_plane_token
 from llmgw.cli.events import events_list
 from llmgw.cli.keys import keys_create, keys_list, keys_revoke, keys_set, usage_list
 from llmgw.cli.mirror import mirror_import, mirror_list
@@ -172,6 +173,20 @@ def build(parser) -> None:
     p = mirror.add_parser("list", aliases=["ls"], help="list model files and the control planes holding them")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=mirror_list)
+
+    plane = sub.add_parser("control-plane", help="the control planes and their tokens").add_subparsers(
+        dest="control_plane_command", required=True, parser_class=OneLineParser, metavar="ACTION"
+    )
+    p = plane.add_parser("list", help="list the control planes: address, last seen, files held")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=control_plane_list)
+    p = plane.add_parser("remove", help="forget a control plane: its token stops working, its files' records go")
+    p.add_argument("name")
+    p.add_argument("--force", action="store_true", help="even the control plane this command runs on")
+    p.set_defaults(func=control_plane_remove)
+    p = plane.add_parser("token", help="a new token for a control plane, made by it (the old one stops working)")
+    p.add_argument("name")
+    p.set_defaults(func=control_plane_token)
 
     p = sub.add_parser("status", help="the cluster's summary")
     p.add_argument("--json", action="store_true")

@@ -9,9 +9,9 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 from django.test import AsyncClient
 
-from cluster import mirror
+from cluster import mirror, operations, peers
 from cluster.models import Node
-from tests.factories import make_file, make_node, make_user
+from tests.factories import make_control_plane, make_file, make_node, make_user
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
 
@@ -162,3 +162,12 @@ async def test_operators_and_admins_download(stored, role):
     response = await fetch(stored, client, token=None, Range="bytes=7-")
     assert response.status_code == 206
     assert await body(response) == DATA[7:]
+
+
+async def test_a_control_plane_s_token_opens_it_until_removed_or_replaced(stored, this_control_plane):
+    await sync_to_async(make_control_plane)("cp-2")
+    mine = peers.token()
+    assert [(await fetch(stored, token=t)).status_code for t in ("lcp_cp-2", mine)] == [200, 200]
+    await sync_to_async(operations.remove_control_plane)("cp-2", "test")
+    await sync_to_async(operations.rotate_control_plane_token)("cp-1", "test")
+    assert [(await fetch(stored, token=t)).status_code for t in ("lcp_cp-2", mine, peers.token())] == [401, 401, 200]

@@ -8,12 +8,20 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from cluster import operations
+from cluster import operations, peers
 from cluster.models import ClusterSettings, EngineVersion, Event, Model, Node, Replica
 from dashboard.views import PAGES
 from gateway import budgets
 from gateway.models import ApiKey, Usage
-from tests.factories import make_file, make_model, make_node, make_replica, row_counts, session_for
+from tests.factories import (
+    make_control_plane,
+    make_file,
+    make_model,
+    make_node,
+    make_replica,
+    row_counts,
+    session_for,
+)
 
 HTMX = {"HTTP_HX_REQUEST": "true"}
 
@@ -426,6 +434,26 @@ def test_profiles_engines_mirror(op, tmp_path, settings):
     body = op.post("/mirror/import/", {"path": str(path)}, **HTMX).content.decode()
     assert "m.bin imported: sha256" in body and "1000 B" in body
     assert "path: the model file" in op.post("/mirror/import/", {"path": ""}, **HTMX).content.decode()
+
+
+def test_control_planes_on_the_mirror_page_are_removed_and_given_new_tokens_by_admins(op, this_control_plane):
+    make_control_plane("cp-2", holds=(make_file("alone.gguf"),))
+    admin = session_for("admin")
+    page = admin.get("/mirror/").content.decode()
+    assert "(this one)" in page and "/mirror/control-planes/cp-2/token/" in page
+    assert "/mirror/control-planes/cp-1/remove/" in page
+    assert "/mirror/control-planes/" not in op.get("/mirror/").content.decode()  # an operator sees no such button
+    before = row_counts()
+    assert op.post("/mirror/control-planes/cp-2/remove/", **HTMX).status_code == 403
+    body = admin.post("/mirror/control-planes/cp-1/remove/", **HTMX).content.decode()
+    assert "msg error" in body and "cp-1 is the one this runs on" in body and row_counts() == before
+    body = admin.post("/mirror/control-planes/cp-2/token/", **HTMX).content.decode()
+    assert "cp-2 makes itself a new token at its worker&#x27;s next heartbeat" in body and "(new token asked)" in body
+    body = admin.post("/mirror/control-planes/cp-2/remove/", **HTMX).content.decode()
+    assert "control plane cp-2 removed: its token no longer opens /mirror; on no control plane now: alone.gguf" in body
+    assert not peers.is_peer("lcp_cp-2") and 'data-control-plane="cp-2"' not in body
+    body = admin.post("/mirror/control-planes/cp-1/remove/", {"force": "1"}, **HTMX).content.decode()
+    assert "control plane cp-1 removed" in body and not peers.is_peer(peers.token())
 
 
 def test_events_filter(op):

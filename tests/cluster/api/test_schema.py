@@ -55,6 +55,8 @@ def test_schema_covers_every_endpoint(schema):
         ("/api/v1/engines/{name}/", "patch"),
         ("/api/v1/model-files/", "get"),
         ("/api/v1/control-planes/", "get"),
+        ("/api/v1/control-planes/{name}/", "delete"),
+        ("/api/v1/control-planes/{name}/token/", "post"),
         ("/api/v1/model-files/", "post"),
         ("/api/v1/model-files/{sha256}/", "get"),
         ("/api/v1/events/", "get"),
