@@ -84,3 +84,18 @@ def test_a_messages_stream_with_a_ping_first_and_nothing_else_of_its_start():
         final = reading.get_final_message()
     assert text == "Hello there" and final.content[0].text == text
     assert (final.usage.input_tokens, final.usage.output_tokens) == (9, 2)  # the estimate; the deltas counted
+
+
+def test_deltas_of_two_types_without_event_lines_each_get_their_own_fields():
+    """A delta is completed as the one before it was only where its bytes up to `"delta"` name the same type."""
+    completer = ResponsesEvents()
+    events = [sse("response.output_item.added", item=item("msg_a")),
+              sse("response.content_part.added", part={"type": "output_text", "text": ""}),
+              b'data: {"delta":"one","type":"response.output_text.delta"}',
+              b'data: {"delta":"two","type":"response.output_text.delta"}',
+              b'data: {"delta":"{}","type":"response.function_call_arguments.delta"}']
+    sent = [json.loads(line[6:]) for line in through(completer, events).split(b"\n") if line.startswith(b"data: ")]
+    assert [(e["type"], e.get("content_index"), e.get("logprobs")) for e in sent[2:]] == [
+        ("response.output_text.delta", 0, []), ("response.output_text.delta", 0, []),
+        ("response.function_call_arguments.delta", None, None)]
+    assert [e["sequence_number"] for e in sent] == [0, 1, 2, 3, 4]
