@@ -36,7 +36,9 @@ SLOT_PROMPT_SIMILARITY = 0.7
 # prompts, before any slot samples: a turn whose conversation is cached waited for the whole of another slot's cold
 # prefill (seconds on a CPU), which undid what prefix routing saved. At 128 it waits for 128 tokens of it at most
 # (docs/routing.md measures both, and what it costs a long cold prompt: bench/cold_prompt.py). A profile's
-# batch size, or its own flag, wins. Not for a model that embeds or reranks: each input must fit one batch.
+# batch size, or its own flag, wins. Not for a model that embeds or reranks: each input must fit one batch. Nor for
+# a replica on a GPU (a GPU engine's, or a profile offloading layers, --gpu-layers not 0): there prefill does not
+# take decode's CPU, a step of 2,048 tokens costs little more than one of 128, and llama.cpp's own default stays.
 DEFAULT_BATCH = 128
 # what a model serves: the gateway's APIs (gateway/surfaces.py), then the inputs beyond text it takes
 CAPABILITIES = ("chat", "completions", "embeddings", "messages", "responses", "rerank", "images", "audio")
@@ -189,6 +191,14 @@ def _llama_capabilities(embeddings: bool, multimodal: bool, rerank: bool = False
     return tuple(c for c in CAPABILITIES if c in wanted)
 
 
+def _small_batch(spec: dict, args: dict) -> bool:
+    """Whether a llama.cpp replica is started with DEFAULT_BATCH: its profile sets no batch size, it neither embeds
+    nor reranks, and it runs on the CPU (not a GPU engine's, placed on a GPU, nor offloading layers to one)."""
+    on_gpu = ((spec.get("engine") or {}).get("device") == "gpu" or spec.get("gpu_index") is not None
+              or (args.get("gpu_layers") or 0) != 0)  # -1: all of them
+    return args.get("batch_size") is None and not _pools(args) and not on_gpu
+
+
 def _pools(args: dict) -> bool:
     """A llama.cpp profile that embeds or reranks (xllamacpp's `--param embedding=true` too)."""
     return _has_flag(args, "--embeddings", "--embedding", "--reranking", "--rerank") or any(
@@ -243,7 +253,7 @@ class LlamaCpp(EngineDriver):
         for flag, key in (("-c", "context_size"), ("-t", "threads"), ("-ngl", "gpu_layers"), ("-b", "batch_size")):
             if args.get(key) is not None:
                 argv += [flag, str(args[key])]
-        if args.get("batch_size") is None and not _pools(args):
+        if _small_batch(spec, args):
             argv += ["-b", str(DEFAULT_BATCH)]
         if args.get("parallel"):
             argv += ["-np", str(args["parallel"])]
@@ -298,7 +308,7 @@ class XLlamaCpp(EngineDriver):
         ):
             if args.get(key) is not None:
                 argv += [flag, str(args[key])]
-        if args.get("batch_size") is None and not _pools(args):
+        if _small_batch(spec, args):
             argv += ["--batch-size", str(DEFAULT_BATCH)]
         argv += ["--slot-prompt-similarity", str(SLOT_PROMPT_SIMILARITY)]
         return argv + _extra(spec)

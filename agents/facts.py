@@ -15,6 +15,9 @@ from agents.protocol import Facts, Gpu
 from agents.units import parse_size
 
 AGENT_VERSION = "0.1.0"
+# llmgw is on no package index: a node installs the wheel built from the checkout (the README's fleet steps)
+BUILD_WHEEL = "python -m pip wheel --no-deps -w dist ."
+INSTALL_WHEEL = f'pip install "llmgw-{AGENT_VERSION}-py3-none-any.whl[xllamacpp]"'
 MIB = 1024**2
 
 def parse_gpus(text: str) -> list[int]:

@@ -21,7 +21,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from agents.facts import parse_size
+from agents.facts import BUILD_WHEEL, INSTALL_WHEEL, parse_size
 from agents.units import parse_duration
 from cluster import operations, peers, queries
 from cluster.clients import agents_url
@@ -107,7 +107,7 @@ def _nodes(request) -> dict:
             "cpus": node.cpus, "cpus_used": used.cores(node.pk),
         })
     server = agents_url(request)
-    return {"rows": rows, "server": server}
+    return {"rows": rows, "server": server, "build_wheel": BUILD_WHEEL, "install_wheel": INSTALL_WHEEL}
 
 
 def _models(request) -> dict:
@@ -358,7 +358,8 @@ def node_add(request):
     node, token = operations.add_node(request.POST.get("name", "").strip(), _actor(request))
     server = agents_url(request)
     command = operations.agent_command(server, token)
-    return f"node {node.name} added; start its agent with the command below (the token is shown once)", {
+    return (f"node {node.name} added; on that machine, install llmgw from the wheel built in the checkout "
+            f"({INSTALL_WHEEL}) and start its agent with the command below (the token is shown once)"), {
         "once": {"label": f"agent command for {node.name}", "value": command}}
 
 

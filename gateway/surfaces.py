@@ -11,10 +11,12 @@ stream, and how an error looks to the client's SDK (OpenAI's `{"error": {...}}`,
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.errors import GatewayError, error_response
 from gateway.http import Answer, json_answer
+from gateway.streams import MessagesEvents, ResponsesEvents
 
 OPENAI, ANTHROPIC = "openai", "anthropic"
 
@@ -67,6 +69,8 @@ class Surface:
     flavour: str = OPENAI  # whose errors and streams
     generates: bool = True  # a completion: its max tokens count toward a key's tokens per minute
     done_event: bytes = b"data: [DONE]"  # how the event that ends a stream begins
+    # a stream's events completed for the SDKs' accumulators, made per stream from (model, prompt tokens about)
+    completer: Callable[[str, int], Callable[[bytes], bytes]] | None = None
 
     def error(self, exc: GatewayError) -> Answer:
         if self.flavour == ANTHROPIC:
@@ -127,10 +131,11 @@ SURFACES = {
         Surface("chat/completions", "chat", ("messages",), ("max_tokens", "max_completion_tokens", "n_predict")),
         Surface("completions", "completions", ("prompt",), ("max_tokens", "max_completion_tokens", "n_predict")),
         Surface("embeddings", "embeddings", ("input",), generates=False),
-        Surface("messages", "messages", ("messages",), ("max_tokens",), ANTHROPIC, done_event=b"event: message_stop"),
+        Surface("messages", "messages", ("messages",), ("max_tokens",), ANTHROPIC, done_event=b"event: message_stop",
+                completer=MessagesEvents),
         Surface("messages/count_tokens", "messages", ("messages",), flavour=ANTHROPIC, generates=False),
         Surface("responses", "responses", ("input",), ("max_output_tokens",),
-                done_event=b"event: response.completed"),
+                done_event=b"event: response.completed", completer=ResponsesEvents),
         Surface("rerank", "rerank", ("query", "documents"), generates=False),
     )
 }

@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import re
-import secrets
 import time
 
 from cluster import throttle
@@ -584,7 +583,8 @@ async def _stream(gw, call, surface, payload, wants_usage: bool):
         call.finish(response.status)
         return Answer(content, response.status, response.content_type)
 
-    state = {"finished": False, "settled": False, "done_sent": False, "released": False, "begun": False}
+    state = {"finished": False, "settled": False, "done_sent": False, "released": False}
+    complete = surface.completer(call.model, call.prompt_about) if surface.completer is not None else None
 
     def release() -> None:
         """The replica is done with the request: once, when the engine's [DONE] arrives (before the client has it:
@@ -623,11 +623,7 @@ async def _stream(gw, call, surface, payload, wants_usage: bool):
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
                     if _keep_event(call, surface, event, wants_usage):
-                        out.append(event + b"\n\n")
-                if out and not state["begun"]:
-                    state["begun"] = True
-                    if surface.path == "messages" and not out[0].startswith((b"event: message_start", b"event: error")):
-                        out.insert(0, _message_start(call))
+                        out.append((complete(event) if complete is not None else event) + b"\n\n")
                 if out:
                     last = any(e.startswith(surface.done_event) for e in out)
                     if last:
@@ -636,29 +632,26 @@ async def _stream(gw, call, surface, payload, wants_usage: bool):
                     # asked for more: the [DONE] went out. A client that hangs up now got the whole stream
                     state["done_sent"] = state["done_sent"] or last
             if buffer.strip():
-                yield buffer
+                yield complete(buffer) if complete is not None else buffer
             state["finished"], status = True, 200
         except ReadTimeout:
             status = 504
-            yield surface.error_event(GatewayError(504, "upstream_timeout", f"replica {upstream.replica} stopped sending"))
+            yield _ending(surface, complete, GatewayError(504, "upstream_timeout",
+                                                          f"replica {upstream.replica} stopped sending"))
         except UpstreamError as exc:
             status = 502
-            yield surface.error_event(GatewayError(502, "upstream_error",
-                                                   f"replica {upstream.replica} broke off: {_describe(exc)}"))
+            yield _ending(surface, complete, GatewayError(502, "upstream_error",
+                                                          f"replica {upstream.replica} broke off: {_describe(exc)}"))
         finally:
             settle(200 if status == 499 and state["done_sent"] else status)
 
     return Streamed(events(), settle)
 
 
-def _message_start(call) -> bytes:
-    """The `message_start` a Messages stream must open with, for an engine that left it out: llama.cpp's server
-    does now and then (its first token a character still incomplete), and Anthropic's SDK then has no message to
-    build. Its input tokens are llmgw's estimate; the engine's `message_delta` gives the output tokens."""
-    message = {"id": f"msg_llmgw_{secrets.token_hex(12)}", "type": "message", "role": "assistant", "content": [],
-               "model": call.model, "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": call.prompt_about, "output_tokens": 0}}
-    return f"event: message_start\ndata: {json.dumps({'type': 'message_start', 'message': message})}\n\n".encode()
+def _ending(surface, complete, exc: GatewayError) -> bytes:
+    """The error that ends a stream the engine broke off, completed as the stream's other events were."""
+    event = surface.error_event(exc)
+    return complete(event[:-2]) + b"\n\n" if complete is not None else event
 
 
 # a chunk that carries a token: OpenAI's and Anthropic's deltas, and the Responses API's text deltas

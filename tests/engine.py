@@ -2,7 +2,7 @@
 
     LLMGW_ENGINE_KEY=k python tests/engine.py --port N [--host H] [--load-seconds S] [--fail-after S]
         [--exit-code C] [--ignore-sigterm] [--answer TEXT] [--model-path P] [--model-name M] [--delay-ms MS]
-        [--no-auth] [--echo-body]
+        [--no-auth] [--echo-body] [--sparse]
 
 Every endpoint but /health needs `Authorization: Bearer <LLMGW_ENGINE_KEY>`. While loading (the first
 --load-seconds) /health and /v1/models answer 503, like llama-server. Answers are the words of --answer, one word
@@ -11,6 +11,11 @@ a test can tell replicas apart. With --echo-body, a non-streamed answer carries 
 received>, "headers": <the request headers>}`, and a body with `"test_engine_status": N` is answered with status N
 and an OpenAI-shaped error (a test's way to make an engine fail one request); `"test_engine_error": {"status": N,
 ...}` is answered with status N and `{"error": {...}}` of the rest, as a real engine words its refusals.
+
+It answers Anthropic's Messages (/v1/messages) and OpenAI's Responses (/v1/responses) too, streamed with every
+event and field their APIs define; with --sparse, streamed as an engine that leaves out what llama.cpp's server
+leaves out, and more: no `event:` lines, no `sequence_number`, `output_index`, `content_index`, `logprobs` nor
+`item_id` in a Responses stream, no `message_start`, `content_block_start` nor `index` in a Messages stream.
 """
 
 from __future__ import annotations
@@ -117,9 +122,9 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("X-Test-Engine", str(self.engine.args.port))
         self.end_headers()
 
-    def _event(self, data) -> None:
+    def _event(self, data, kind: str = "") -> None:
         text = data if isinstance(data, str) else json.dumps(data)
-        payload = f"data: {text}\n\n".encode()
+        payload = ((f"event: {kind}\n" if kind else "") + f"data: {text}\n\n").encode()
         self.wfile.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
         self.wfile.flush()
 
@@ -154,6 +159,8 @@ class Handler(BaseHTTPRequestHandler):
             "/v1/chat/completions": self.chat,
             "/v1/completions": self.completions,
             "/v1/embeddings": self.embeddings,
+            "/v1/messages": self.anthropic_messages,
+            "/v1/responses": self.openai_responses,
         }
         # Read the whole body first: the connection is kept alive, so none of it may be left for the next request.
         length = int(self.headers.get("Content-Length") or 0)
@@ -237,6 +244,83 @@ class Handler(BaseHTTPRequestHandler):
     def completions(self, body: dict) -> None:
         self._generate(body, chat=False)
 
+    def _typed(self, kind: str, data: dict, sparse: tuple[str, ...] = ()) -> None:
+        """One event of a Messages or Responses stream: its `event:` line and every field, or with --sparse
+        neither the line nor the fields named."""
+        data = {"type": kind, **data}
+        if self.engine.args.sparse:
+            self._event({k: v for k, v in data.items() if k not in sparse})
+        else:
+            self._event(data, kind)
+
+    def _end_typed_stream(self) -> None:  # no [DONE]: their last event says it
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def anthropic_messages(self, body: dict) -> None:
+        """Anthropic's Messages, one word per token."""
+        words, finish = self.engine.words(body.get("max_tokens"))
+        usage = {"input_tokens": _count(body.get("messages")), "output_tokens": len(words)}
+        stop = "max_tokens" if finish == "length" else "end_turn"
+        message = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
+                   "model": body.get("model") or self.engine.model, "stop_sequence": None}
+        if not body.get("stream"):
+            self._pause()
+            text = {"type": "text", "text": " ".join(words)}
+            self._send_json(200, {**message, "content": [text], "stop_reason": stop, "usage": usage})
+            return
+        self._start_stream()
+        if not self.engine.args.sparse:
+            start = {**message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 0}}
+            self._typed("message_start", {"message": start})
+            self._typed("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        for i, word in enumerate(words):
+            self._pause()
+            delta = {"type": "text_delta", "text": word if i == 0 else " " + word}
+            self._typed("content_block_delta", {"index": 0, "delta": delta}, ("index",))
+        self._typed("content_block_stop", {"index": 0}, ("index",))
+        self._typed("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None},
+                                      "usage": {"output_tokens": len(words)}})
+        self._typed("message_stop", {})
+        self._end_typed_stream()
+
+    def openai_responses(self, body: dict) -> None:  # (BaseHTTPRequestHandler has `responses`)
+        """OpenAI's Responses, one word per token."""
+        words, _ = self.engine.words(body.get("max_output_tokens"))
+        prompt = _count(body.get("input")) + _count(body.get("instructions"))
+        rid, mid = "resp_" + uuid.uuid4().hex[:24], "msg_" + uuid.uuid4().hex[:24]
+        text = " ".join(words)
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        item = {"id": mid, "type": "message", "status": "completed", "role": "assistant", "content": [part]}
+        usage = {"input_tokens": prompt, "output_tokens": len(words), "total_tokens": prompt + len(words)}
+        response = {"id": rid, "object": "response", "created_at": int(time.time()), "status": "completed",
+                    "model": body.get("model") or self.engine.model, "output": [item], "usage": usage}
+        if not body.get("stream"):
+            self._pause()
+            self._send_json(200, response)
+            return
+        self._start_stream()
+        sequence = iter(range(1 << 30))
+        in_item = {"output_index": 0, "content_index": 0, "item_id": mid}  # where a part's event is
+
+        def event(kind: str, **data) -> None:
+            self._typed(kind, {**data, "sequence_number": next(sequence)},
+                        ("sequence_number", "output_index", "content_index", "item_id", "logprobs"))
+
+        begun = {**response, "status": "in_progress", "output": [], "usage": None}
+        event("response.created", response=begun)
+        event("response.in_progress", response=begun)
+        event("response.output_item.added", output_index=0, item={**item, "status": "in_progress", "content": []})
+        event("response.content_part.added", **in_item, part={**part, "text": ""})
+        for i, word in enumerate(words):
+            self._pause()
+            event("response.output_text.delta", **in_item, delta=word if i == 0 else " " + word, logprobs=[])
+        event("response.output_text.done", **in_item, text=text, logprobs=[])
+        event("response.content_part.done", **in_item, part=part)
+        event("response.output_item.done", output_index=0, item=item)
+        event("response.completed", response=response)
+        self._end_typed_stream()
+
     def embeddings(self, body: dict) -> None:
         inputs = body.get("input")
         inputs = [inputs] if isinstance(inputs, str) else inputs
@@ -276,6 +360,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--linger-ms", type=float, default=0.0, help="pause after [DONE] before a stream's end")
     p.add_argument("--no-auth", action="store_true", help="answer without the key (an engine the agent must refuse)")
     p.add_argument("--echo-body", action="store_true", help="echo the request in answers; obey test_engine_status")
+    p.add_argument("--sparse", action="store_true", help="stream Messages and Responses leaving fields out")
     return p
 
 

@@ -43,6 +43,23 @@ def test_the_site_builds_strict(site):
         assert (site / page).is_file(), page
 
 
+def test_the_docs_are_served_beside_llmgw_run():
+    """`mkdocs serve` while `./llmgw-run` runs: each on its own port, and the README and the site say where."""
+    from mkdocs.config import load_config
+
+    from llmgw.cli.args import OneLineParser
+    from llmgw.cli.tree import build
+
+    parser = OneLineParser(prog="llmgw")
+    build(parser)
+    up = parser.parse_args(["up"])
+    served = load_config(config_file=str(ROOT / "mkdocs.yml")).dev_addr
+    assert (served.host, up.host) == ("127.0.0.1", "127.0.0.1") and served.port != up.port
+    for page in (ROOT / "README.md", DOCS / "index.md", DOCS / "testing.md"):
+        text = " ".join(page.read_text().split())
+        assert "mkdocs serve" in text and f"http://127.0.0.1:{served.port}/" in text, page
+
+
 def test_the_readme_is_read_in_five_minutes():
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines <= 260, f"README.md has {lines} lines: move the detail into docs/"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from agents.facts import BUILD_WHEEL, INSTALL_WHEEL
 from llmgw.cli.output import age, as_json, now, size, table
 
 
@@ -14,7 +15,10 @@ def node_add(o, out):
     api = o["api"]
     node = api.post("nodes/", {"name": o["name"], **_agents_url(o, api)}, doing="add nodes")
     out.write(f"node {node['name']} added; its token (shown once): {node['token']}\n")
-    out.write(f"on that machine (pip install llmgw, or the wheel built from the checkout), run:\n"
+    out.write(f"on that machine, install llmgw from its wheel (built in the checkout with `{BUILD_WHEEL}`, "
+              f"then copied over; llmgw is on no package index):\n"
+              f"  {INSTALL_WHEEL}\n"
+              f"and start its agent:\n"
               f"  {node['agent_command']}\n")
 
 
@@ -27,7 +31,8 @@ def node_token(o, out):
     api = o["api"]
     shown = api.post(f"nodes/{o['name']}/token/", _agents_url(o, api), doing="give nodes new tokens")
     out.write(f"node {shown['name']}: new token (shown once; the old one no longer works): {shown['token']}\n")
-    out.write(f"  {shown['agent_command']}\n")
+    out.write(f"start its agent again, on that machine:\n"
+              f"  {shown['agent_command']}\n")
 
 
 def nodes_list(o, out):

@@ -329,7 +329,8 @@ def build(parser) -> None:
         p.add_argument("--context-size", type=int)
         p.add_argument("--threads", type=int)
         p.add_argument("--gpu-layers", type=int)
-        p.add_argument("--batch-size", type=int)
+        p.add_argument("--batch-size", type=int, help="default: 128 for llama.cpp on a CPU; on a GPU (a GPU engine, "
+                                                      "--gpu-layers not 0) or embedding, llama.cpp's own")
         p.add_argument("--parallel", type=int)
         p.add_argument("--extra", help="extra engine flags, as one quoted string")
         p.set_defaults(func=func)

@@ -11,7 +11,7 @@ from agents.engines import DRIVERS, SLOT_PROMPT_SIMILARITY, Command, driver_for,
 KEY = "lek_secret-engine-key"
 
 
-def spec(kind="llama.cpp", binary="", command="", gpu_index=None, **args):
+def spec(kind="llama.cpp", binary="", command="", gpu_index=None, device="cpu", **args):
     profile = {
         "context_size": 4096,
         "threads": 8,
@@ -24,7 +24,7 @@ def spec(kind="llama.cpp", binary="", command="", gpu_index=None, **args):
     return {
         "name": "smollm2-3f2a91c0",
         "model": "smollm2",
-        "engine": {"name": "e", "kind": kind, "version": "", "device": "cpu", "binary": binary, "command": command},
+        "engine": {"name": "e", "kind": kind, "version": "", "device": device, "binary": binary, "command": command},
         "args": profile,
         "file": {"sha256": "a" * 64, "name": "m.gguf", "size": 1, "url": "http://x/mirror/" + "a" * 64},
         "port": 20001,
@@ -117,16 +117,33 @@ def test_llama_cpp_leaves_out_unset_arguments_and_takes_a_binary():
     assert argv[-6:] == ["-c", "4096", "-b", "128", "-np", "2"]  # llmgw's batch when the profile sets none
 
 
-def test_llama_cpp_batches_128_unless_the_profile_says_or_the_model_embeds():
+def test_llama_cpp_batches_128_on_a_cpu_unless_the_profile_says_or_the_model_embeds():
     """A cached turn waits for at most 128 tokens of another slot's cold prompt (docs/routing.md); an embedding
     or rerank input must fit one batch, so those keep the engine's own."""
     for kind, flag in (("llama.cpp", "-b"), ("xllamacpp", "--batch-size")):
-        argv = DRIVERS[kind].command(spec(kind, batch_size=None, extra_args=[]), "/m", 20002)
+        argv = DRIVERS[kind].command(spec(kind, batch_size=None, gpu_layers=None, extra_args=[]), "/m", 20002)
         assert argv[argv.index(flag) + 1] == "128"
-        argv = DRIVERS[kind].command(spec(kind, batch_size=512, extra_args=[]), "/m", 20002)
+        argv = DRIVERS[kind].command(spec(kind, batch_size=None, gpu_layers=0, extra_args=[]), "/m", 20002)
+        assert argv[argv.index(flag) + 1] == "128"
+        argv = DRIVERS[kind].command(spec(kind, batch_size=512, gpu_layers=None, extra_args=[]), "/m", 20002)
         assert argv.count(flag) == 1 and argv[argv.index(flag) + 1] == "512"
         for pooling in (["--embeddings"], ["--reranking"], ["--embeddings", "--pooling", "rank"]):
-            assert flag not in DRIVERS[kind].command(spec(kind, batch_size=None, extra_args=pooling), "/m", 20002)
+            argv = DRIVERS[kind].command(spec(kind, batch_size=None, gpu_layers=None, extra_args=pooling), "/m", 1)
+            assert flag not in argv
+
+
+@pytest.mark.parametrize("on_gpu", [{"device": "gpu", "gpu_index": 0, "gpu_layers": None},  # llama.cpp-gpu's
+                                    {"device": "gpu", "gpu_index": 0, "gpu_layers": 99},
+                                    {"gpu_layers": 99}, {"gpu_layers": -1}],  # a CPU engine's profile offloading
+                         ids=["gpu engine", "gpu engine offloading", "layers offloaded", "all layers offloaded"])
+def test_a_replica_on_a_gpu_keeps_llama_cpps_own_batch(on_gpu):
+    """Prefill does not take decode's CPU there, and a step of 2,048 tokens costs little more than one of 128:
+    no -b at all (llama.cpp's default); a profile's batch size still goes on."""
+    for kind, flag in (("llama.cpp", "-b"), ("xllamacpp", "--batch-size")):
+        argv = DRIVERS[kind].command(spec(kind, batch_size=None, extra_args=[], **on_gpu), "/m", 20002)
+        assert flag not in argv, argv
+        argv = DRIVERS[kind].command(spec(kind, batch_size=128, extra_args=[], **on_gpu), "/m", 20002)
+        assert argv[argv.index(flag) + 1] == "128"
 
 
 def test_engine_key_goes_by_environment_not_argv():

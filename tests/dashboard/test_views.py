@@ -127,8 +127,12 @@ def test_drain_and_undrain(op):
     assert "no node named" in op.post("/nodes/nope/drain/", **HTMX).content.decode()
 
 
-def test_add_a_node_shows_the_agent_command_once(op):
+def test_add_a_node_shows_the_wheel_to_install_and_the_agent_command_once(op):
+    page = op.get("/nodes/").content.decode()  # what the README's fleet steps say: llmgw is on no package index
+    assert "<code>python -m pip wheel --no-deps -w dist .</code>" in page
+    assert "<code>pip install &quot;llmgw-0.1.0-py3-none-any.whl[xllamacpp]&quot;</code>" in page
     body = op.post("/nodes/add/", {"name": "gpu-9"}, **HTMX).content.decode()
+    assert "install llmgw from the wheel built in the checkout (pip install &quot;llmgw-0.1.0-py3-none-any.whl" in body
     assert re.search(r"LLMGW_AGENT_TOKEN=lnt_\S+ llmgw agent --server http://testserver<", body)
     assert Node.objects.filter(name="gpu-9").exists()
     assert "lnt_" not in op.get("/nodes/").content.decode()

@@ -1,7 +1,7 @@
 """The APIs coding agents and RAG pipelines speak, through the real web process to llama.cpp's server (xllamacpp,
 SmolLM2): Anthropic's Messages with the official `anthropic` SDK (create, stream, count_tokens, each typed error),
-OpenAI's Responses with the official `openai` SDK (create, stream), and rerank on an engine started with rank
-pooling; their usage in the access log."""
+OpenAI's Responses with the official `openai` SDK (create, stream), each read by its SDK's stream helper too, and
+rerank on an engine started with rank pooling; their usage in the access log."""
 
 import importlib.util
 import time
@@ -52,10 +52,10 @@ def test_messages_with_the_anthropic_sdk(system, agents):
     assert message.type == "message" and message.content[0].text.strip()
     assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) > 0
     assert 0 < message.usage.output_tokens <= 12
-    with agents.claude.messages.stream(model=CHAT, max_tokens=12, messages=HELLO) as stream:
+    with agents.claude.messages.stream(model=CHAT, max_tokens=12, messages=HELLO) as stream:  # as its docs show
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
-    assert text.strip() and final.usage.output_tokens > 0
+    assert text.strip() and final.content[0].text == text and final.usage.output_tokens > 0
     counted = agents.claude.messages.count_tokens(model=CHAT, messages=HELLO, system="Be brief.")
     assert counted.input_tokens > 0
     # the key's cap on generation holds for Messages' max_tokens
@@ -113,6 +113,11 @@ def test_responses_with_the_openai_sdk(system, agents):
                                                  max_output_tokens=12, stream=True))
     assert events[-1].type == "response.completed" and events[-1].response.usage.output_tokens > 0
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta").strip()
+    # the SDK's stream helper, as its docs show: it indexes by fields llama.cpp's server leaves out
+    with agents.openai.responses.stream(model=CHAT, input=HELLO, max_output_tokens=12) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert text.strip() and final.output_text == text and 0 < final.usage.output_tokens <= 12
     with pytest.raises(openai.BadRequestError) as refused:  # needs state no engine keeps: a 400, never a 502
         agents.openai.responses.create(model=CHAT, input="and then?", previous_response_id=response.id)
     assert "previous_response_id" in refused.value.message
