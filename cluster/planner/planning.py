@@ -75,7 +75,7 @@ class Planner(HandOver, Reasons, Evictions):
         self.lost: set[int] = set()
         self.returning: list[NodeView] = []  # silent, within the lost grace: its agent may be on its way back
         for n in sorted(s.nodes, key=lambda n: (n.name, n.id)):
-            silent = None if n.last_seen is None else now - n.last_seen
+            silent = None if n.last_seen is None else now - n.last_seen - self._away(n.last_seen)
             alive = n.connected and silent is not None and silent <= s.node_tolerance
             if alive:
                 self.alive.add(n.id)
@@ -89,6 +89,13 @@ class Planner(HandOver, Reasons, Evictions):
                 self.lost.add(n.id)
             else:
                 self.returning.append(n)
+
+    def _away(self, last_seen: float) -> float:
+        """Seconds since `last_seen` that no control plane was there to hear the node (Snapshot.away)."""
+        if self.s.away is None:
+            return 0.0
+        begun, ended = self.s.away
+        return max(0.0, min(ended, self.s.now) - max(begun, last_seen))
 
     def _replicas(self) -> dict[int, list[ReplicaView]]:
         """Fail what went with a lost node; group the rest by model; account memory and spread."""

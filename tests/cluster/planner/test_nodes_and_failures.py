@@ -150,3 +150,22 @@ def test_a_connected_node_without_room_and_one_on_its_way_back():
     assert unplaceable.waiting_for_room
     assert unplaceable.reason == "needs 4.0 GiB RAM; the most free is 2.0 GiB on a; waiting for node b to reconnect"
 
+
+def test_the_time_no_control_plane_ran_is_not_a_nodes_silence():
+    """Stopped for five minutes and started again: the node's agent has the tolerance and the lost grace to
+    reconnect, counted from the restart, and what it runs is not failed meanwhile."""
+    away = (NOW - 290, NOW - 3)
+    replicas = [rep(1, 1, 1, READY)]
+    killed = node(1, "a", seen=NOW - 300)  # the control plane was killed: nobody marked the node disconnected
+    assert plan(snap([killed], [model(1)], replicas, away=away)) == []
+    assert plan(snap([killed], [model(1)], replicas)) == [
+        MarkNodeDisconnected(1, "no word from the agent for 300s"), Fail(1, "node a lost"),
+        Unplaceable(1, None, "no node is connected", 4 * GiB), SetModelNote(1, "no node is connected")]
+    stopped = node(1, "a", connected=False, seen=NOW - 300)  # `llmgw up` stopped: its agent first, its engines
+    (unplaceable,) = of(plan(snap([stopped], [model(1)], away=away)), Unplaceable)
+    assert unplaceable.waiting_for_room
+    later = replace(snap([killed], [model(1)], replicas, away=away), now=NOW + 13)  # 16 s after the restart
+    assert plan(later) == [MarkNodeDisconnected(1, "no word from the agent for 26s")]
+    # a node already silent past the grace when the control plane went away is lost as it was
+    silent_before = node(1, "a", connected=False, seen=NOW - 360)
+    assert of(plan(snap([silent_before], [model(1)], replicas, away=away)), Fail) == [Fail(1, "node a lost")]
