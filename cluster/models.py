@@ -433,6 +433,11 @@ class ClusterSettings(models.Model):
     engine_key = models.CharField(max_length=128, blank=True, default="")
     previous_engine_key = models.CharField(max_length=128, blank=True, default="")
     updated_at = models.DateTimeField(auto_now=True)
+    # the reconciler's last pass (written every few seconds), and the last stretch with none, when every control
+    # plane was stopped: a node's silence then is not counted against it (cluster.reconciler.watch)
+    watched_at = models.DateTimeField(null=True, blank=True)
+    away_from = models.DateTimeField(null=True, blank=True)
+    away_until = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         verbose_name_plural = "cluster settings"

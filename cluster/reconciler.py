@@ -32,6 +32,7 @@ LAST_RUN_KEY = "llmgw:reconcile:last"
 # lets another run begin beside it, which each replica change's conditional update makes safe
 LOCK_TTL = 10
 DEFAULT_PORT_RANGE = (20000, 20999)
+WATCH_EVERY = 5  # seconds between a pass's writes of ClusterSettings.watched_at (a pass is every few seconds)
 
 
 def _int(value) -> int:
@@ -137,6 +138,8 @@ def take_snapshot(now=None) -> planner.Snapshot:
         serving_stopped=cluster.serving_stopped,
         node_tolerance=settings.LLMGW_NODE_TOLERANCE,
         node_lost_grace=settings.LLMGW_NODE_LOST_GRACE,
+        away=(cluster.away_from.timestamp(), cluster.away_until.timestamp())
+        if cluster.away_from and cluster.away_until else None,
         drain_grace=cluster.drain_grace_seconds,
         inflight=inflight.totals(redis_client()),
         min_resident=cluster.min_resident_seconds,
@@ -385,9 +388,33 @@ class _Applier:
         record("model.removed", ACTOR, f"model {name} removed: all its replicas stopped", subject=name)
 
 
+def watch(now) -> None:
+    """This pass watches the nodes: said in the database every WATCH_EVERY seconds. The last pass longer ago than
+    the interval, the node tolerance and that allow means no control plane ran meanwhile (all were stopped): the
+    stretch is kept (`away_from`, `away_until`), and the planner does not count it as any node's silence, so
+    after a restart every agent has its tolerance and lost grace to reconnect, and its node's replicas are not
+    failed (nor requests for them refused) while it does."""
+    cluster = ClusterSettings.load()
+    last = cluster.watched_at
+    gap = None if last is None else (now - last).total_seconds()
+    if gap is not None and gap < WATCH_EVERY:
+        return
+    rows = ClusterSettings.objects.filter(pk=cluster.pk, watched_at=last)  # one pass says it, should two race
+    if gap is None or gap <= cluster.reconcile_interval_seconds + settings.LLMGW_NODE_TOLERANCE + WATCH_EVERY:
+        rows.update(watched_at=now)
+        return
+    with transaction.atomic():
+        if rows.update(watched_at=now, away_from=last, away_until=now):
+            record("control_plane.away", ACTOR, f"the reconciler runs again after {int(gap)}s with none: the nodes' "
+                   "silence meanwhile is not counted (their agents reconnect within the node tolerance, "
+                   f"{settings.LLMGW_NODE_TOLERANCE}s, and their replicas count for the lost grace, "
+                   f"{settings.LLMGW_NODE_LOST_GRACE}s)", away_seconds=int(gap))
+
+
 def reconcile_once() -> int:
     """One pass: snapshot, autoscale, plan, apply. Returns how many actions were applied."""
     now = timezone.now()
+    watch(now)
     snapshot, scaled = autoscaler.scale(take_snapshot(now), redis_client())
     actions = planner.plan(snapshot)
     if not actions:

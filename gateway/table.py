@@ -125,7 +125,7 @@ def load() -> Table:
         elif state in (Replica.State.DRAINING, Replica.State.STOPPING, Replica.State.STOPPED):
             making_room.add(model)
         elif state == Replica.State.PENDING and node_id is None:
-            if waiting_for_room:  # an eviction makes room for it: worth waiting for
+            if waiting_for_room:  # an eviction makes room for it, or a node reconnects: worth waiting for
                 coming[model] = coming.get(model, 0) + 1
             else:
                 unplaced[model] = unplaced.get(model, 0) + 1

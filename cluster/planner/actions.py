@@ -39,7 +39,7 @@ class Unplaceable:
     replica_id: int | None
     reason: str
     memory_bytes: int = 0
-    waiting_for_room: bool = False  # room is coming (an eviction): its model's requests wait for it
+    waiting_for_room: bool = False  # room is coming (an eviction, a node reconnecting): its model's requests wait
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from cluster.planner.snapshot import (
     STOPPING,
     TERMINAL,
     ModelView,
+    NodeView,
     ReplicaView,
     Snapshot,
 )
@@ -72,8 +73,9 @@ class Planner(HandOver, Reasons, Evictions):
         self.nodes_by_name = {n.name: n for n in s.nodes}
         self.alive: set[int] = set()
         self.lost: set[int] = set()
+        self.returning: list[NodeView] = []  # silent, within the lost grace: its agent may be on its way back
         for n in sorted(s.nodes, key=lambda n: (n.name, n.id)):
-            silent = None if n.last_seen is None else now - n.last_seen
+            silent = None if n.last_seen is None else now - n.last_seen - self._away(n.last_seen)
             alive = n.connected and silent is not None and silent <= s.node_tolerance
             if alive:
                 self.alive.add(n.id)
@@ -85,6 +87,15 @@ class Planner(HandOver, Reasons, Evictions):
                 self.actions.append(MarkNodeDisconnected(n.id, reason))
             if silent is None or silent > s.node_lost_grace:
                 self.lost.add(n.id)
+            else:
+                self.returning.append(n)
+
+    def _away(self, last_seen: float) -> float:
+        """Seconds since `last_seen` that no control plane was there to hear the node (Snapshot.away)."""
+        if self.s.away is None:
+            return 0.0
+        begun, ended = self.s.away
+        return max(0.0, min(ended, self.s.now) - max(begun, last_seen))
 
     def _replicas(self) -> dict[int, list[ReplicaView]]:
         """Fail what went with a lost node; group the rest by model; account memory and spread."""
@@ -209,6 +220,8 @@ class Planner(HandOver, Reasons, Evictions):
                 room = self._room_for(m, self.by_model, why)
                 self.actions.extend(room.evict)
                 coming, why = room.coming, room.reason
+            if not coming and (back := self._coming_back(m)):
+                coming, why = True, f"{why}; waiting for {back} to reconnect"
             return why
 
         for r in unplaced:
@@ -229,6 +242,22 @@ class Planner(HandOver, Reasons, Evictions):
             reason = reason or no_room()
             act(Unplaceable(m.id, None, reason, memory_bytes=m.memory_bytes, waiting_for_room=coming))
         return reason
+
+    def _coming_back(self, m: ModelView) -> str:
+        """The nodes not connected now but heard from within the lost grace where the model could go, named ('':
+        none). Agents reconnect on their own schedule (a few seconds after a control plane restarts): a replica
+        that waits for one is on its way, and its model's requests wait for it."""
+        used, names = self._used, []
+        for n in self.returning:
+            if not n.schedulable or n.draining or m.engine_kind not in n.engines or (m.nodes and n.name not in m.nodes):
+                continue
+            ns = NodeState(n, used.ram(n.id), used.gpus(n.id, len(n.gpus)), used.cores(n.id))
+            room = any(free >= m.memory_bytes for free in ns.free_gpu) if m.uses_gpu else ns.free_ram >= m.memory_bytes
+            if room and ns.cpu_fits(m.threads):
+                names.append(n.name)
+        if not names:
+            return ""
+        return f"node {names[0]}" if len(names) == 1 else f"nodes {', '.join(names)}"
 
     def _orphans(self, replicas: list[ReplicaView]) -> None:
         """Replicas of a model the snapshot does not have: stop them."""

@@ -84,6 +84,9 @@ class Snapshot:
     serving_stopped: bool = False
     node_tolerance: float = 15.0  # a connected node silent this long is disconnected
     node_lost_grace: float = 60.0  # a disconnected node's replicas stop counting after this long
+    # the last stretch (from, until; epoch seconds) no control plane watched the nodes (it was down): a node's
+    # silence then is not counted, so after a restart every agent has its tolerance and lost grace to reconnect
+    away: tuple[float, float] | None = None
     drain_grace: float = 300.0
     inflight: Mapping[str, int] = field(default_factory=dict)  # replica name -> requests in flight
     min_resident: float = 30.0  # seconds an on-demand model's replica serves before it may be evicted

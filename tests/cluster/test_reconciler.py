@@ -284,6 +284,58 @@ def test_a_node_whose_report_waited_on_a_lock_past_the_lost_grace_keeps_its_repl
     assert not Event.objects.filter(kind__in=("replica.failed", "node.disconnected")).exists()
 
 
+def test_after_every_control_plane_was_stopped_the_agents_have_their_grace_to_reconnect(db):
+    """Stopped for five minutes, then started again; the first pass comes before any agent has reconnected. The
+    nodes' silence while nothing listened is not theirs: the replicas a node ran are not failed (its agent would
+    stop their engines), and a replica that only a node on its way back can take waits for it (its requests
+    wait: tests/gateway/views/test_errors.py), where it would otherwise be unplaceable."""
+    now = timezone.now()
+    killed = make_agent_node("gpu-1", port_range=(21000, 21009))  # nobody marked it disconnected
+    running = make_replica(make_model("m1", replicas=1, memory_bytes=GIB, nodes=["gpu-1"]), killed, S.READY)
+    stopped = make_agent_node("gpu-2")  # its agent was stopped first (`llmgw up`'s Ctrl-C): disconnected
+    wanted = make_model("m2", replicas=1, memory_bytes=GIB, nodes=["gpu-2"])
+    Node.objects.filter(pk=killed.pk).update(last_seen=now - timedelta(seconds=302))
+    Node.objects.filter(pk=stopped.pk).update(connected=False, last_seen=now - timedelta(seconds=303))
+    ClusterSettings.objects.update(watched_at=now - timedelta(seconds=300))
+    reconciler.reconcile_once()
+    running.refresh_from_db()
+    assert running.state == S.READY
+    assert Node.objects.get(pk=killed.pk).connected
+    [waiting] = Replica.objects.filter(model=wanted)
+    assert (waiting.node_id, waiting.waiting_for_room) == (None, True)
+    assert waiting.reason == "allowed nodes (gpu-2) are not connected; waiting for node gpu-2 to reconnect"
+    [away] = Event.objects.filter(kind="control_plane.away")
+    assert "after 300s with none" in away.message and away.data == {"away_seconds": 300}
+    assert kinds() == ["control_plane.away", "replica.waiting"]
+
+    # gpu-2's agent reconnects: its replica is placed there; gpu-1's never does: lost after the grace, as ever
+    reports.connected(stopped, "10.0.0.2")
+    reconciler.reconcile_once()
+    waiting.refresh_from_db()
+    assert waiting.node_id == stopped.pk and not waiting.waiting_for_room
+    later = timezone.now() + timedelta(seconds=61)
+    Node.objects.filter(pk=stopped.pk).update(last_seen=later)
+    ClusterSettings.objects.update(watched_at=later - timedelta(seconds=4))  # passes ran meanwhile
+    actions = reconciler.planner.plan(reconciler.take_snapshot(later))
+    assert planner.Fail(running.pk, "node gpu-1 lost") in actions
+
+
+def test_a_pass_a_little_late_is_no_control_plane_away(db):
+    ClusterSettings.load()
+    assert reconciler.reconcile_once() == 0
+    first = ClusterSettings.objects.get().watched_at
+    assert first is not None
+    reconciler.reconcile_once()
+    assert ClusterSettings.objects.get().watched_at == first  # written every few seconds, not on every pass
+    # the interval, the tolerance and the write's own few seconds, less one
+    late = first - timedelta(seconds=5 + 15 + reconciler.WATCH_EVERY - 1)
+    ClusterSettings.objects.update(watched_at=late)
+    reconciler.reconcile_once()
+    assert ClusterSettings.objects.get().watched_at > first
+    assert ClusterSettings.objects.get().away_from is None
+    assert not Event.objects.exists()
+
+
 def test_scaling_down_drains_the_surplus_then_stops_it(nodes):
     model = make_model("m1", replicas=2, memory_bytes=GIB)
     reconciler.reconcile_once()

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -114,7 +115,8 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
             return done if done.usage.completion_tokens == 6 and done.choices[0].finish_reason == "length" else None
 
         wait_for(held_to_six, 30, what="the cap to reach the gateway: 6 tokens, finish_reason length")
-        cli("ctl", "model", "set", "smollm2", "--max-tokens", "4096")
+        # (and a wait for a replica past a loaded machine's agent reconnecting and engine loading, for `up` again)
+        cli("ctl", "model", "set", "smollm2", "--max-tokens", "4096", "--wait", "90")
         outcomes: list[str] = []
         done = threading.Event()
 
@@ -237,7 +239,19 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
             env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:
-        wait_for(lambda: "llmgw is up" in out_path.read_text(), 120, what="up to start again")
+        wait_for(lambda: "llmgw is up" in out_path.read_text(), 120, interval=0.05, what="up to start again")
+
+        # requests from the moment it says "up", before its agent has reconnected (a few seconds): each waits for
+        # the replica the node will take, as for one starting; none is refused 503 "no node is connected"
+        def asked(i: int) -> str:
+            time.sleep(i * 0.5)
+            answer = httpx.post(f"{url}/v1/chat/completions", json={**chat, "max_tokens": 2}, timeout=120,
+                                headers={"Authorization": f"Bearer {secret}"})
+            return "ok" if answer.status_code == 200 else f"{answer.status_code} {answer.text}"
+
+        with ThreadPoolExecutor(8) as pool:
+            answered = list(pool.map(asked, range(8)))  # over the first 3.5 s
+        assert answered == ["ok"] * 8, answered
         (new,) = wait_for(smollm2_ready, 120, what="a new demo replica to be ready")
         assert new["name"] != replica["name"]
         reps = {r["name"]: r for r in json.loads(cli("ctl", "replicas", "--all", "--json"))}

@@ -12,12 +12,12 @@ from django.utils import timezone
 from prometheus_client import generate_latest
 
 from agents.ports import free_port
-from cluster import operations
-from cluster.models import Event, Replica
+from cluster import operations, reconciler, reports
+from cluster.models import Event, Node, Replica
 from gateway import operations as gateway_operations
 from gateway.models import ApiKey
 from gateway.runtime import runtime
-from tests.factories import make_model, make_replica
+from tests.factories import make_model, make_replica, node_facts
 from tests.gateway.views.harness import (
     MESSAGES,
     Client,
@@ -195,6 +195,34 @@ async def test_a_request_waits_for_a_replica_that_becomes_ready(cluster, client)
     assert not done, "it waits for the replica on its way, not answering 503 at once"
 
     await sync_to_async(becomes_ready)(replica)
+    response = await asyncio.wait_for(waiting, 15)
+    assert response.status_code == 200, response.content
+
+
+async def test_a_request_waits_for_a_replica_whose_node_is_on_its_way_back(cluster, client):
+    """`llmgw up` started again: its model wants a replica that only its node can take, and the node's agent
+    reconnects a few seconds after the reconciler's first pass. The request waits for that replica, as for one
+    starting, instead of 503 "no node is connected" at once."""
+    def restarted():
+        Node.objects.filter(pk=cluster.node.pk).update(connected=False, last_seen=timezone.now() - timedelta(seconds=3),
+                                                       facts=node_facts())
+        model = make_model("back", replicas=1, memory_bytes=1024**3, wait_seconds=20)
+        reconciler.reconcile_once()
+        return model
+
+    model = await sync_to_async(restarted)()
+    waiting = asyncio.create_task(chat(client, model="back"))
+    done, _ = await asyncio.wait({waiting}, timeout=0.5)
+    assert not done, "it waits for the replica its node will take, not answering 503 at once"
+
+    def agent_back():
+        reports.connected(Node.objects.get(pk=cluster.node.pk), "127.0.0.1")
+        reconciler.reconcile_once()
+        replica = Replica.objects.get(model=model, node=cluster.node)  # placed on it
+        Replica.objects.filter(pk=replica.pk).update(port=cluster.engine.port)
+        becomes_ready(replica)
+
+    await sync_to_async(agent_back)()
     response = await asyncio.wait_for(waiting, 15)
     assert response.status_code == 200, response.content
 
