@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('cluster', '0014_control_planes'),
+        ('cluster', '0015_control_plane_tokens'),
     ]
 
     operations = [
