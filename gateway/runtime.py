@@ -49,6 +49,9 @@ RECHECK_AGE = 0.02
 UNREACHABLE_FOR = 10.0
 LEDGER_INTERVAL = 1.0  # usage counted in this process goes to Redis this often
 LOOK_AGAIN = 0.25  # seconds between reloads for a key or model not in the table (look_again)
+# seconds a stopping process waits for what its ended requests left to do (settles, slots given back), and then for
+# its last usage to reach Redis: a stop is bounded whatever Redis does
+CLOSE_WAIT = 2.5
 PREFIX = Model.Routing.PREFIX
 
 _runtimes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -60,6 +63,29 @@ def runtime() -> Gateway:
     if gw is None:
         gw = _runtimes[loop] = Gateway()
     return gw
+
+
+async def close() -> None:
+    """This event loop's gateway, if it has one, stopped with its books finished (`Gateway.aclose`)."""
+    gw = _runtimes.pop(asyncio.get_running_loop(), None)
+    if gw is not None:
+        await gw.aclose()
+
+
+async def lifespan(scope, receive, send) -> None:
+    """The ASGI lifespan of a web process (llmgw.asgi): nothing to do at startup; at shutdown, once the server has
+    stopped serving, `close()`. uvicorn speaks it; under daphne, which has none, llmgw.web says it as daphne stops."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            try:
+                await close()
+            except Exception:  # the process stops anyway; said, not raised into the server's own stop
+                log.exception("the gateway did not close cleanly")
+            await send({"type": "lifespan.shutdown.complete"})
+            return
 
 
 def _background(coro) -> asyncio.Task:
@@ -102,6 +128,8 @@ class Gateway:
         self.tries = settings.LLMGW_GATEWAY_TRIES
         self._tasks: list[asyncio.Task] = []
         self._spawned: set[asyncio.Task] = set()
+        self._sharing: asyncio.Task | None = None  # _keep_inflight
+        self._closing = False  # aclose has begun: the sharing loop ends at its next turn
         self.ledger = Ledger()
         self.reach = Reach(self.redis)  # how long a request waits on Redis, and whether it is away
         self.admission = Admission(self.redis, self.reach)
@@ -117,17 +145,41 @@ class Gateway:
         self._spawned.add(task)
         task.add_done_callback(self._spawned.discard)
 
-    async def aclose(self) -> None:
-        """Stop this process's gateway: its background tasks, upstream pool and Redis client (tests; shutdown)."""
+    async def aclose(self, wait: float = CLOSE_WAIT) -> None:
+        """Stop this process's gateway with its books finished (a web process stopping, `lifespan`; tests): what
+        its ended requests left to do (settling a key's tpm and budget reservations, giving slots back: `spawn`)
+        awaited for at most `wait` seconds, its background tasks stopped, the usage counted since the last flush
+        sent to Redis and its in-flight counts taken back; then its admission, upstream pool and Redis client."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while self._spawned and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._spawned), timeout=left)
+        if self._spawned:
+            log.warning("stopping with %d task(s) of ended requests unfinished after %.1f s", len(self._spawned), wait)
+            for task in self._spawned:
+                task.cancel()
+        # the sharing loop ends at its next turn, not cancelled in a flush (which would keep what it had sent)
+        self._closing = True
+        self._wake.set()
+        if self._sharing is not None:
+            await asyncio.wait([self._sharing], timeout=max(0.1, min(1.0, deadline - loop.time())))
         # cancelled again until they end: redis-py's asyncio client now and then swallows a cancellation
         while not all(task.done() for task in self._tasks):
             for task in self._tasks:
                 task.cancel()
             await asyncio.wait(self._tasks, timeout=0.5)
+        try:
+            await asyncio.wait_for(self._last_books(), CLOSE_WAIT)
+        except Exception as exc:  # Redis away: this process's counts are lost with it
+            log.warning("stopping without sending this process's last usage to Redis (%s)", exc or type(exc).__name__)
         await self.admission.aclose()
         await self.reach.aclose()
         await self.engines.aclose()
         await self.redis.aclose()
+
+    async def _last_books(self) -> None:
+        await self.ledger.flush(self.redis)
+        await self.redis.delete(self.proc_key, self.waiting_key)  # none of its requests is in flight any more
 
     def may_look_again(self, what: str) -> bool:
         """At most once a second for `what`: True, and counted (a warning's rate)."""
@@ -224,7 +276,8 @@ class Gateway:
         loop.call_later(delay, self._refresh_soon, context=contextvars.Context())
 
     def _start_background(self) -> None:
-        self._tasks = [_background(self._listen()), _background(self._keep_inflight())]
+        self._sharing = _background(self._keep_inflight())
+        self._tasks = [_background(self._listen()), self._sharing]
 
     async def _listen(self) -> None:
         """`routing.changed` on the channel layer (cluster.notify) says when to reload: replicas, models, keys or
@@ -355,7 +408,7 @@ class Gateway:
 
     async def _keep_inflight(self) -> None:
         last_alive = last_ledger = 0.0
-        while True:
+        while not self._closing:
             self._wake.clear()
             try:
                 now = time.monotonic()

@@ -15,6 +15,7 @@ from django.urls import path  # noqa: E402
 from agents.consumers import AgentConsumer  # noqa: E402
 from dashboard.consumers import dashboard_socket  # noqa: E402
 from gateway.handler import http_router  # noqa: E402
+from gateway.runtime import lifespan  # noqa: E402
 from gateway.urls import application as gateway_application  # noqa: E402
 from cluster import control, system  # noqa: E402
 
@@ -29,6 +30,9 @@ application = ProtocolTypeRouter(
                 path("ws/dashboard/", dashboard_socket()),  # the browser's: same origin, the session's user
             ]
         ),
+        # the server's start and stop: a stopping web process finishes the gateway's books (usage, reservations,
+        # slots) before it exits. uvicorn says it; daphne has no lifespan of its own: llmgw.web says it for daphne
+        "lifespan": lifespan,
     }
 )
 

@@ -15,7 +15,12 @@ and it takes every connection it is offered. `protocol(limits)` is uvicorn's HTT
   answered). 408 if no answer has begun; an answer under way is never cut (the connection closes once it is
   done), one already sent is followed by the close;
 - at most `max_connections` connections at once, websockets included: past it a new connection is answered 503
-  with `Retry-After` at once and closed.
+  with `Retry-After` at once and closed as soon as its client has said what it was saying (so the close does not
+  reset the connection under the answer): at its end of the connection, after `REFUSED_QUIET` seconds without a
+  byte, or `REFUSED_LINGER` seconds after the refusal at most. At most `REFUSED_AT_ONCE` refused connections are
+  held so; past them one is answered and closed at once. The descriptors these take are counted apart from the
+  clients' and the process's own (its database, Redis and engine connections, `FD_RESERVE`), so a flood of
+  connections past the limit never takes the descriptors the process needs to go on serving.
 
 An accepted websocket is no longer this protocol's (uvicorn hands the connection to its websockets protocol):
 none of these timeouts reach it; its pings (every 20 s, 20 s to answer) close a dead one.
@@ -33,7 +38,9 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 log = logging.getLogger("llmgw.web")
 
-REFUSED_LINGER = 2.0  # seconds a connection refused past the limit is read (and dropped) before it is closed
+REFUSED_LINGER = 0.5  # seconds a connection refused past the limit is read (and dropped) at most before its close
+REFUSED_QUIET = 0.1  # ... and closed sooner once its client has sent nothing for this long
+REFUSED_AT_ONCE = 64  # refused connections held so at once; past them a refused connection is closed at once
 FD_RESERVE = 256  # descriptors a web process keeps for its own (database, Redis, engines, logs) beside clients'
 REFUSALS_SAID_EVERY = 10.0  # seconds between log lines about refused connections
 POLL = 1.0  # seconds between looks while the application, not the client, holds up a body
@@ -56,9 +63,11 @@ class Limits:
     def within_descriptors(self) -> Limits:
         """These limits, with the process's open-file limit raised to what they need (up to its hard limit, which
         needs no privilege: systemd's soft default is 1024), and `max_connections` lowered to what it then
-        allows, said once in the log."""
+        allows beside the process's own (`FD_RESERVE`) and the refused connections' (`REFUSED_AT_ONCE`), said
+        once in the log."""
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = self.max_connections + FD_RESERVE
+        kept = FD_RESERVE + REFUSED_AT_ONCE
+        want = self.max_connections + kept
         if soft != resource.RLIM_INFINITY and soft < want:
             new = want if hard == resource.RLIM_INFINITY else min(want, hard)
             try:
@@ -67,7 +76,7 @@ class Limits:
             except (ValueError, OSError):
                 pass
         if soft != resource.RLIM_INFINITY and soft < want:
-            fewer = max(1, soft - FD_RESERVE)
+            fewer = max(1, soft - kept)
             log.warning("at most %d connections (LLMGW_MAX_CONNECTIONS is %d): the open-file limit is %d",
                         fewer, self.max_connections, soft)
             return replace(self, max_connections=fewer)
@@ -98,27 +107,97 @@ def _answer(status: int, text: str, default_headers, extra: bytes = b"") -> byte
     return b"".join(head)
 
 
-_refusals = {"count": 0, "said_at": float("-inf")}
+class _Refusals:
+    """A server's connections past its limit: each answered 503, the answer made once for each set of default
+    headers (uvicorn makes a new one every second, for its date), at most `REFUSED_AT_ONCE` held open meanwhile,
+    and said in the log at most every `REFUSALS_SAID_EVERY` seconds, with how many (a flood of connections does
+    not become a flood of log lines)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0  # refused connections not yet closed
+        self.count = 0  # refused since the log last said so
+        self.said_at = float("-inf")
+        self._headers = None
+        self._answer = b""
+
+    def answer(self, default_headers) -> bytes:
+        if default_headers is not self._headers:
+            self._headers = default_headers
+            self._answer = _answer(503, "Too many connections to this server; try again.", default_headers,
+                                   b"retry-after: 1\r\n")
+        return self._answer
+
+    def refused(self, now: float) -> None:
+        self.count += 1
+        if now - self.said_at >= REFUSALS_SAID_EVERY:
+            log.warning("refused %d connection(s) past LLMGW_MAX_CONNECTIONS (%d) since the last word on it",
+                        self.count, self.limit)
+            self.count, self.said_at = 0, now
 
 
-def _refused(now: float, limit: int) -> None:
-    """Said in the log at most every `REFUSALS_SAID_EVERY` seconds, with how many: a flood of connections does
-    not become a flood of log lines."""
-    _refusals["count"] += 1
-    if now - _refusals["said_at"] >= REFUSALS_SAID_EVERY:
-        log.warning("refused %d connection(s) past LLMGW_MAX_CONNECTIONS (%d) since the last word on it",
-                    _refusals["count"], limit)
-        _refusals.update(count=0, said_at=now)
+class _Refused(asyncio.Protocol):
+    """A connection past the limit, and nothing more: not uvicorn's protocol, whose parser and state it never
+    needs. 503 at once, the write side shut so the client reads the whole answer; what the client still sends is
+    read and dropped (a close with it unread would reset the connection, the answer lost) until it ends its side,
+    is quiet for `REFUSED_QUIET` seconds, or `REFUSED_LINGER` seconds have passed. Past `REFUSED_AT_ONCE` held
+    so, closed at once."""
+
+    __slots__ = ("refusals", "loop", "server_state", "transport", "timer", "held", "until", "last_read")
+
+    def __init__(self, refusals: _Refusals, server_state, loop):
+        self.refusals, self.server_state, self.loop = refusals, server_state, loop
+        self.transport = self.timer = None
+        self.held = False
+        self.until = self.last_read = 0.0
+
+    def connection_made(self, transport) -> None:
+        refusals, now = self.refusals, self.loop.time()
+        self.transport = transport
+        refusals.refused(now)
+        transport.write(refusals.answer(self.server_state.default_headers))
+        if refusals.held >= REFUSED_AT_ONCE or not transport.can_write_eof():
+            transport.close()  # its descriptor back at once
+            return
+        transport.write_eof()
+        refusals.held += 1
+        self.held = True
+        self.until, self.last_read = now + REFUSED_LINGER, now
+        self.timer = self.loop.call_at(now + REFUSED_QUIET, self.look)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_read = self.loop.time()
+
+    def eof_received(self) -> bool:
+        return False  # the client said all it will: closed now
+
+    def connection_lost(self, exc) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.held:
+            self.held = False
+            self.refusals.held -= 1
+
+    def look(self) -> None:
+        now = self.loop.time()
+        quiet_until = self.last_read + REFUSED_QUIET
+        if now < self.until and now < quiet_until:
+            self.timer = self.loop.call_at(min(self.until, quiet_until), self.look)
+            return
+        self.timer = None
+        self.transport.close()
 
 
 def protocol(limits: Limits):
-    """uvicorn's httptools protocol under `limits` (the module's docstring), which also stops gracefully:
-    every request that begins once its server is stopping is answered with `Connection: close`
-    (`llmgw.web.graceful_server`)."""
+    """What makes a uvicorn server's connections (its `config.http`): uvicorn's httptools protocol under `limits`
+    (the module's docstring), which also stops gracefully: every request that begins once its server is stopping
+    is answered with `Connection: close` (`llmgw.web.graceful_server`). A connection past the limit gets a
+    `_Refused` instead."""
+    refusals = _Refusals(limits.max_connections)
 
     class Limited(HttpToolsProtocol):
         _timer: asyncio.TimerHandle | None = None
-        _refused = False
         _body_pending = False  # a request's headers are in, its body is not all in
         _request_bytes = False  # bytes of a request whose headers are not all in yet
         _last_read = 0.0
@@ -126,34 +205,21 @@ def protocol(limits: Limits):
 
         def connection_made(self, transport) -> None:
             if len(self.server_state.connections) >= limits.max_connections:
-                self._refuse(transport)
+                # accepted with others at once (the loop accepts all that wait, then makes them connections), past
+                # the room the limit had for them
+                refused = _Refused(refusals, self.server_state, self.loop)
+                transport.set_protocol(refused)
+                refused.connection_made(transport)
                 return
             super().connection_made(transport)
             self.flow = _Flow(transport, self.loop)
             self._arm(limits.header_timeout, self._headers_late)
 
-        def _refuse(self, transport) -> None:
-            """503 at once, the write side shut so the client reads the whole answer, what it still sends read
-            and dropped for a moment (closing with it unread would reset the connection, the answer lost)."""
-            self._refused = True
-            self.transport = transport
-            retry = b"retry-after: 1\r\n"
-            transport.write(_answer(503, "Too many connections to this server; try again.",
-                                    self.server_state.default_headers, retry))
-            if transport.can_write_eof():
-                transport.write_eof()
-            self._timer = self.loop.call_later(REFUSED_LINGER, transport.close)
-            _refused(self.loop.time(), limits.max_connections)
-
         def connection_lost(self, exc) -> None:
             self._disarm()
-            if self._refused:
-                return
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return
             self._last_read = self.loop.time()
             if not self._body_pending:
                 self._request_bytes = True
@@ -242,4 +308,9 @@ def protocol(limits: Limits):
                 cycle.message_event.set()
             self.transport.close()
 
-    return Limited
+    def connection(config, server_state, app_state, _loop=None) -> asyncio.Protocol:
+        if len(server_state.connections) >= limits.max_connections:
+            return _Refused(refusals, server_state, _loop or asyncio.get_running_loop())
+        return Limited(config=config, server_state=server_state, app_state=app_state, _loop=_loop)
+
+    return connection

@@ -5,11 +5,14 @@ httptools, is the default for two measured reasons: it is the faster gateway (be
 daphne's requests per second and half its added latency), and it stops gracefully (on SIGTERM it stops
 accepting, lets the requests in flight finish with `Connection: close`, then exits), so a restarted web
 process loses no request; daphne cuts the connections it holds. daphne, the server llmgw was first designed on, stays
-supported: `LLMGW_WEB_SERVER=daphne` or `llmgw up --server daphne`.
+supported: `LLMGW_WEB_SERVER=daphne` or `llmgw up --server daphne`. Either, told to stop, finishes the gateway's
+books before it exits (gateway.runtime.lifespan): uvicorn says the ASGI lifespan's shutdown once it has answered
+its last request; daphne has no lifespan, and this module's daphne says it once daphne has ended its requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 import sys
@@ -26,30 +29,25 @@ def web_argv(host: str, port: int, server: str | None = None, python: str | None
     connection is refused in between), else it binds host:port itself."""
     server = server or settings.LLMGW_WEB_SERVER
     py = python or sys.executable
-    if server == "daphne":
-        where = ["--fd", str(fd)] if fd is not None else ["-b", host, "-p", str(port)]
-        # daphne closes every websocket after a day unless told otherwise; an agent's is long-lived by design.
-        # It has no header or body timeout nor a connection limit (docs/security.md): those are uvicorn's here.
-        return [py, "-m", "daphne", "--websocket_timeout", "-1", *where, APPLICATION]
-    if server == "uvicorn":
-        # llmgw.web's own uvicorn either way, for its protocol (llmgw/uvicorn_limits.py: header and body timeouts,
-        # a connection limit) and its graceful stop. With a descriptor, not uvicorn's own --fd, which takes every
-        # descriptor for a UNIX socket: uvloop then never sets TCP_NODELAY on the connections, and each answer
-        # written in two parts waits out the client's delayed ACK (40 ms a request)
-        where = ["--fd", str(fd)] if fd is not None else ["--host", host, "--port", str(port)]
-        return [py, "-m", "llmgw.web", *where]
-    raise ValueError(f"unknown web server {server!r}: choose {' or '.join(SERVERS)}")
+    if server not in SERVERS:
+        raise ValueError(f"unknown web server {server!r}: choose {' or '.join(SERVERS)}")
+    # llmgw.web's own uvicorn, for its protocol (llmgw/uvicorn_limits.py: header and body timeouts, a connection
+    # limit) and its graceful stop. With a descriptor, not uvicorn's own --fd, which takes every descriptor for a
+    # UNIX socket: uvloop then never sets TCP_NODELAY on the connections, and each answer written in two parts
+    # waits out the client's delayed ACK (40 ms a request). llmgw.web's daphne, for the lifespan's shutdown
+    where = ["--fd", str(fd)] if fd is not None else ["--host", host, "--port", str(port)]
+    return [py, "-m", "llmgw.web", *where, *(["--server", "daphne"] if server == "daphne" else [])]
 
 
 def uvicorn_config(host: str = "127.0.0.1", port: int = 8000):
-    """The uvicorn configuration of every web process: uvloop, httptools, the `websockets` library; lifespan off
-    (the application has no startup or shutdown hooks: channels answers no lifespan scope); no access log. No
-    per-message deflate on websockets: the agents' and dashboards' messages are small, and each stream's zlib
-    state cost the web process about 0.1 MiB (500 agents: 284 → 219–232 MiB, bench/fleet.py) and CPU on every
-    message."""
+    """The uvicorn configuration of every web process: uvloop, httptools, the `websockets` library; the ASGI
+    lifespan on (at its shutdown, once the last request is answered, the gateway finishes its books:
+    gateway.runtime.lifespan); no access log. No per-message deflate on websockets: the agents' and dashboards'
+    messages are small, and each stream's zlib state cost the web process about 0.1 MiB (500 agents: 284 →
+    219–232 MiB, bench/fleet.py) and CPU on every message."""
     import uvicorn
 
-    return uvicorn.Config(APPLICATION, host=host, port=port, loop="uvloop", http="httptools", lifespan="off",
+    return uvicorn.Config(APPLICATION, host=host, port=port, loop="uvloop", http="httptools", lifespan="on",
                           access_log=False, ws="websockets", ws_per_message_deflate=False)
 
 
@@ -114,6 +112,44 @@ def serve(fd: int | None = None, host: str = "", port: int = 0) -> None:
     server.run(sockets=[socket.socket(fileno=fd)] if fd is not None else None)
 
 
+async def said_stopping(application) -> None:
+    """The ASGI lifespan's startup and shutdown, said to `application` at once: what a server without a lifespan
+    of its own (daphne) says as it stops, for the application to finish what it must (the gateway's books)."""
+    said = iter([{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
+
+    async def receive() -> dict:
+        return next(said)
+
+    async def send(message: dict) -> None:
+        pass
+
+    await application({"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}},
+                      receive, send)
+
+
+def serve_daphne(fd: int | None = None, host: str = "", port: int = 0) -> None:
+    """daphne's own command line, on the inherited socket `fd` or binding host:port, and the ASGI lifespan's
+    shutdown said once daphne has ended the requests it held (its `kill_all_applications`, what it does as it
+    stops): a web process under daphne finishes the gateway's books as one under uvicorn does."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")
+    from daphne.cli import CommandLineInterface  # first: it installs Twisted's asyncio reactor
+    from daphne.server import Server
+    from twisted.internet import defer
+
+    class Stopping(Server):
+        def kill_all_applications(self):
+            killed = super().kill_all_applications()
+            return killed.addCallback(lambda _: defer.Deferred.fromFuture(
+                asyncio.ensure_future(said_stopping(self.application))))
+
+    cli = CommandLineInterface()
+    cli.server_class = Stopping
+    # daphne closes every websocket after a day unless told otherwise; an agent's is long-lived by design. It has
+    # no header or body timeout nor a connection limit (docs/security.md): those are uvicorn's here
+    where = ["--fd", str(fd)] if fd is not None else ["-b", host, "-p", str(port)]
+    cli.run(["--websocket_timeout", "-1", *where, APPLICATION])
+
+
 def serve_workers(host: str, port: int, workers: int, server: str | None = None) -> None:
     """`workers` web processes on one listening socket this process holds, each started again when it exits
     (told to by `llmgw restart`, say): while one is on its way back, its connections wait in the socket's
@@ -156,10 +192,14 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=None,
                         help="run this many web processes on one socket this process holds (else serve it here)")
-    parser.add_argument("--server", choices=SERVERS, default=None)
+    parser.add_argument("--server", choices=SERVERS, default=None,
+                        help="daphne, or uvicorn (the default here; with --workers: LLMGW_WEB_SERVER)")
     args = parser.parse_args()
     if args.fd is not None or args.workers is None:
-        serve(args.fd, args.host, args.port)
+        if args.server == "daphne":
+            serve_daphne(args.fd, args.host, args.port)
+        else:
+            serve(args.fd, args.host, args.port)
     else:
         os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")  # the settings name the default server
         serve_workers(args.host, args.port, args.workers, args.server)

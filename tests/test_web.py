@@ -295,6 +295,14 @@ def test_a_body_the_application_is_slow_to_ask_for_is_not_the_clients_silence(sh
     assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(b"1000000")
 
 
+def server_end(address, client: socket.socket) -> bool:
+    """The server (in this process) still holds its end of `client`'s connection."""
+    import psutil
+
+    mine = client.getsockname()
+    return any(c.laddr == address and c.raddr == mine for c in psutil.Process().net_connections("tcp"))
+
+
 def test_connections_past_the_limit_are_answered_503_at_once(listener):
     running = Running(listener, Limits(20, 30, 20, max_connections=2), echo)
     try:
@@ -307,6 +315,10 @@ def test_connections_past_the_limit_are_answered_503_at_once(listener):
         third.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         got, took = until_closed(third, 5)
         assert got.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in got.lower() and took < 1
+        # the server's end let go of within a moment while the client holds on to its own: its request read, the
+        # client quiet (it was held 2 s, a descriptor each, by a flood of them)
+        wait_until(lambda: not server_end(address, third), 1.0)
+        assert not server_end(address, third)
         held.pop().close()
         wait_until(lambda: len(running.server.server_state.connections) < 2)
         fourth = dial(address)
@@ -350,19 +362,21 @@ def test_a_body_sent_after_its_answer_is_timed_too_and_then_the_connection_idles
 
 def test_the_open_file_limit_is_raised_for_the_connections_or_they_are_fewer():
     """systemd starts a service with 1024 files (the soft limit): a web process raises it to what its connection
-    limit needs, as far as the hard limit lets it, else takes fewer connections."""
+    limit needs beside its own descriptors and the refused connections' few, as far as the hard limit lets it,
+    else takes fewer connections."""
     import resource
 
-    from llmgw.uvicorn_limits import FD_RESERVE
+    from llmgw.uvicorn_limits import FD_RESERVE, REFUSED_AT_ONCE
 
+    kept = FD_RESERVE + REFUSED_AT_ONCE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard < 4096 + FD_RESERVE:
+    if hard == resource.RLIM_INFINITY or hard < 4096 + kept:
         pytest.skip(f"a hard limit of {hard} files")
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (300, hard))
         assert Limits(20, 30, 20, 4096).within_descriptors().max_connections == 4096
-        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == 4096 + FD_RESERVE
-        assert Limits(20, 30, 20, hard).within_descriptors().max_connections == hard - FD_RESERVE
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == 4096 + kept
+        assert Limits(20, 30, 20, hard).within_descriptors().max_connections == hard - kept
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

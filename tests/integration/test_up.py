@@ -210,8 +210,8 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         started = psutil.Process(up.pid).children(recursive=True)
         started.append(psutil.Process(replica["pid"]))  # the engine: its own session, not up's child
         names = " ".join(" ".join(p.cmdline()) for p in started)
-        # uvicorn on the socket `up` holds is llmgw.web's (llmgw/web.py says why), daphne its own --fd
-        web = "-m daphne" if os.environ.get("LLMGW_WEB_SERVER") == "daphne" else "-m llmgw.web"
+        # on the socket `up` holds, uvicorn or daphne, run by llmgw.web (llmgw/web.py says why)
+        web = "-m llmgw.web"
         for part in (web, "celery", "worker", "beat", "llmgw agent", "valkey-server", "xllamacpp_launcher"):
             assert part in names, part
         assert sum(1 for p in started if web in " ".join(p.cmdline())) == 2
