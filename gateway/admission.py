@@ -54,6 +54,7 @@ import os
 import secrets
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -179,6 +180,7 @@ class Admission:
         self._script = scripts.register(redis, "admission")
         self._key_slot = scripts.register(redis, "key_slot")
         self.key_slots: dict[str, int] = {}  # member -> key id: the key slots this process holds
+        self._keys_here: Counter[int] = Counter()  # key id -> its requests counted here while Redis was away
         self.waiters: dict[str, _Waiter] = {}  # by ticket
         self.leases: dict[str, Lease] = {}  # by member
         self.tickets: dict[str, tuple[str, str]] = {}  # ticket -> (model, fields): kept alive while it waits
@@ -192,6 +194,7 @@ class Admission:
         self._limits: dict[str, int] = {}  # model -> its queue limit, as last given
         self._hints: dict[str, _Hints] = {}  # model -> what its last call said
         self._kept: dict[str, list[_Kept]] = {}  # model -> slots kept for their key's next request
+        self.reach.on_back.append(self._keep_everything)
 
     def start(self) -> None:
         if not self._tasks:
@@ -469,17 +472,26 @@ class Admission:
         """One of the key's `limit` requests at once (waiting or in flight), or a 429 `concurrency_limit`."""
         self.start()
         member = f"{self.process}:{secrets.token_hex(6)}"
-        held = await self.reach.call(self._key_slot(keys=[key_slots_key(key_id)],
-                                                    args=["hold", int(LEASE_TTL * 1000), limit, member]))
-        if not int(held):
+        try:
+            held = int(await self.reach.call(self._key_slot(keys=[key_slots_key(key_id)],
+                                                            args=["hold", int(LEASE_TTL * 1000), limit, member])))
+        except RedisAway:  # counted in this process alone until Redis is back
+            self.reach.went_without()
+            held = int(self._keys_here[key_id] < limit)
+            member = "here:" + member
+        if not held:
             raise GatewayError(429, "concurrency_limit",
                                f"key {name} has {limit} requests in flight already (its max concurrency)", 1)
+        if member.startswith("here:"):
+            self._keys_here[key_id] += 1
         self.key_slots[member] = key_id
         return member
 
     async def let_key_go(self, member: str) -> None:
         key_id = self.key_slots.pop(member, None)
-        if key_id is not None:
+        if key_id is not None and member.startswith("here:"):
+            self._keys_here[key_id] -= 1
+        elif key_id is not None:
             try:
                 await self.redis.zrem(key_slots_key(key_id), member)
             except Exception as exc:  # it lapses in LEASE_TTL
@@ -513,6 +525,11 @@ class Admission:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30)
 
+    def _keep_everything(self) -> None:
+        """Every slot and ticket of this process kept alive now (Redis is back, perhaps without them)."""
+        for model in {lease.model for lease in self.leases.values()} | {m for m, _ in self.tickets.values()}:
+            self._batch(model).keep = True
+
     async def _renew(self) -> None:
         """This process's leases and tickets kept alive (those of a process that dies lapse), and any Redis lost
         added back; the grants' records read sent on their way."""
@@ -526,7 +543,8 @@ class Admission:
                 if self.key_slots:
                     by_key: dict[int, list[str]] = {}
                     for member, key_id in list(self.key_slots.items()):
-                        by_key.setdefault(key_id, []).append(member)
+                        if not member.startswith("here:"):
+                            by_key.setdefault(key_id, []).append(member)
                     async with self.redis.pipeline(transaction=False) as pipe:
                         for key_id, members in by_key.items():
                             pipe.evalsha(self._key_slot.sha, 1, key_slots_key(key_id), "keep",

@@ -37,6 +37,7 @@ class Reach:
         self.away_since: float | None = None  # monotonic; None: reachable
         self.without = 0  # requests that went on without Redis in this spell
         self._probe: asyncio.Task | None = None
+        self.on_back: list = []  # called (no arguments) once Redis answers again: what it may have lost, said again
 
     @property
     def away(self) -> bool:
@@ -84,6 +85,8 @@ class Reach:
             log.warning("Redis answers again after %.1f s away; %d request(s) went on without it meanwhile", away,
                         self.without)
             self.away_since, self.without = None, 0
+            for back in self.on_back:
+                back()
             return
 
     async def aclose(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import datetime as dt
 import logging
 import os
 import random
@@ -24,12 +25,14 @@ from django.conf import settings
 
 from cluster import events, inflight, notify, redis_options
 from cluster.models import Model
-from gateway import affinity
+from gateway import affinity, usage
 from gateway import table as routing
 from gateway.accounting import Ledger
 from gateway.admission import Admission, capacity
 from gateway.engines_http import Pool
+from gateway.limits import Limits
 from gateway.redis_reach import Reach
+from gateway.spend import Budgets
 
 log = logging.getLogger("llmgw.gateway")
 FLUSH_INTERVAL = 0.25
@@ -47,7 +50,8 @@ RECHECK_AGE = 0.02
 # the model has another: a request does not wait out the connect timeout on it again and again. Then one request
 # tries it; a replica that answers is taken back at once
 UNREACHABLE_FOR = 10.0
-LEDGER_INTERVAL = 1.0  # usage counted in this process goes to Redis this often
+LEDGER_INTERVAL = 1.0  # usage counted in this process goes to the database this often, its traffic to Redis
+CLOCK_EVERY = 30.0  # seconds between two measures of Redis's clock against this machine's
 LOOK_AGAIN = 0.25  # seconds between reloads for a key or model not in the table (look_again)
 # seconds a stopping process waits for what its ended requests left to do (settles, slots given back), and then for
 # its last usage to reach Redis: a stop is bounded whatever Redis does
@@ -129,14 +133,20 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
         self._spawned: set[asyncio.Task] = set()
         self._sharing: asyncio.Task | None = None  # _keep_inflight
+        self._booking: asyncio.Task | None = None  # _keep_books
         self._closing = False  # aclose has begun: the sharing loop ends at its next turn
+        self._closed = asyncio.Event()  # the same, for the books loop
+        self.clock_offset = 0.0  # Redis's clock less this machine's, as last measured (`now`)
+        self._clock_measured = float("-inf")
         self.ledger = Ledger()
         self.reach = Reach(self.redis)  # how long a request waits on Redis, and whether it is away
         self.admission = Admission(self.redis, self.reach)
+        self.limits = Limits(self.redis, self.reach)
+        self.budgets = Budgets(self.redis, self.reach, me)
         self.headroom = settings.LLMGW_ADMISSION_HEADROOM
         # when the last reload for each began (look_again), or the last warning was said (may_look_again)
         self._looked_again = {"key": float("-inf"), "model": float("-inf"), "stopped": float("-inf"),
-                              "admission": float("-inf")}
+                              "admission": float("-inf"), "books": float("-inf")}
         self._looking: dict[str, asyncio.Future] = {}
 
     def spawn(self, coro) -> None:
@@ -158,11 +168,13 @@ class Gateway:
             log.warning("stopping with %d task(s) of ended requests unfinished after %.1f s", len(self._spawned), wait)
             for task in self._spawned:
                 task.cancel()
-        # the sharing loop ends at its next turn, not cancelled in a flush (which would keep what it had sent)
+        # the sharing and books loops end at their next turn, not cancelled in a flush or a write
         self._closing = True
         self._wake.set()
-        if self._sharing is not None:
-            await asyncio.wait([self._sharing], timeout=max(0.1, min(1.0, deadline - loop.time())))
+        self._closed.set()
+        ending = [t for t in (self._sharing, self._booking) if t is not None]
+        if ending:
+            await asyncio.wait(ending, timeout=max(0.1, min(1.0, deadline - loop.time())))
         # cancelled again until they end: redis-py's asyncio client now and then swallows a cancellation
         while not all(task.done() for task in self._tasks):
             for task in self._tasks:
@@ -170,16 +182,68 @@ class Gateway:
             await asyncio.wait(self._tasks, timeout=0.5)
         try:
             await asyncio.wait_for(self._last_books(), CLOSE_WAIT)
-        except Exception as exc:  # Redis away: this process's counts are lost with it
-            log.warning("stopping without sending this process's last usage to Redis (%s)", exc or type(exc).__name__)
+        except Exception as exc:  # the database or Redis away: this process's last counts are lost with it
+            log.warning("stopping without this process's last usage written (%s)", exc or type(exc).__name__)
         await self.admission.aclose()
+        await self.budgets.aclose()
         await self.reach.aclose()
         await self.engines.aclose()
         await self.redis.aclose()
 
     async def _last_books(self) -> None:
-        await self.ledger.flush(self.redis)
+        await self.books()
         await self.redis.delete(self.proc_key, self.waiting_key)  # none of its requests is in flight any more
+
+    async def books(self) -> None:
+        """What this process counted since the last time: usage and last use into the database (with the spend
+        of the budgets it touched read back), traffic into Redis, and its part of every budget said again. A
+        write that failed keeps what it took for the next."""
+        rows, last_used = self.ledger.take_usage()
+        taken = self.budgets.take_unwritten()
+        if rows or last_used or taken:
+            try:
+                spent = await database_sync_to_async(usage.record)(
+                    rows, last_used, [(b.key_id, b.period, b.start) for b in taken])
+            except Exception as exc:
+                self.ledger.keep_usage(rows, last_used)
+                self.budgets.not_written(taken)
+                if self.may_look_again("books"):
+                    log.warning("could not write this process's usage to the database (%s); it is kept for the "
+                                "next write", exc)
+            else:
+                await self.budgets.written(taken, {b: spent[(b.key_id, b.period, b.start)] for b in taken})
+        if not self.reach.away:
+            await self.ledger.flush_traffic(self.redis)
+            await self.budgets.say_all()
+
+    def now(self) -> dt.datetime:
+        """The time on Redis's clock (as last measured), the one every web process reads: a key's budget period
+        begins at the same moment for all of them."""
+        return dt.datetime.fromtimestamp(time.time() + self.clock_offset, dt.timezone.utc)
+
+    async def _measure_clock(self) -> None:
+        sent = time.time()
+        seconds, micro = await self.reach.call(self.redis.time())
+        self.clock_offset = seconds + micro / 1e6 - (sent + time.time()) / 2
+
+    async def _keep_books(self) -> None:
+        while not self._closing:
+            try:
+                await asyncio.wait_for(self._closed.wait(), LEDGER_INTERVAL)
+            except TimeoutError:
+                pass
+            if self._closing:
+                return
+            try:
+                if time.monotonic() - self._clock_measured > CLOCK_EVERY and not self.reach.away:
+                    self._clock_measured = time.monotonic()
+                    await self._measure_clock()
+                await self.books()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not self.reach.away:
+                    log.warning("could not send this process's traffic and budgets to Redis (%s)", exc)
 
     def may_look_again(self, what: str) -> bool:
         """At most once a second for `what`: True, and counted (a warning's rate)."""
@@ -277,7 +341,8 @@ class Gateway:
 
     def _start_background(self) -> None:
         self._sharing = _background(self._keep_inflight())
-        self._tasks = [_background(self._listen()), self._sharing]
+        self._booking = _background(self._keep_books())
+        self._tasks = [_background(self._listen()), self._sharing, self._booking]
 
     async def _listen(self) -> None:
         """`routing.changed` on the channel layer (cluster.notify) says when to reload: replicas, models, keys or
@@ -407,7 +472,7 @@ class Gateway:
         self._shared_at = read_at
 
     async def _keep_inflight(self) -> None:
-        last_alive = last_ledger = 0.0
+        last_alive = 0.0
         while not self._closing:
             self._wake.clear()
             try:
@@ -423,13 +488,11 @@ class Gateway:
                     await self.redis.hset(inflight.LAST_REQUEST, mapping=asked)
                 if now - self._shared_at >= SHARED_INTERVAL:
                     await self._read_others()
-                if now - last_ledger >= LEDGER_INTERVAL:
-                    await self.ledger.flush(self.redis)
-                    last_ledger = now
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("could not share in-flight counts (%s)", exc)
+                if not self.reach.away:  # said once by it
+                    log.warning("could not share in-flight counts (%s)", exc)
                 self._dirty = True
                 await asyncio.sleep(1)
             await asyncio.sleep(SHARE_GAP)

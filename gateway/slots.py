@@ -10,7 +10,7 @@ from channels.db import database_sync_to_async
 from redis.exceptions import RedisError
 
 from cluster.events import record
-from gateway import admission, budgets, metrics
+from gateway import admission, metrics
 from gateway.errors import GatewayError
 from gateway.redis_reach import RedisAway
 from gateway.runtime import PREFIX
@@ -21,10 +21,6 @@ log = logging.getLogger("llmgw.gateway")
 # refusals a key's operator should hear of: an Event per key and reason per minute (not one per request)
 REFUSALS = ("queue_full", "queue_timeout", "concurrency_limit", "budget_exceeded")
 REFUSED_NOTED = "llmgw:refused:"  # + key id, reason and minute: set once the minute's Event is written
-
-
-async def spent(key_id: int, period: str, now) -> int:
-    return await database_sync_to_async(budgets.spent)(key_id, period, now)
 
 
 def refused_for_key(gw, call, exc: GatewayError) -> None:

@@ -17,13 +17,13 @@ from cluster import throttle
 from cluster.clients import address_of
 from gateway import admission, affinity, metrics, slots
 from gateway import prompt
-from gateway.accounting import check_limits, reserve_budget, settle_budget, settle_tokens
 from gateway.engines_http import ConnectFailed, ConnectTimeout, ReadTimeout, Unreachable, UpstreamError
 from gateway.errors import GatewayError, invalid
 from gateway.http import Answer, HungUp, Streamed, json_answer
 from gateway.models import ApiKey
 from gateway.prompt import check_caps, check_context, completion_at_most
 from gateway.runtime import PREFIX, runtime
+from gateway.spend import Hold
 from gateway.surfaces import SURFACES, error_for
 from gateway.upstream import KEY_REFUSED, cap_tokens, check_capabilities, refusal, scrub
 
@@ -133,8 +133,7 @@ class Call:
         self.lease: admission.Lease | None = None  # the slot it holds (gateway/admission.py)
         self.admits = True  # it takes a slot of an engine (counting tokens takes none)
         self.key_slot: str | None = None  # one of its key's requests at once (max_concurrency)
-        self.budget: str | None = None  # the key's budget count it reserved `budget_reserved` tokens of
-        self.budget_reserved = 0
+        self.budget: Hold | None = None  # what it reserved of its key's budget
 
     @property
     def label(self) -> str:
@@ -149,10 +148,11 @@ class Call:
             self.prompt, self.completion = self.prompt or self.prompt_about, max(self.completion, self.passed)
 
     async def settle(self) -> None:
-        """Count what it used against its key's tpm limit in place of what it reserved."""
+        """Count what it used against its key's tpm limit in place of what it reserved (never raises: an answer
+        given is never replaced for it)."""
         if self.reserved_minute is not None:
             minute, self.reserved_minute = self.reserved_minute, None
-            await settle_tokens(self.gw.redis, self.key, self.prompt + self.completion, self.reserved, minute)
+            await self.gw.limits.settle(self.key, self.prompt + self.completion, self.reserved, minute)
 
     def finish(self, status: int) -> None:
         self.status = status
@@ -164,7 +164,7 @@ class Call:
                 self.gw.spawn(self.gw.admission.let_key_go(slot))
             if self.budget is not None:
                 budget, self.budget = self.budget, None
-                self.gw.spawn(settle_budget(self.gw.redis, budget, self.prompt + self.completion, self.budget_reserved))
+                self.gw.budgets.settle(budget, self.prompt + self.completion)
         seconds = time.monotonic() - self.started
         series = metrics.of(self.label)
         series.requests(status).inc()
@@ -242,15 +242,14 @@ async def _proxy(call, request, endpoint: str):
             call.reserved = call.prompt_about
             if surface.generates:
                 call.reserved += completion_at_most(body, surface.token_fields, route.context)
-        call.reserved_minute = await check_limits(gw.redis, call.key, call.reserved)
+        call.reserved_minute = await gw.limits.check(call.key, call.reserved)
         if call.key.max_concurrency:  # its requests in flight or waiting, across every web process
             call.key_slot = await gw.admission.hold_key(call.key.id, call.key.name, call.key.max_concurrency)
         if call.key.budget_tokens:  # what it may use reserved at once: concurrent requests cannot overspend
             reserve = call.prompt_about
             if surface.generates:
                 reserve += completion_at_most(body, surface.token_fields, route.context)
-            call.budget = await reserve_budget(gw.redis, call.key, reserve, slots.spent)
-            call.budget_reserved = reserve
+            call.budget = await gw.budgets.reserve(call.key, reserve, gw.now())
         gw.requested(call.model)  # demand, once nothing refuses it (a refused request must keep no model loaded)
         stream = bool(body.get("stream")) and surface.path != "messages/count_tokens"
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True

@@ -321,7 +321,6 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_WORKER_CONSUMER = "llmgw.worker:Consumer"  # survives a Redis restart with messages unacknowledged (its doc)
 CELERY_BEAT_SCHEDULE = {
     "reconcile": {"task": "cluster.tasks.reconcile_tick", "schedule": 1.0, "options": {"expires": 5}},
-    "usage": {"task": "gateway.tasks.flush_usage", "schedule": 15.0, "options": {"expires": 30}},
 }
 
 # Cluster knobs.

@@ -1,6 +1,6 @@
 """A web process's gateway as it stops (gateway/runtime.py: `Gateway.aclose`, the ASGI `lifespan`): its books
-finished first, the last usage in Redis and every reservation settled, however recently the requests ended.
-Real Redis."""
+finished first, the last usage in the database and every reservation settled, however recently the requests
+ended. Real Redis and the test database."""
 
 import asyncio
 import secrets
@@ -8,38 +8,46 @@ import time
 
 import pytest
 
+from asgiref.sync import sync_to_async
+
 from cluster.locks import redis_client
+from gateway import operations
 from gateway import runtime as gateway_runtime
-from gateway.accounting import USAGE_HASH, settle_budget
+from gateway.models import Usage
 from gateway.runtime import Gateway
+from gateway.table import KeyInfo
 from llmgw.web import said_stopping
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
 
 
-def usage_of(key_id: int, model: str) -> dict[str, int]:
-    hour = int(time.time() // 3600) * 3600
-    found = redis_client().hgetall(USAGE_HASH)
-    prefix = f"{hour}|{key_id}|{model}|"
-    return {k.decode()[len(prefix):]: int(v) for k, v in found.items() if k.decode().startswith(prefix)}
+async def a_key(**budget) -> int:
+    return (await sync_to_async(operations.create_key)(f"k-{secrets.token_hex(3)}", "test", **budget))[0].pk
 
 
-async def test_closing_waits_for_the_ended_requests_settles_then_sends_the_last_usage():
+async def usage_of(key_id: int, model: str) -> dict[str, int]:
+    rows = await sync_to_async(list)(Usage.objects.filter(key_id=key_id, model=model).values())
+    return {"requests": sum(r["requests"] for r in rows), "prompt": sum(r["prompt_tokens"] for r in rows),
+            "completion": sum(r["completion_tokens"] for r in rows)}
+
+
+async def test_closing_waits_for_the_ended_requests_settles_then_writes_the_last_usage():
     gw = Gateway()
-    key_id, budget = secrets.randbelow(10**9) + 10**9, f"llmgw:budget:test-{secrets.token_hex(4)}"
-    r = redis_client()
-    r.set(budget, 100, ex=60)  # a request reserved 100 tokens of its key's budget, and used 8
+    key_id = await a_key(budget_tokens=1000, budget_period="day")
+    key = KeyInfo(id=key_id, name="k", prefix="sk-llmgw-x", models=frozenset(), rpm=None, tpm=None, expires_at=None,
+                  revoked=False, budget_tokens=1000, budget_period="day")
+    hold = await gw.budgets.reserve(key, 100, gw.now())  # a request reserved 100 tokens of its budget, used 8
 
-    async def settles_a_moment_later():
+    async def ends_a_moment_later():
         await asyncio.sleep(0.3)
-        await settle_budget(gw.redis, budget, used=8, reserved=100)
+        gw.ledger.add(key_id, "m", 3, 5)
+        gw.budgets.settle(hold, 8)
 
-    gw.ledger.add(key_id, "m", 3, 5)  # counted a moment ago: the next flush was a second away
-    gw.spawn(settles_a_moment_later())
+    gw.spawn(ends_a_moment_later())
     await gw.aclose()
-    assert int(r.get(budget)) == 8, "the reservation was left standing"
-    assert usage_of(key_id, "m") == {"requests": 1, "prompt": 3, "completion": 5}
-    r.delete(budget)
+    assert await usage_of(key_id, "m") == {"requests": 1, "prompt": 3, "completion": 5}
+    found = {k.decode(): int(v) for k, v in redis_client().hgetall(hold.bucket.name).items()}
+    assert found == {"db": 8}, "the reservation was left standing, or the spend not read back"
 
 
 async def test_closing_is_bounded_when_what_a_request_left_never_ends():
@@ -53,10 +61,10 @@ async def test_closing_is_bounded_when_what_a_request_left_never_ends():
 async def test_the_lifespans_shutdown_closes_this_loops_gateway_with_its_books():
     """What uvicorn says at its shutdown, and llmgw.web says for daphne at its (`said_stopping`)."""
     gw = gateway_runtime.runtime()
-    key_id = secrets.randbelow(10**9) + 10**9
+    key_id = await a_key()
     gw.ledger.add(key_id, "m", 2, 4)
     await said_stopping(gateway_runtime.lifespan)
-    assert usage_of(key_id, "m") == {"requests": 1, "prompt": 2, "completion": 4}
+    assert await usage_of(key_id, "m") == {"requests": 1, "prompt": 2, "completion": 4}
     assert gateway_runtime._runtimes.get(asyncio.get_running_loop()) is None  # a next request would start anew
 
 

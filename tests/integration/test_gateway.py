@@ -647,7 +647,7 @@ def test_usage_per_key_and_model_and_the_access_log(system, gw):
     assert secret not in system.procs["web"].log_path.read_text(errors="replace")
     assert marker not in system.procs["web"].log_path.read_text(errors="replace"), "the prompt is never logged"
 
-    # usage: the web process counts, the beat's flush_usage moves it into the database (every 15 s)
+    # usage: the web process counts, and writes it into the database every second
     def recorded():
         rows = system.cli_json("ctl", "usage", "--key", "gw-usage")
         total = {}
@@ -657,7 +657,7 @@ def test_usage_per_key_and_model_and_the_access_log(system, gw):
                 total[row["model"]][field] += row[field]
         return total if total.get(gw.model, {}).get("requests") == 5 else None
 
-    total = wait_for(recorded, 45, interval=1, what="usage rows for gw-usage")
+    total = wait_for(recorded, 10, interval=0.5, what="usage rows for gw-usage")
     assert total == {gw.model: {"requests": 5, "prompt_tokens": 4 * 3 + 2, "completion_tokens": 4 * 5}}
     keys = {k["name"]: k for k in system.cli_json("ctl", "keys", "list")}
     assert keys["gw-usage"]["last_used_at"] and keys["gw-usage"]["prefix"] == prefix

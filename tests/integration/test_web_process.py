@@ -1,7 +1,7 @@
 """A web process's own affairs, on the session's system: the books it finishes when it is told to stop (the usage
-it counted reaches Redis before it exits, under uvicorn and daphne), and the descriptors it keeps for its own
-database, Redis and engine sockets while a flood of connections past its limit is refused (llmgw/uvicorn_limits.py).
-Usage is read straight from Redis (and the database, where the beat's flush may have moved it): no Celery needed."""
+it counted reaches the database before it exits, under uvicorn and daphne), and the descriptors it keeps for its
+own database, Redis and engine sockets while a flood of connections past its limit is refused
+(llmgw/uvicorn_limits.py)."""
 
 import http.client
 import json
@@ -15,11 +15,8 @@ from types import SimpleNamespace
 import httpx
 import psutil
 import pytest
-import redis
 
 from agents.ports import free_port
-from gateway.accounting import USAGE_HASH
-from gateway.usage import BATCH
 from llmgw.uvicorn_limits import REFUSED_AT_ONCE, REFUSED_LINGER
 from llmgw.web import SERVERS, web_argv
 from tests.integration.harness import add_test_engine, start_web, wait_for
@@ -54,41 +51,25 @@ def chat(url: str, key: str, model: str, stream: bool = False) -> httpx.Response
     return answer
 
 
-def requests_in_redis(system, model: str) -> int:
-    """Requests for `model` as web processes flushed them to Redis: its hash, and a batch the beat's flush is moving
-    to the database."""
-    r = redis.Redis.from_url(system.env["REDIS_URL"])
-    try:
-        return sum(int(v) for name in [USAGE_HASH.encode(), *r.scan_iter(match=f"{USAGE_HASH}{BATCH}*")]
-                   for k, v in r.hgetall(name).items() if k.decode().endswith(f"|{model}|requests"))
-    finally:
-        r.close()
-
-
 def requests_counted(system, model: str) -> int:
-    """... and in the database, where the beat's flush moves them."""
-    return requests_in_redis(system, model) + sum(row["requests"] for row in
-                                                  system.cli_json("ctl", "usage", "--model", model))
+    """Requests for `model` in the database, where the web processes write their usage every second."""
+    return sum(row["requests"] for row in system.cli_json("ctl", "usage", "--model", model))
 
 
 @pytest.mark.parametrize("server", SERVERS)
-def test_a_web_process_told_to_stop_right_after_a_request_leaves_its_usage_in_redis(system, served, server):
+def test_a_web_process_told_to_stop_right_after_a_request_leaves_its_usage_in_the_database(system, served, server):
     model, name = f"wp-{server}", f"wp-web-{server}"
     url = start_web(system, name, server)
     try:
         chat(url, served.key, model)
-        # its usage reaches Redis with the process's next flush (one a second): the one after is a second away
-        try:
-            wait_for(lambda: requests_in_redis(system, model) == 1, 3, interval=0.005, what="the first flush")
-        except AssertionError:  # the beat's flush took it to the database first
-            wait_for(lambda: requests_counted(system, model) == 1, 10, what="the first request counted")
+        # its usage reaches the database with the process's next write (one a second): the one after is a second away
+        wait_for(lambda: requests_counted(system, model) == 1, 5, interval=0.02, what="the first write")
         chat(url, served.key, model, stream=True)
         web = system.procs[name]
         web.send(signal.SIGTERM)  # what `llmgw restart` and `llmgw up`'s Ctrl-C send
         web.popen.wait(30)
         assert web.returncode in (0, -signal.SIGTERM), web.tail()
-        # counted before it exited: (a moment's wait only for a batch the beat's flush is moving)
-        wait_for(lambda: requests_counted(system, model) == 2, 5, interval=0.1, what="both requests counted")
+        assert requests_counted(system, model) == 2  # written before it exited
     finally:
         system.procs.pop(name).stop()
 
