@@ -24,7 +24,9 @@ import argparse
 import hashlib
 import json
 import os
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -40,6 +42,8 @@ class Engine:
         self.key = key
         self.ready_at = time.monotonic() + args.load_seconds
         self.model = args.model_name or (os.path.basename(args.model_path) if args.model_path else "test-model")
+        self.generating = 0  # requests at once (--parallel: at most that many)
+        self.lock = threading.Lock()
 
     @property
     def loading(self) -> bool:
@@ -80,6 +84,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.engine.args.echo_body and status == 200 and self.command == "POST":
             body = {**body, "echo": {"body": self._received, "headers": {k.lower(): v for k, v in self.headers.items()}}}
         data = json.dumps(body).encode()
+        self._give_slot()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -129,6 +134,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _end_stream(self) -> None:
+        self._give_slot()
         self._event("[DONE]")
         if self.engine.args.linger_ms:  # an engine that ends its stream a moment after the last event
             time.sleep(self.engine.args.linger_ms / 1000.0)
@@ -136,8 +142,19 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _pause(self) -> None:
-        if self.engine.args.delay_ms:
-            time.sleep(self.engine.args.delay_ms / 1000.0)
+        """The time a token takes; a client that hangs up meanwhile is noticed, and its slot freed, at once (as an
+        engine's server frees the slot of a request whose connection closed)."""
+        if not self.engine.args.delay_ms:
+            return
+        readable, _, _ = select.select([self.connection], [], [], self.engine.args.delay_ms / 1000.0)
+        if readable:
+            try:
+                gone = self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                gone = True
+            if gone:
+                self._give_slot()
+                raise ConnectionResetError("the client hung up")
 
     # Endpoints
 
@@ -186,7 +203,38 @@ class Handler(BaseHTTPRequestHandler):
             error = dict(body["test_engine_error"])
             self._send_json(int(error.pop("status", 500)), {"error": error})
             return
-        route(body)
+        if not self._take_slot():
+            return
+        try:
+            route(body)
+        except (ConnectionResetError, BrokenPipeError):  # the client hung up: nothing more to say to it
+            self.close_connection = True
+        finally:
+            self._give_slot()
+
+    def _take_slot(self) -> bool:
+        """--parallel N: a slot of N, or a 500 that fails the request: the gateway's admission lets no more than N
+        requests into an engine at once, and a test under load sees it if it ever does."""
+        self._slot = False
+        if not self.engine.args.parallel:
+            return True
+        with self.engine.lock:
+            if self.engine.generating >= self.engine.args.parallel:
+                full = True
+            else:
+                full, self._slot = False, True
+                self.engine.generating += 1
+        if full:
+            self._error(500, f"test engine: more requests at once than its {self.engine.args.parallel} slot(s)",
+                        "server_error", "over_slots")
+        return not full
+
+    def _give_slot(self) -> None:
+        """The slot free once the last token is out (before the end of the answer, as an engine frees it)."""
+        if getattr(self, "_slot", False):
+            self._slot = False
+            with self.engine.lock:
+                self.engine.generating -= 1
 
     def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
         return {
@@ -248,6 +296,8 @@ class Handler(BaseHTTPRequestHandler):
         """One event of a Messages or Responses stream: its `event:` line and every field, or with --sparse
         neither the line nor the fields named."""
         data = {"type": kind, **data}
+        if kind in ("message_stop", "response.completed"):  # the last token is out
+            self._give_slot()
         if self.engine.args.sparse:
             self._event({k: v for k, v in data.items() if k not in sparse})
         else:
@@ -360,6 +410,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--linger-ms", type=float, default=0.0, help="pause after [DONE] before a stream's end")
     p.add_argument("--no-auth", action="store_true", help="answer without the key (an engine the agent must refuse)")
     p.add_argument("--echo-body", action="store_true", help="echo the request in answers; obey test_engine_status")
+    p.add_argument("--parallel", type=lambda v: int(v) if v else 0, default=0,
+                   help="at most this many requests at once; one more fails with a 500 (0 or empty: no bound)")
     p.add_argument("--sparse", action="store_true", help="stream Messages and Responses leaving fields out")
     return p
 

@@ -45,7 +45,7 @@ def test_the_overview_shows_time_to_first_token_from_the_traffic_counters(db):
 
     async def flush():
         client = aioredis.Redis.from_url(settings.REDIS_URL)
-        await ledger.flush(client)
+        await ledger.flush_traffic(client)
         await client.aclose()
 
     asyncio.run(flush())

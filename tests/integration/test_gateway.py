@@ -151,12 +151,18 @@ def gw(system):
     remove_models(system, "gw-chat", *removed)
 
 
+SLOW_SLOTS = 3
+
+
 @pytest.fixture(scope="module")
 def slow(system, gw):
-    """Ten tokens 0.4 s apart when streamed; a plain answer after 0.4 s."""
-    add_test_engine(system, name="gw-slow", args=f"--delay-ms 400 --answer '{SLOW_ANSWER}'")
+    """Ten tokens 0.4 s apart when streamed; a plain answer after 0.4 s. Three slots a replica (`--parallel
+    {parallel}`: one more request at once is a 500), so requests wait in admission's queue and the failover below
+    is a test of admission too."""
+    add_test_engine(system, name="gw-slow", args=f"--delay-ms 400 --answer '{SLOW_ANSWER}' --parallel {{parallel}}")
+    system.cli("ctl", "profile", "add", "gw-three", "--parallel", str(SLOW_SLOTS))
     # spread by load: the failover test wants streams on both replicas, which one opening's prefix key would not give
-    add_model(system, "gw-slow", "gw-slow", "--routing", "least-inflight", replicas=2)
+    add_model(system, "gw-slow", "gw-slow", "--routing", "least-inflight", "--profile", "gw-three", replicas=2)
     key = create_key(system, "gw-slow-key")
     system.wait_ready("gw-slow", 2)
     yield SimpleNamespace(key=key, model="gw-slow")
@@ -488,10 +494,13 @@ def test_inflight_counts_return_to_zero_after_many_requests_and_cancelled_stream
             watcher = asyncio.create_task(watch())
             firsts = [asyncio.Event() for _ in range(5)]
             doomed = [asyncio.create_task(until_cancelled(e)) for e in firsts]
+            # the doomed streams under way first (five of the six slots), then the rest, most of which wait for
+            # a slot in admission's queue
+            await asyncio.wait_for(asyncio.gather(*[e.wait() for e in firsts]), 30)
             others = [whole() for _ in range(10)] + [whole_stream() for _ in range(5)]
             others += [closed_early() for _ in range(5)] + [gives_up() for _ in range(5)]
             results = asyncio.gather(*others)
-            await asyncio.wait_for(asyncio.gather(*[e.wait() for e in firsts]), 30)
+            await asyncio.sleep(0.1)
             for task in doomed:
                 task.cancel()
             out = await results
@@ -503,7 +512,8 @@ def test_inflight_counts_return_to_zero_after_many_requests_and_cancelled_stream
     assert out[:10] == [SLOW_ANSWER] * 10 and out[10:15] == [SLOW_ANSWER] * 5
     assert out[15:20] == ["closed"] * 5 and set(out[20:]) <= {"timed out", "answered"}
     assert all(isinstance(r, asyncio.CancelledError) for r in cancelled), cancelled
-    assert max(seen) >= 10, f"the shared counts saw the requests in flight: {seen}"
+    # every slot of both replicas: the rest waited in admission's queue
+    assert max(seen) >= 2 * SLOW_SLOTS, f"the shared counts saw the requests in flight: {seen}"
     wait_for(lambda: inflight_total(system) == 0, 10, what="the shared in-flight counts back to zero")
     # one access-log line for each request that reached the gateway, the cancelled ones too (499: the client went
     # away): the 25 that did for certain, and those of the five that gave up after 0.15 s that got there before

@@ -28,13 +28,17 @@ HELLO = [{"role": "user", "content": "Say hello please"}]
 
 @pytest.fixture(scope="module")
 def ops(system):
-    add_test_engine(system, name="op-engine", args="--load-seconds 1")
+    """The test engine with two slots per replica (`--parallel {parallel}`, the profile's 2): the load of three
+    clients waits in admission's queue, and an engine answers 500 if ever more than its slots are let in, so
+    every restart, drain and stop under load below is a test of admission too (issue 35)."""
+    add_test_engine(system, name="op-engine", args="--load-seconds 1 --parallel {parallel}")
+    system.cli("ctl", "profile", "add", "op-two", "--parallel", "2")
     key = system.cli("ctl", "keys", "create", "op-load").stdout.split()[-1]
     return key
 
 
 def add_model(system, name: str, *args: str, replicas: int = 1, memory: str = "300MiB") -> None:
-    system.cli("ctl", "model", "add", name, "--file", system.sha, "--engine", "op-engine",
+    system.cli("ctl", "model", "add", name, "--file", system.sha, "--engine", "op-engine", "--profile", "op-two",
                "--replicas", str(replicas), "--memory", memory, *args)
 
 
@@ -232,7 +236,7 @@ def test_stop_answers_503_at_once_stops_every_engine_and_start_serves_again(syst
 
 
 def test_profile_edit_shows_stale_and_restart_stale_makes_current(system, ops):
-    system.cli("ctl", "profile", "add", "op-prof", "--context-size", "2048")
+    system.cli("ctl", "profile", "add", "op-prof", "--context-size", "2048", "--parallel", "2")
     add_model(system, "op-stale", "--profile", "op-prof")
     (old,) = system.wait_ready("op-stale", 1)
     assert not old["stale"]
