@@ -17,7 +17,7 @@ import secrets
 import socket
 import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
 
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
@@ -31,7 +31,7 @@ from gateway.accounting import Ledger
 from gateway.admission import Admission, capacity
 from gateway.engines_http import Pool
 from gateway.limits import Limits
-from gateway.redis_reach import Reach
+from gateway.redis_reach import Reach, RedisAway
 from gateway.spend import Budgets
 
 log = logging.getLogger("llmgw.gateway")
@@ -51,6 +51,7 @@ RECHECK_AGE = 0.02
 # tries it; a replica that answers is taken back at once
 UNREACHABLE_FOR = 10.0
 LEDGER_INTERVAL = 1.0  # usage counted in this process goes to the database this often, its traffic to Redis
+OVERHEAD_SEEN = 32  # prompts whose counted length against the estimate a model's overhead is learned from
 CLOCK_EVERY = 30.0  # seconds between two measures of Redis's clock against this machine's
 LOOK_AGAIN = 0.25  # seconds between reloads for a key or model not in the table (look_again)
 # seconds a stopping process waits for what its ended requests left to do (settles, slots given back), and then for
@@ -148,12 +149,14 @@ class Gateway:
         self._looked_again = {"key": float("-inf"), "model": float("-inf"), "stopped": float("-inf"),
                               "admission": float("-inf"), "books": float("-inf")}
         self._looking: dict[str, asyncio.Future] = {}
+        self._overheads: dict[str, deque[int]] = {}  # model -> what its engine counted beyond the estimate, lately
 
-    def spawn(self, coro) -> None:
+    def spawn(self, coro) -> asyncio.Task:
         """Run `coro` in the background, holding on to it until it ends (the loop keeps only weak references)."""
         task = _background(coro)
         self._spawned.add(task)
         task.add_done_callback(self._spawned.discard)
+        return task
 
     async def aclose(self, wait: float = CLOSE_WAIT) -> None:
         """Stop this process's gateway with its books finished (a web process stopping, `lifespan`; tests): what
@@ -244,6 +247,17 @@ class Gateway:
             except Exception as exc:
                 if not self.reach.away:
                     log.warning("could not send this process's traffic and budgets to Redis (%s)", exc)
+
+    def prompt_overhead(self, model: str) -> int:
+        """Tokens the model's engine counts in a prompt beyond the gateway's estimate (gateway.prompt): its chat
+        template's own (a default system prompt, say), learned from its answers: the least of the last
+        OVERHEAD_SEEN differences (a request with more than the estimate sees, tools say, does not raise it)."""
+        seen = self._overheads.get(model)
+        return max(0, min(seen)) if seen else 0
+
+    def learn_prompt(self, model: str, estimated: int, counted: int) -> None:
+        if estimated > 0 and counted > 0:
+            self._overheads.setdefault(model, deque(maxlen=OVERHEAD_SEEN)).append(counted - estimated)
 
     def may_look_again(self, what: str) -> bool:
         """At most once a second for `what`: True, and counted (a warning's rate)."""
@@ -391,9 +405,9 @@ class Gateway:
         if n:
             return
         try:
-            await self._share_waiting()
-        except Exception as exc:  # the timer shares it; the reconciler's tick finds it
-            log.warning("could not share the requests waiting (%s)", exc)
+            await self.reach.call(self._share_waiting())
+        except RedisAway:  # said once by it; the timer shares it, the reconciler's tick finds it
+            pass
         self.spawn(asyncio.to_thread(events.ask_reconciler))
 
     def wait_end(self, model: str) -> None:
@@ -460,9 +474,8 @@ class Gateway:
         if upstream.replica == home:
             return upstream
         try:
-            await self._read_others()
-        except Exception as exc:  # Redis: what was read last still holds
-            log.warning("could not read in-flight counts (%s)", exc)
+            await self.reach.call(self._read_others())
+        except RedisAway:  # what was read last still holds
             return upstream
         return self.pick(route, exclude, key) or upstream
 

@@ -125,6 +125,7 @@ class Call:
         self.asked_until = 0.0  # an autoscaled model found without room: until when the request waits for news
         self.lease_asked = False  # it waited in its model's queue for a replica on its way (once)
         self.prompt_about = 0  # its prompt's tokens as estimated (gateway.prompt), until the engine says
+        self.estimated = 0  # the same, before its model's learned overhead (Gateway.prompt_overhead)
         self.passed = 0  # tokens of a streamed answer passed on to the client, as counted by its chunks
         self.reserved = 0  # tokens reserved against its key's tpm limit when it was admitted
         self.reserved_minute: int | None = None  # the minute they were reserved in (None: no tpm limit)
@@ -156,6 +157,8 @@ class Call:
 
     def finish(self, status: int) -> None:
         self.status = status
+        if self.usage_known and self.gw is not None:
+            self.gw.learn_prompt(self.model, self.estimated, self.prompt)
         if self.reserved_minute is not None and self.gw is not None:
             self.gw.spawn(self.settle())
         if self.gw is not None:
@@ -231,7 +234,8 @@ async def _proxy(call, request, endpoint: str):
         check_caps(call.model, body, route.max_logprobs, route.max_choices)
         measured = prompt.size(endpoint, body)
         check_context(call.model, route.context, measured)
-        call.prompt_about = measured.about if surface.path != "messages/count_tokens" else 0
+        call.estimated = measured.about if surface.path != "messages/count_tokens" else 0
+        call.prompt_about = call.estimated + gw.prompt_overhead(call.model) if call.estimated else 0
         call.admits = surface.path != "messages/count_tokens"
         if route.routing == PREFIX:
             session = next((v for h in SESSION_HEADERS if (v := request.header(h))), "")
@@ -296,7 +300,8 @@ async def _authenticate(gw, table, request):
         await gw.look_again("key")  # a key created a moment ago, before the change reached this process
         key = gw.table.keys.get(key_hash)
     if key is None:
-        await throttle.GATEWAY.afailed(gw.redis, found)
+        if not gw.reach.away:  # counted at once, but waited for no longer than Redis is (its count may land later)
+            await asyncio.wait({gw.spawn(throttle.GATEWAY.afailed(gw.redis, found))}, timeout=gw.reach.wait)
     if key is None or key.revoked:
         raise GatewayError(401, "invalid_api_key", "unknown or revoked API key")
     if key.expires_at is not None and key.expires_at <= time.time():

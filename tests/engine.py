@@ -207,7 +207,8 @@ class Handler(BaseHTTPRequestHandler):
             return
         try:
             route(body)
-        except (ConnectionResetError, BrokenPipeError):  # the client hung up: nothing more to say to it
+        except (ConnectionResetError, BrokenPipeError) as exc:  # the client hung up: nothing more to say to it
+            print(f"test engine: the client hung up ({type(exc).__name__})", file=sys.stderr, flush=True)
             self.close_connection = True
         finally:
             self._give_slot()

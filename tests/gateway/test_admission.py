@@ -437,3 +437,24 @@ async def test_no_slot_is_kept_while_another_key_was_admitted_lately(processes, 
     batch = await admit(one, alone, reps, key="k1", rank=BATCH)
     await one.release(batch, reps(), 10)
     assert batch.member not in {k.lease.member for k in one._kept.get(alone, [])}
+
+
+async def test_a_client_that_hangs_up_while_its_slot_is_being_granted_gives_it_back_at_once(processes, model):
+    """Issue 35: the grant on its way to Redis as the client hangs up left the slot held until it lapsed (30 s)."""
+    one, two = processes
+    reps = replicas(1, model=model)
+    on_its_way = asyncio.Event()
+    call = one._call
+
+    async def watched(model_, batch):
+        if batch.news:
+            on_its_way.set()
+        return await call(model_, batch)
+
+    one._call = watched
+    hangs_up = start(one, model, reps)
+    await asyncio.wait_for(on_its_way.wait(), 2)
+    hangs_up.cancel()  # the slot is granted in the call under way: its answer finds the waiter gone
+    await asyncio.gather(hangs_up, return_exceptions=True)
+    lease = await admit(two, model, reps, key="next", wait=1.0)  # in well under the 30 s a lapse takes
+    await two.release(lease, reps(), 10)

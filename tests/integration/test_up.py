@@ -32,6 +32,12 @@ def answers(client: redis.Redis) -> bool:
         return False
 
 
+def usage_of(cli, key: str) -> tuple[int, int]:
+    """A key's requests and tokens as the database has them (`ctl usage`)."""
+    rows = json.loads(cli("ctl", "usage", "--key", key, "--json"))
+    return sum(r["requests"] for r in rows), sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows)
+
+
 def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
     home = tmp_path / "home"
     port = free_port()
@@ -110,8 +116,11 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         cli("ctl", "model", "set", "smollm2", "--max-tokens", "6")
         count = [{"role": "user", "content": "Count from 1 to 100, one number per line."}]
 
+        served = {"up-load": 0}  # requests answered 200 per key: its usage must count every one (issue 35)
+
         def held_to_six():  # (a tiny model now and then ends a short answer of its own: that is not the cap)
             done = c.chat.completions.create(model="smollm2", messages=count, temperature=0)
+            served["up-load"] += 1
             return done if done.usage.completion_tokens == 6 and done.choices[0].finish_reason == "length" else None
 
         wait_for(held_to_six, 30, what="the cap to reach the gateway: 6 tokens, finish_reason length")
@@ -150,6 +159,9 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         assert len(re.findall(r"web web@\S+: back as web@\S+", said)) == 2, said  # each web process, in turn
         failed = [o for o in outcomes if o != "ok"]
         assert not failed, f"{len(failed)} of {len(outcomes)} failed: {failed[:3]}"
+        # every web process restarted with its books finished: each request answered is in the usage
+        served["up-load"] += len(outcomes)
+        wait_for(lambda: usage_of(cli, "up-load")[0] == served["up-load"], 10, what="every request in the usage")
         # `up` said of each process the restart stopped that it is restarting, not that it exited with a code
         said_by_up = out_path.read_text()
         assert "web is restarting (it stopped as asked)" in said_by_up, said_by_up
@@ -183,6 +195,18 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
                 return list(pool.map(one, range(16)))
 
         assert sixteen_at_once() == ["ok"] * 16
+
+        # a key's budget across the Valkey's loss (issue 35: it was served 647 and 687 tokens of its 400): four
+        # short chats, a longer one under way as the Valkey is killed, then chats until refused
+        booked = cli("ctl", "keys", "create", "up-books", "--budget", "400/day").split()[-1]
+        bc = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=booked, max_retries=0, timeout=120)
+        spent = []
+        for _ in range(4):
+            short = bc.chat.completions.create(model="smollm2", messages=chat["messages"], max_tokens=8)
+            spent.append(short.usage.total_tokens)
+        longer = bc.chat.completions.create(model="smollm2", messages=count, max_tokens=150, stream=True,
+                                            stream_options={"include_usage": True})
+        next(iter(longer))  # under way
         connected_before = max([e["id"] for e in json.loads(cli("ctl", "events", "--kind", "node.connected",
                                                                  "--limit", "1000", "--json"))], default=0)
         said_before = out_path.read_text()
@@ -195,8 +219,20 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         restarted = redis.Redis.from_url(redis_url)
         wait_for(lambda: answers(restarted), 30, what="the Valkey on its port")
         assert f":{valkey_port}" in " ".join(new_valkey.cmdline())
+        spent += [chunk.usage.total_tokens for chunk in longer if chunk.usage]
         outcomes = sixteen_at_once()
         assert outcomes == ["ok"] * 16, outcomes
+        refused = None
+        for _ in range(40):
+            try:
+                spent.append(bc.chat.completions.create(model="smollm2", messages=chat["messages"],
+                                                        max_tokens=8).usage.total_tokens)
+            except openai.RateLimitError as exc:
+                refused = exc
+                break
+        assert refused is not None and refused.code == "budget_exceeded", spent
+        assert sum(spent) <= 400, spent
+        wait_for(lambda: usage_of(cli, "up-books") == (len(spent), sum(spent)), 10, what="the budget key's usage")
         wait_for(lambda: any(e["id"] > connected_before for e in json.loads(
             cli("ctl", "events", "--kind", "node.connected", "--limit", "1000", "--json"))), 60,
             what="the agent to connect again")
@@ -206,6 +242,34 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         restarted.close()
         exits = re.findall(r"^(\S+) exited \(code", out_path.read_text()[len(said_before):], re.M)
         assert exits == ["valkey"], out_path.read_text()[len(said_before):]
+
+        # the Valkey hung (SIGSTOP; issue 35: a rate-limited key's requests got 503 after 5 s, the others their
+        # 200 after 10 s, and the web logs 31 tracebacks): every request is answered, none waits on it for long
+        # (a client giving up after 3 s), and each web process says so once, with no traceback
+        def tracebacks() -> int:
+            return sum(p.read_text(errors="replace").count("Traceback") for p in (home / "logs").glob("web*.log"))
+
+        before = tracebacks()
+        quick = [openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=k, max_retries=0, timeout=3)
+                 for k in (limited, secret)]
+        new_valkey.suspend()
+        try:
+            hung = []
+            for client_ in quick * 3:
+                try:
+                    client_.chat.completions.create(model="smollm2", messages=chat["messages"], max_tokens=1)
+                    hung.append("ok")
+                except Exception as exc:
+                    hung.append(repr(exc))
+        finally:
+            new_valkey.resume()
+        assert hung == ["ok"] * 6, hung
+        assert tracebacks() == before
+        said = "".join(p.read_text(errors="replace") for p in (home / "logs").glob("web*.log"))
+        assert "Redis did not answer within 0.25 s" in said
+        wait_for(lambda: "Redis answers again" in "".join(p.read_text(errors="replace")
+                                                          for p in (home / "logs").glob("web*.log")), 30,
+                 what="the web processes to say Redis is back")
 
         started = psutil.Process(up.pid).children(recursive=True)
         started.append(psutil.Process(replica["pid"]))  # the engine: its own session, not up's child
@@ -252,6 +316,10 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         with ThreadPoolExecutor(8) as pool:
             answered = list(pool.map(asked, range(8)))  # over the first 3.5 s
         assert answered == ["ok"] * 8, answered
+        # the whole system stopped and started: the budget key's spend and usage are what they were
+        assert usage_of(cli, "up-books") == (len(spent), sum(spent))
+        with pytest.raises(openai.RateLimitError, match="has used its budget|tokens left of its budget"):
+            bc.chat.completions.create(model="smollm2", messages=chat["messages"], max_tokens=8)
         (new,) = wait_for(smollm2_ready, 120, what="a new demo replica to be ready")
         assert new["name"] != replica["name"]
         reps = {r["name"]: r for r in json.loads(cli("ctl", "replicas", "--all", "--json"))}
