@@ -59,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from django.conf import settings
+from redis.exceptions import ResponseError
 
 from cluster.inflight import ADMISSION_PREFIX
 from gateway import scripts
@@ -203,7 +204,10 @@ class Admission:
                            loop.create_task(self._renew(), context=contextvars.Context())]
 
     async def aclose(self, timeout: float = 2.0) -> None:
-        """Stop: what waits to go to Redis (slots given back) sent first, within `timeout`; then the tasks."""
+        """Stop: what waits to go to Redis (slots given back, slots kept) sent first, within `timeout`; then the
+        tasks."""
+        for model in list(self._kept):
+            self._unkeep(model)
         calls = [task for task in self._calls.values() if not task.done()]
         if calls:
             await asyncio.wait(calls, timeout=timeout)
@@ -232,6 +236,10 @@ class Admission:
             except asyncio.CancelledError:
                 self._failed(model, batch, RedisAway("the process is stopping"), again=False)
                 raise
+            except ResponseError as exc:  # Redis answered, refusing the script: a bug, not Redis away
+                log.error("admission's script failed on %s: %s", model, exc)
+                self._failed(model, batch, exc, again=False)
+                continue
             except Exception as exc:
                 self.reach.lost(exc)
                 self._failed(model, batch, exc, again=True)
@@ -277,7 +285,7 @@ class Admission:
                 waiter.placed.set_result((replica or None, position))
             elif waiter is None and position != -1:  # given up as the call went: out again in the next
                 self._batch(model).cancels.append((ticket, asyncio.get_running_loop().create_future()))
-        assert n == len(batch.news)
+        del n  # one answer per new ticket, read above
         m = int(answer[at])
         at += 1
         for (ticket, future), replica in zip(batch.cancels, answer[at:at + m]):
@@ -301,12 +309,14 @@ class Admission:
             if waiter is not None and not waiter.placed.done():
                 waiter.placed.set_exception(RedisAway(str(exc) or type(exc).__name__))
         self._hints.pop(model, None)
-        if again and (batch.releases or batch.cancels or batch.forgets):
+        if again and (batch.releases or batch.cancels or batch.forgets or batch.service):
             retry = self._batches.setdefault(model, _Batch())
             retry.releases[:0] = batch.releases
             retry.cancels[:0] = batch.cancels
             retry.forgets[:0] = batch.forgets
             retry.done[:0] = batch.done
+            for key, n in batch.service.items():
+                retry.service[key] = retry.service.get(key, 0) + n
         else:
             for ticket, future in batch.cancels:
                 if not future.done():
@@ -314,9 +324,9 @@ class Admission:
             for done in batch.done:
                 if not done.done():
                     done.set_result(None)
-        if not again:
-            log.warning("admission: %d slot(s) of %s not given back as the process stops (they lapse in %.0f s)",
-                        len(batch.releases), model, LEASE_TTL)
+        if not again and batch.releases:
+            log.warning("admission: %d slot(s) of %s not given back (they lapse in %.0f s)", len(batch.releases),
+                        model, LEASE_TTL)
 
     def _granted(self, ticket: str, replica: str) -> None:
         waiter = self.waiters.get(ticket)

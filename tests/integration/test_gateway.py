@@ -30,6 +30,7 @@ pytestmark = pytest.mark.integration
 
 ANSWER = "Hello from the test engine."
 SLOW_ANSWER = "one two three four five six seven eight nine ten"
+SLOW_SLOTS = 3  # a replica of the slow model's
 HELLO = [{"role": "user", "content": "Say hello please"}]  # three prompt tokens for the test engine
 ENDPOINTS = {
     "/v1/chat/completions": {"messages": HELLO},
@@ -151,14 +152,10 @@ def gw(system):
     remove_models(system, "gw-chat", *removed)
 
 
-SLOW_SLOTS = 3
-
-
 @pytest.fixture(scope="module")
 def slow(system, gw):
-    """Ten tokens 0.4 s apart when streamed; a plain answer after 0.4 s. Three slots a replica (`--parallel
-    {parallel}`: one more request at once is a 500), so requests wait in admission's queue and the failover below
-    is a test of admission too."""
+    """Ten tokens 0.4 s apart when streamed; a plain answer after 0.4 s. Three slots a replica (one more request at
+    once is a 500): requests wait in admission's queue, and the failover below is a test of admission too."""
     add_test_engine(system, name="gw-slow", args=f"--delay-ms 400 --answer '{SLOW_ANSWER}' --parallel {{parallel}}")
     system.cli("ctl", "profile", "add", "gw-three", "--parallel", str(SLOW_SLOTS))
     # spread by load: the failover test wants streams on both replicas, which one opening's prefix key would not give
