@@ -150,6 +150,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-steps", type=int, default=1, help="steps a prompt takes")
     parser.add_argument("--seconds", type=float, default=20.0, help="counted seconds per cell")
     parser.add_argument("--rounds", type=int, default=1, help="each cell this many times; the table keeps the best")
+    parser.add_argument("--headroom", type=float, default=0.0,
+                        help="LLMGW_ADMISSION_HEADROOM for llmgw: this fraction more than the slots in the engine")
     parser.add_argument("--no-pin", action="store_true", help="do not pin the web process to its own CPU")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     o = parser.parse_args(argv)
@@ -204,7 +206,8 @@ def main(argv=None) -> int:
 
         for target in targets[1:]:
             port = free_port()
-            own = dict(env, LLMGW_ADMISSION="0" if target == "llmgw-noadm" else "1")
+            own = dict(env, LLMGW_ADMISSION="0" if target == "llmgw-noadm" else "1",
+                       LLMGW_ADMISSION_HEADROOM=str(o.headroom))
             child = start(target, web_argv("127.0.0.1", port, "uvicorn"), own, proxy=True)
             wait_ready(child, port, client_key, 60)
             running.append((target, port, client_key))
@@ -242,7 +245,8 @@ def main(argv=None) -> int:
     print(f"\nbench/admission.py on {platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
           f"{time.monotonic() - started:.0f} s, load average {load_before[0]:.2f} before / {load_after[0]:.2f} after")
     print(f"  engine: {o.slots} slots, {o.step_ms:g} ms a step, {o.prefill_steps} step(s) of prefill, {o.tokens} "
-          f"tokens an answer; {o.seconds:g} s a cell, best of {o.rounds} round(s); web process pinned: "
+          f"tokens an answer; {o.seconds:g} s a cell, best of {o.rounds} round(s); headroom {o.headroom:g}; "
+          f"web process pinned: "
           f"{'CPU ' + str(sorted(proxy_cpus)[0]) if proxy_cpus else 'no'}")
     header = ["conc", "target", "tokens/s", "x direct", "TTFT p50", "+p50", "TTFT p99", "+p99", "answer p50",
               "cpu ms/answer", "ok", "err"]

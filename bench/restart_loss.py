@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import subprocess
 import threading
 import time
 
@@ -89,6 +90,14 @@ class Run(Instance):
                 self.dump()
 
     def dump(self) -> None:
+        if self.o.py_spy:  # where every web process is, as the request waits
+            import psutil
+
+            for proc in psutil.Process(self.up.pid).children(recursive=True):
+                if "llmgw.web" in " ".join(proc.cmdline()):
+                    stacks = subprocess.run([self.o.py_spy, "dump", "--pid", str(proc.pid)], capture_output=True,
+                                            text=True).stdout
+                    say(f"  web process {proc.pid}:\n{stacks}")
         r = self.redis
         for key in sorted(k.decode() for k in r.scan_iter(match="llmgw:adm:*", count=1000)):
             kind = r.type(key).decode()
@@ -135,6 +144,7 @@ def main() -> int:
     p.add_argument("--slow", type=float, default=20.0, help="seconds after which a request is shown as it waits")
     p.add_argument("--settle", type=float, default=5.0, help="seconds of load between one restart and the next")
     p.add_argument("--step-ms", type=int, default=100, help="the fake engine's milliseconds per token (8 tokens)")
+    p.add_argument("--py-spy", metavar="BIN", help="with a slow request, dump the web processes' stacks with this")
     p.add_argument("--model", default="lost")
     p.add_argument("--model-memory", default="300MiB")
     p.add_argument("--agent-memory", default="2GiB", help="what the node offers: room for a second copy")

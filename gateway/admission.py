@@ -337,20 +337,22 @@ class Admission:
 
     async def admit(self, model: str, replicas, *, key: str, rank: int, cost: int, prefs: list[str],
                     queue_limit: int, max_wait: float, on_wait=None, check=None, movable: bool = False,
-                    exclude=(), chosen: str | None = None) -> Lease:
+                    exclude=(), chosen: str | None = None, klass: int | None = None) -> Lease:
         """A slot on one of `replicas()` ((name, capacity) each, as they are now, none while a model loads), not
         one of `exclude`, waiting for it at most `max_wait` seconds (`on_wait()` is called when it must; `check()`,
         as it waits, raises what ends the wait sooner). Raises a 429 when the queue is full, a 503 when the wait is
         over, RedisAway when Redis did not answer in time; a cancellation (the client gone) gives the ticket up.
         `movable`: it may take a free slot of a replica other than the first of `prefs` (a short prompt).
-        `chosen`: the replica the model's routing picks, where a slot this process kept may be taken."""
+        `chosen`: the replica the model's routing picks, where a slot this process kept may be taken. `klass`: the
+        key's own class, when `rank` puts it ahead of it (a request failing over): the class it holds its slot as."""
         self.start()
         self._replicas[model] = replicas
         self._limits[model] = queue_limit
-        if chosen and (lease := self._take_kept(model, key, rank, cost, chosen)) is not None:
+        klass = rank if klass is None else klass
+        if chosen and rank == klass and (lease := self._take_kept(model, key, rank, cost, chosen)) is not None:
             return lease
         ticket = f"{self.process}:{secrets.token_hex(6)}"
-        fields = f"{rank}|{key}|{cost}|{','.join(prefs)}|{int(movable)}|{','.join(exclude)}"
+        fields = f"{rank}|{key}|{cost}|{','.join(prefs)}|{int(movable)}|{','.join(exclude)}||{klass}"
         loop = asyncio.get_running_loop()
         waiter = self.waiters[ticket] = _Waiter(model, loop.create_future(), loop.create_future())
         started = time.monotonic()
@@ -384,7 +386,7 @@ class Admission:
             self.waiters.pop(ticket, None)
             self.tickets.pop(ticket, None)
         self._batch_later(model).forgets.append(ticket)  # its grant's record is not needed any more
-        lease = Lease(model, replica, f"{ticket}|{rank}|{key}", key, cost)
+        lease = Lease(model, replica, f"{ticket}|{klass}|{key}", key, cost)
         self.leases[lease.member] = lease
         return lease
 
@@ -409,9 +411,10 @@ class Admission:
             return
         replica = _result(waiter.granted) or (_result(waiter.placed) or (None, 0))[0]
         if replica:
-            rank, key = self.tickets.get(ticket, (model, "|"))[1].split("|")[:2]
+            fields = self.tickets.get(ticket, (model, "|||||||"))[1].split("|")
+            key, klass = fields[1], fields[7] or fields[0]
             batch = self._batch(model)
-            batch.releases.append((Lease(model, replica, f"{ticket}|{rank}|{key}", key, 0), 0))
+            batch.releases.append((Lease(model, replica, f"{ticket}|{klass}|{key}", key, 0), 0))
             batch.forgets.append(ticket)
         elif not (waiter.placed.done() and not waiter.placed.cancelled() and waiter.placed.exception()):
             self._batch(model).cancels.append((ticket, asyncio.get_running_loop().create_future()))

@@ -71,7 +71,7 @@ async def admit(gw, call, route, tried, chosen, max_wait: float | None = None, c
             rank=admission.RANK["interactive"] if tried else call.rank, cost=admission.service(call.prompt_about, 0),
             prefs=prefs, queue_limit=route.queue_limit, max_wait=route.max_wait if max_wait is None else max_wait,
             on_wait=waits, check=check, movable=call.prompt_about < admission.SHORT_PROMPT, exclude=tried,
-            chosen=chosen.replica if chosen is not None and not tried else None)
+            chosen=chosen.replica if chosen is not None and not tried else None, klass=call.rank)
     except GatewayError as exc:
         metrics.REJECTED.labels(call.model, priority, exc.code).inc()
         raise

@@ -16,9 +16,11 @@
 -- ARGV[11] "1": also answer with every grant recorded for the caller (a look)
 -- ARGV[12] service of slots the caller kept for its key's next request: key\31service to add\30...
 --
--- A ticket's fields: rank|key|cost|prefs (replica names, comma-separated: its ring walk)|movable (1: it may take a
--- free slot off its first replica)|exclude (replica names it may not have, comma-separated)|enqueued ms.
--- A slot is a member "ticket|rank|key" of the sorted set llmgw:adm:slots:<replica> (member -> when it lapses).
+-- A ticket's fields: rank (its place in the order)|key|cost|prefs (replica names, comma-separated: its ring
+-- walk)|movable (1: it may take a free slot off its first replica)|exclude (replica names it may not have,
+-- comma-separated)|enqueued ms (set here)|class (its key's own: a request failing over goes ahead of every class,
+-- rank 0, yet holds its slot, and makes a class active, as its key's class; empty: its rank).
+-- A slot is a member "ticket|class|key" of the sorted set llmgw:adm:slots:<replica> (member -> when it lapses).
 --
 -- The model's keys (P = ARGV[1]); every one is given an expiry when written:
 --   P.."tickets"        HASH ticket -> fields
@@ -159,7 +161,7 @@ end
 local function enqueue(id, fields)
   local f = split(fields, '|')
   local rank, key = f[1], f[2]
-  if f[7] == nil or f[7] == '' then fields = fields .. '|' .. now; f[7] = tostring(now) end
+  if f[7] == nil or f[7] == '' then f[7] = tostring(now); fields = table.concat(f, '|') end
   redis.call('HSET', P .. 'tickets', id, fields)
   redis.call('ZADD', P .. 'exp', now + ticket_ttl, id)
   redis.call('ZADD', P .. 'c' .. rank, tonumber(f[7]), id)
@@ -358,8 +360,12 @@ local mine = {}  -- grants to the caller's tickets, answered
 local told = {}  -- process -> "ticket|replica;..." to publish
 local granted_new = {}
 
+local function own_class(f)
+  return (f[8] ~= nil and f[8] ~= '') and f[8] or f[1]
+end
+
 local function grant(id, f, replica, queued)
-  local rank, key = f[1], f[2]
+  local rank, key = own_class(f), f[2]
   local member = id .. '|' .. rank .. '|' .. key
   local k = slots_key(replica)
   redis.call('ZADD', k, now + lease_ttl, member)
@@ -444,7 +450,7 @@ local function dispatch()
         redis.call('ZREM', P .. 'c' .. pick_rank, pick)
       else
         pick_f = split(fields, '|')
-        if allowed <= 1 and left_for_another(pick_key, tonumber(pick_f[1]), allowed < total_free) then
+        if allowed <= 1 and left_for_another(pick_key, tonumber(own_class(pick_f)), allowed < total_free) then
           skip[pick_rank .. ':' .. pick_key] = true
         else
           local replica = pick_replica(pick_f, true)
@@ -473,7 +479,7 @@ if #news > 0 then
     if length == 0 and total_free > 0 then
       local g = split(f[2], '|')
       local allowed = may_take(tonumber(g[1]))
-      if allowed > 1 or (allowed == 1 and not left_for_another(g[2], tonumber(g[1]), allowed < total_free)) then
+      if allowed > 1 or (allowed == 1 and not left_for_another(g[2], tonumber(own_class(g)), allowed < total_free)) then
         replica = pick_replica(g, false)
         if replica then grant(f[1], g, replica, false); answers[#answers + 1] = {f[1], 0} end
       end

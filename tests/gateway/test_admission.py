@@ -458,3 +458,16 @@ async def test_a_client_that_hangs_up_while_its_slot_is_being_granted_gives_it_b
     await asyncio.gather(hangs_up, return_exceptions=True)
     lease = await admit(two, model, reps, key="next", wait=1.0)  # in well under the 30 s a lapse takes
     await two.release(lease, reps(), 10)
+
+
+async def test_a_request_failing_over_goes_first_but_holds_no_slot_back_as_a_higher_class(processes, model):
+    """A request whose replica failed before its first byte goes ahead of every class (it was admitted once), but as
+    its key's own class: on a one-slot model, that slot was then held back from every standard request for 10 s
+    (a restart's requests waited 10 s, bench/restart_loss.py)."""
+    one, two = processes
+    reps = replicas(1, model=model)
+    retried = await one.admit(model, reps, key="k1", rank=INTERACTIVE, klass=STANDARD, cost=10, prefs=[],
+                              queue_limit=100, max_wait=1)
+    await one.release(retried, reps(), 10)
+    other = await admit(two, model, reps, key="k2", wait=1.0)  # standard, at once: not held for interactive
+    await two.release(other, reps(), 10)
