@@ -356,13 +356,20 @@ local function pick_replica(f, queued)
   return best
 end
 
-local mine = {}  -- grants to the caller's tickets, answered
-local told = {}  -- process -> "ticket|replica;..." to publish
-local granted_new = {}
-
 local function own_class(f)
   return (f[8] ~= nil and f[8] ~= '') and f[8] or f[1]
 end
+
+-- the replica a ticket may have of the `allowed` free slots its class may take (nil: none now), and whether the
+-- last of them is left for another key (then none of its key's tickets may have it)
+local function place(f, allowed, queued)
+  if allowed <= 1 and left_for_another(f[2], tonumber(own_class(f)), allowed < total_free) then return nil, true end
+  return pick_replica(f, queued), false
+end
+
+local mine = {}  -- grants to the caller's tickets, answered
+local told = {}  -- process -> "ticket|replica;..." to publish
+local granted_new = {}
 
 local function grant(id, f, replica, queued)
   local rank, key = own_class(f), f[2]
@@ -450,17 +457,15 @@ local function dispatch()
         redis.call('ZREM', P .. 'c' .. pick_rank, pick)
       else
         pick_f = split(fields, '|')
-        if allowed <= 1 and left_for_another(pick_key, tonumber(own_class(pick_f)), allowed < total_free) then
+        local replica, left = place(pick_f, allowed, true)
+        if left then
           skip[pick_rank .. ':' .. pick_key] = true
+        elseif replica then
+          grant(pick, pick_f, replica, true)
         else
-          local replica = pick_replica(pick_f, true)
-          if replica then
-            grant(pick, pick_f, replica, true)
-          else
-            skip[pick_rank .. ':' .. pick_key] = (skip[pick_rank .. ':' .. pick_key] or 0) + 1
-            patience = patience - 1
-            if patience <= 0 then return end
-          end
+          skip[pick_rank .. ':' .. pick_key] = (skip[pick_rank .. ':' .. pick_key] or 0) + 1
+          patience = patience - 1
+          if patience <= 0 then return end
         end
       end
     end
@@ -479,10 +484,8 @@ if #news > 0 then
     if length == 0 and total_free > 0 then
       local g = split(f[2], '|')
       local allowed = may_take(tonumber(g[1]))
-      if allowed > 1 or (allowed == 1 and not left_for_another(g[2], tonumber(own_class(g)), allowed < total_free)) then
-        replica = pick_replica(g, false)
-        if replica then grant(f[1], g, replica, false); answers[#answers + 1] = {f[1], 0} end
-      end
+      if allowed >= 1 then replica = place(g, allowed, false) end
+      if replica then grant(f[1], g, replica, false); answers[#answers + 1] = {f[1], 0} end
     end
     if replica then
       -- granted at once

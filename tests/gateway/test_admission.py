@@ -471,3 +471,18 @@ async def test_a_request_failing_over_goes_first_but_holds_no_slot_back_as_a_hig
     await one.release(retried, reps(), 10)
     other = await admit(two, model, reps, key="k2", wait=1.0)  # standard, at once: not held for interactive
     await two.release(other, reps(), 10)
+
+
+async def test_a_process_whose_clock_runs_ahead_frees_no_slot_in_use(processes, model, monkeypatch):
+    """Issue 35: leases, tickets and windows were on each process's clock; one 30 s ahead freed slots still in use.
+    Every time is Redis's now."""
+    one, two = processes
+    reps = replicas(1, model=model)
+    held = await admit(one, model, reps)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)  # this machine's clock, an hour ahead
+    with pytest.raises(GatewayError) as waited:
+        await admit(two, model, reps, key="ahead", wait=0.6)
+    assert waited.value.code == "queue_timeout"  # the slot in use was not freed for it
+    monkeypatch.setattr(time, "time", real)
+    await one.release(held, reps(), 10)
