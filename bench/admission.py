@@ -48,11 +48,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents.ports import free_port  # noqa: E402
-from llmgw.processes import Child  # noqa: E402
 from loadgen import ClientConnection, answer_ok, build_request  # noqa: E402
 from report import fmt  # noqa: E402
 from targets import cpu_seconds, say, setup_llmgw, strays, wait_ready  # noqa: E402
+
+from agents.ports import free_port  # noqa: E402
+from llmgw.processes import Child  # noqa: E402
 
 FAKE = ROOT / "bench" / "fake_upstream.py"
 TARGETS = ("direct", "llmgw", "llmgw-noadm")
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
                     cells.setdefault((target, conc), []).append(cell)
                     pid = children["fake-engine" if target == "direct" else target].pid
                     asyncio.run(run_cell(cell, port, build_request(port, key, True, "chat"), o.seconds,
-                                         lambda: cpu_seconds(pid)))
+                                         lambda pid=pid: cpu_seconds(pid)))
                     say(f"{target:12s} c={conc:<4d} round {round_ + 1}: {cell.tokens_per_s(o.tokens):8.0f} tok/s  "
                         f"TTFT p50 {fmt(cell.p(cell.ttft, 0.5))} ms p99 {fmt(cell.p(cell.ttft, 0.99))} ms  "
                         f"ok {cell.ok} err {cell.errors}")

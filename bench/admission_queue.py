@@ -45,7 +45,7 @@ async def measure(url: str, queue: int, keys: int, slots: int, calls: int) -> di
     import redis.asyncio as aioredis
 
     from gateway import admission
-    from gateway.admission import RS, US, Admission, Lease
+    from gateway.admission import RS, US, Admission
 
     client = aioredis.Redis.from_url(url)
     await client.flushdb()

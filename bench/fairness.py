@@ -59,7 +59,7 @@ class Tally:
     refused: int = 0  # 429 or 503 with Retry-After, before any byte
     failed: list[str] = field(default_factory=list)
 
-    def add(self, other: "Tally") -> None:
+    def add(self, other: Tally) -> None:
         self.ttft += other.ttft
         self.tokens += other.tokens
         self.answered += other.answered
@@ -194,8 +194,9 @@ async def measure(llmgw: Llmgw, replicas: int, o) -> dict:
 
 def report(results: dict[str, list[dict]], o) -> None:
     print()
-    print(f"admission's headroom {o.headroom:g}; quiet key: {o.quiet_requests} streamed chats of 8 tokens, {o.think}s apart; flood: {o.flood} streams of "
-          f"{o.flood_tokens} ± {o.flood_spread:.0%} tokens in flight; four keys: {max(1, o.flood // 2)} streams each for {o.window}s")
+    print(f"admission's headroom {o.headroom:g}; quiet key: {o.quiet_requests} streamed chats of 8 tokens, {o.think}s "
+          f"apart; flood: {o.flood} streams of {o.flood_tokens} ± {o.flood_spread:.0%} tokens in flight; four keys: "
+          f"{max(1, o.flood // 2)} streams each for {o.window}s")
     print()
     print("| replicas | admission | quiet alone p50 / worst | under flood p50 / worst | ÷ alone | flood tok/s "
           "| Jain (4 keys) | interactive over batch p50 / worst | ÷ alone | batch tok/s | answered / refused / failed |")

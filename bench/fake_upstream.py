@@ -110,7 +110,8 @@ class Engine:
         inputs = inputs if isinstance(inputs, list) else [inputs]
         data = [{"object": "embedding", "index": i, "embedding": [0.0, 0.5, 1.0, 0.25]} for i in range(len(inputs))]
         return json.dumps(
-            {"object": "list", "data": data, "model": body.get("model", "fake"), "usage": {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}}
+            {"object": "list", "data": data, "model": body.get("model", "fake"),
+             "usage": {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}}
         ).encode()
 
     def events(self, body: dict, chat: bool) -> list[bytes]:
@@ -127,7 +128,8 @@ class Engine:
 
         if chat:
             event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-            piece = json.dumps({**head, "choices": [{"index": 0, "delta": {"content": " " + self.word}, "finish_reason": None}]}).encode()
+            delta = {"index": 0, "delta": {"content": " " + self.word}, "finish_reason": None}
+            piece = json.dumps({**head, "choices": [delta]}).encode()
             out.extend([b"data: " + piece + b"\n\n"] * self.chunks)
             event([{"index": 0, "delta": {}, "finish_reason": "stop"}])
         else:
@@ -227,7 +229,7 @@ class Generation:
 
     __slots__ = ("conn", "events", "whole", "close", "steps_left", "sent")
 
-    def __init__(self, conn: "Connection", events: list[bytes] | None, whole: bytes | None, close: bool, prefill: int):
+    def __init__(self, conn: Connection, events: list[bytes] | None, whole: bytes | None, close: bool, prefill: int):
         self.conn, self.events, self.whole, self.close = conn, events, whole, close
         self.steps_left = prefill  # steps of prefill still to go
         self.sent = 0  # events sent so far (streams)
@@ -247,7 +249,7 @@ class Pacer:
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self._run())
 
-    def drop(self, conn: "Connection") -> None:
+    def drop(self, conn: Connection) -> None:
         """The client hung up: its slot, or its place in line, is free at once."""
         self.active = [g for g in self.active if g.conn is not conn]
         if any(g.conn is conn for g in self.waiting):
@@ -370,7 +372,8 @@ class Connection(asyncio.Protocol):
         if path == b"/v1/models":
             if method != b"GET":
                 return self.reply(*_error(405, "method_not_allowed", "GET only"), close)
-            return self.reply(200, b'{"object":"list","data":[{"id":"fake","object":"model","created":0,"owned_by":"bench"}]}', close)
+            models = b'{"object":"list","data":[{"id":"fake","object":"model","created":0,"owned_by":"bench"}]}'
+            return self.reply(200, models, close)
         endpoint = {b"/v1/chat/completions": "chat", b"/v1/completions": "completions", b"/v1/embeddings": "embeddings",
                     b"/v1/messages": "messages", b"/v1/responses": "responses"}.get(path)
         if endpoint is None:

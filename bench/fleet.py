@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from instance import Instance  # noqa: E402
+
 from llmgw.valkey import EmbeddedValkey  # noqa: E402
 
 REPORT_INTERVAL = 5.0

@@ -66,8 +66,8 @@ bench/report.py (the table); child processes are llmgw.processes.Child, as `llmg
 from __future__ import annotations
 
 import argparse
-import json
 import asyncio
+import json
 import os
 import platform
 import secrets
@@ -82,16 +82,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents.ports import free_port  # noqa: E402
-from llmgw.processes import Child  # noqa: E402
 from loadgen import APIS, Cell, build_request, requests_for, run_cell  # noqa: E402
 from report import fmt, print_apis, print_table, print_targets  # noqa: E402
 from targets import (  # noqa: E402
     cpu_seconds,
     importable,
-    metrics_counts,
     litellm_config,
     litellm_venv,
+    metrics_counts,
     module_version,
     nginx_binary,
     nginx_conf,
@@ -102,6 +100,9 @@ from targets import (  # noqa: E402
     strays,
     wait_ready,
 )
+
+from agents.ports import free_port  # noqa: E402
+from llmgw.processes import Child  # noqa: E402
 
 FAKE = ROOT / "bench" / "fake_upstream.py"
 ALL_TARGETS = ("direct", "llmgw-daphne", "llmgw-uvicorn", "llmgw-noadm", "llmgw-2w", "nginx", "litellm")
@@ -149,7 +150,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-pin", action="store_true", help="do not pin the proxy to its own CPU")
     parser.add_argument("--no-install", action="store_true", help="fail instead of installing nginx, uvicorn, LiteLLM")
     parser.add_argument("--py-spy", metavar="BIN", help="record each Python proxy with this py-spy (raw folded stacks)")
-    parser.add_argument("--profile-dir", metavar="DIR", default="bench-profiles", help="where --py-spy writes (default ./bench-profiles)")
+    parser.add_argument("--profile-dir", metavar="DIR", default="bench-profiles",
+                        help="where --py-spy writes (default ./bench-profiles)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, configs)")
     parser.add_argument("--json", metavar="FILE", help="also write every cell's numbers to FILE")
     parser.add_argument("--setup-llmgw", type=int, metavar="UPSTREAM_PORT", help=argparse.SUPPRESS)
@@ -317,7 +319,7 @@ def main(argv=None) -> int:
                             counts = target in ("llmgw-daphne", "llmgw-uvicorn", "llmgw-noadm")  # one process: one /metrics
                             before = metrics_counts(port, metrics_token) if counts else None
                             asyncio.run(run_cell(cell, port, request, count, warmup if round_ == 0 else 2 * conc,
-                                                 o.time_limit, lambda: sum(cpu_seconds(pid) for pid in pids)))
+                                                 o.time_limit, lambda pids=pids: sum(cpu_seconds(pid) for pid in pids)))
                             if counts:
                                 time.sleep(0.05)  # a stream is counted as its generator ends, after the client has it
                                 after = metrics_counts(port, metrics_token)
@@ -364,13 +366,16 @@ def main(argv=None) -> int:
     print(f"\nbench/gateway.py on {platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}, {time.monotonic() - started:.0f} s, "
           f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after")
-    print(f"  pinning: {'proxy on CPU ' + ','.join(map(str, sorted(proxy_cpus))) + '; client, fake engine, Valkey on CPU ' + ','.join(map(str, cpus[:-1])) if proxy_cpus else 'none'}")
+    pinning = (f"proxy on CPU {','.join(map(str, sorted(proxy_cpus)))}; client, fake engine, Valkey on CPU "
+               f"{','.join(map(str, cpus[:-1]))}" if proxy_cpus else "none")
+    print(f"  pinning: {pinning}")
     print(f"  daphne {module_version(sys.executable, 'daphne')}, uvicorn {module_version(sys.executable, 'uvicorn')} "
           f"(uvloop {'yes' if importable(sys.executable, 'uvloop') else 'no'}, "
           f"httptools {'yes' if importable(sys.executable, 'httptools') else 'no'}), "
           f"Django {module_version(sys.executable, 'Django')}, httpx {module_version(sys.executable, 'httpx')}, "
           f"nginx {info.get('nginx', '-')}, LiteLLM {info.get('litellm', '-')} (its uvicorn, uvloop)")
-    print(f"  redis: {info.get('redis', '-')}; fake engine: {o.chunks} content chunks per stream, {info.get('fake engine loop')}; "
+    print(f"  redis: {info.get('redis', '-')}; fake engine: {o.chunks} content chunks per stream, "
+          f"{info.get('fake engine loop')}; "
           f"requests per cell: " + ", ".join(f"c={c}: {requests_for(c, o.scale)}" for c in concurrencies)
           + f", at most {o.time_limit:g} s; {o.rounds} round{'s' if o.rounds > 1 else ''}"
           + (", the table shows each cell's fastest round" if o.rounds > 1 else ""))

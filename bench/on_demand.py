@@ -39,7 +39,6 @@ from datetime import datetime
 
 import httpx
 import openai
-
 from instance import Instance, gguf_path
 
 from agents.engines import driver_for  # the checkout: bench/instance.py put it on the path

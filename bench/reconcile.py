@@ -67,7 +67,7 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
         try:
             nodes, replicas = (int(x.replace("_", "")) for x in part.split("x"))
         except ValueError:
-            raise SystemExit(f"bad size {part!r}: use NODESxREPLICAS, e.g. 1000x5000")
+            raise SystemExit(f"bad size {part!r}: use NODESxREPLICAS, e.g. 1000x5000") from None
         if nodes < 1 or replicas < 1:
             raise SystemExit(f"bad size {part!r}: nodes and replicas must be at least 1")
         sizes.append((nodes, replicas))

@@ -76,7 +76,7 @@ def print_apis(cells: list[Cell], order: list[tuple[str, str]], chunks: int) -> 
     by_key = {(c.target, c.concurrency, c.mode, c.api): c for c in cells}
     concs = sorted({c.concurrency for c in cells})
     lines = []
-    for target, server in order:
+    for target, _server in order:
         for mode in ("json", "stream"):
             for conc in concs:
                 chat = by_key.get((target, conc, mode, "chat"))
@@ -88,13 +88,14 @@ def print_apis(cells: list[Cell], order: list[tuple[str, str]], chunks: int) -> 
                     verdict = (f"target >= {API_RATIO_TARGET:g}x: {'met' if r >= API_RATIO_TARGET else 'MISSED'}"
                                if target.startswith("llmgw") else "the engine's own")
                     lines.append(f"  {target:14s} {mode:6s} c={conc:<3d} {api:9s} / chat: "
-                                 f"{cell.rps:7.0f} / {chat.rps:7.0f} = {r:5.2f}x ({verdict}); cpu ms/req {fmt(cell.cpu_ms, 3)} / {fmt(chat.cpu_ms, 3)}"
+                                 f"{cell.rps:7.0f} / {chat.rps:7.0f} = {r:5.2f}x ({verdict}); "
+                                 f"cpu ms/req {fmt(cell.cpu_ms, 3)} / {fmt(chat.cpu_ms, 3)}"
                                  f" = {ratio(cell.cpu_ms, chat.cpu_ms)}")
     if lines:
         print("\nMessages and Responses against chat completions, req/s in the same run (issue 23):")
         print("\n".join(lines))
     counted = []
-    for target, server in order:
+    for target, _server in order:
         for mode in ("json", "stream"):
             for api in APIS:
                 mine = [c.counted for c in cells if (c.target, c.mode, c.api) == (target, mode, api) and c.counted]

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import redis
-
 from instance import ROOT, Instance, gguf_path
 
 MESSAGES = [{"role": "user", "content": "Say hello in five words."}]

@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from instance import Instance, gguf_path  # noqa: E402
+
 from gateway.affinity import LOAD_FACTOR, Ring, choose, request_key  # noqa: E402  (pure: no Django)
 
 KUBEAI_LOAD_FACTOR = 1.25  # KubeAI's PrefixHash default
@@ -374,7 +375,8 @@ def main() -> None:
     try:
         fleet = Fleet(llmgw.ready(MODEL), llmgw.engine_key, o.load_factor)
         print(f"llmgw at {llmgw.url}; replicas {', '.join(sorted(fleet.urls))}; parallel {o.parallel}, "
-              f"threads {o.threads}, batch {o.batch_size or 'llmgw default'}, context {o.context}; prefix's load factor {o.load_factor}"
+              f"threads {o.threads}, batch {o.batch_size or 'llmgw default'}, context {o.context}; "
+              f"prefix's load factor {o.load_factor}"
               + (f"; engine flags {o.engine_extra}" if o.engine_extra else ""))
         # warm up: every replica loads its weights into the page cache and runs once
         asyncio.run(run_policy("random", workload("distinct", seed - 1, o)[:3], o, llmgw.url, llmgw.key, fleet, 0))

@@ -17,9 +17,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from loadgen import MODEL
+
 from llmgw.processes import Child
 from tests.integration import harness
-from loadgen import MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
 LITELLM_VERSION = "1.108.7"
@@ -231,7 +232,8 @@ def setup_llmgw(home: Path, env: dict, upstream_port: int, parallel: int = 256) 
         if result.returncode != 0:
             raise RuntimeError(f"llmgw setup step {name} failed ({' '.join(argv)}):\n{result.stdout}\n{result.stderr}")
         out[name] = result.stdout
-    engine_key = next(json.loads(line[len(RESULT_MARK):]) for line in out["rows"].splitlines() if line.startswith(RESULT_MARK))["engine_key"]
+    said = next(json.loads(line[len(RESULT_MARK):]) for line in out["rows"].splitlines() if line.startswith(RESULT_MARK))
+    engine_key = said["engine_key"]
     match = re.search(r"(sk-\S+)\s*$", out["key"].strip())
     if not match:
         raise RuntimeError(f"no key in the output of `ctl keys create`: {out['key']!r}")

@@ -7,7 +7,7 @@ reconciler's transaction; a restarted control plane carries on from the database
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime, timezone as dt_timezone
+from datetime import UTC, datetime
 
 from django.conf import settings
 
@@ -25,7 +25,7 @@ def _epoch(value) -> float | None:
 
 
 def _time(value: float | None):
-    return datetime.fromtimestamp(value, tz=dt_timezone.utc) if value is not None else None
+    return datetime.fromtimestamp(value, tz=UTC) if value is not None else None
 
 
 @dataclasses.dataclass

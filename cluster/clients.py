@@ -10,7 +10,6 @@ from urllib.parse import urlsplit
 from django.conf import settings
 from django.http.request import split_domain_port, validate_host
 
-
 # The `llmgw` command on the control plane's own host calls the REST API in its process (llmgw.cli.local), with
 # this key in the WSGI environ: a request from the network has only HTTP_ headers there, never this.
 IN_PROCESS = "llmgw.in_process"

@@ -6,8 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from datetime import datetime, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime, timedelta
 
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
@@ -66,7 +65,7 @@ def last_requests() -> dict[str, datetime]:
     from cluster.locks import redis_client
 
     try:
-        return {name: datetime.fromtimestamp(t, tz=dt_timezone.utc) for name, t in read(redis_client()).items()}
+        return {name: datetime.fromtimestamp(t, tz=UTC) for name, t in read(redis_client()).items()}
     except Exception as exc:  # Redis away
         log.warning("could not read the models' last requests (%s)", exc)
         return {}
@@ -152,7 +151,8 @@ def _demand(model: Model) -> Demand | None:
 
 def memory_in_use(nodes=None) -> MemoryInUse:
     """Memory the replicas hold on each node (RAM, and each GPU's by index) and the CPU cores their threads take,
-    counted by the rule placement counts them with (cluster.planner.capacity). `nodes`: the Node rows already at hand (else read)."""
+    counted by the rule placement counts them with (cluster.planner.capacity). `nodes`: the Node rows already at hand
+    (else read)."""
     rows = nodes if nodes is not None else Node.objects.only("pk", "facts")
     gpu_counts = {n.pk: len(n.gpus) for n in rows}
     used = MemoryInUse()

@@ -313,7 +313,8 @@ def progress(node_pk: int, name: str, done: int, total: int) -> None:
         if replica.state == S.PENDING:
             replica.state, replica.state_changed_at = S.DOWNLOADING, timezone.now()
             fields += ["state", "state_changed_at"]
-            record("replica.downloading", f"agent:{replica.node.name}", f"replica {replica.name} downloading", subject=replica.name)
+            record("replica.downloading", f"agent:{replica.node.name}", f"replica {replica.name} downloading",
+                   subject=replica.name)
         replica.save(update_fields=fields)
 
 

@@ -170,7 +170,8 @@ def _restart_agents(actor: str, timeout: float, outcome: dict) -> Iterator[str]:
         notify.restart_agent(node.pk)
         yield f"agent {node.name}: asked to restart"
         started = time.monotonic()
-        back = _wait(lambda: Event.objects.filter(kind="node.connected", subject=node.name, created_at__gt=since).exists(), timeout)
+        back = _wait(lambda node=node, since=since: Event.objects.filter(kind="node.connected", subject=node.name,
+                                                                          created_at__gt=since).exists(), timeout)
         if back:
             outcome[node.name] = "back"
             record("agent.restarted", actor, f"agent {node.name}: back after {time.monotonic() - started:.1f}s",
@@ -178,7 +179,8 @@ def _restart_agents(actor: str, timeout: float, outcome: dict) -> Iterator[str]:
             yield f"agent {node.name}: back after {time.monotonic() - started:.1f}s"
         else:
             outcome[node.name] = "timeout"
-            record("agent.restart_timeout", actor, f"agent of node {node.name} did not reconnect within {timeout:.0f}s", subject=node.name)
+            record("agent.restart_timeout", actor, f"agent of node {node.name} did not reconnect within {timeout:.0f}s",
+                   subject=node.name)
             yield f"agent {node.name}: did not reconnect within {timeout:.0f}s; going on"
 
 

@@ -4,7 +4,6 @@ traffic per minute, from the counters every web process adds to in Redis (gatewa
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 WIDTH, HEIGHT = 360, 90

@@ -28,7 +28,8 @@ from cluster.clients import agents_url
 from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Profile, Replica
 from cluster.operations import OperationError
 from cluster.roles import ROLES, WRITE_ROLES, can_change, role_of
-from gateway import budgets, operations as gateway_operations
+from gateway import budgets
+from gateway import operations as gateway_operations
 from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import ApiKey
 
@@ -546,7 +547,8 @@ def mirror_upload(request):
     uploaded = request.FILES.get("file")
     if uploaded is None:
         raise FormError("file: choose a model file to upload")
-    model_file, created = operations.import_uploaded_file(uploaded, _actor(request), name=request.POST.get("name", "").strip() or None)
+    model_file, created = operations.import_uploaded_file(uploaded, _actor(request),
+                                                          name=request.POST.get("name", "").strip() or None)
     return f"{model_file.name} {'uploaded' if created else 'already in the mirror'}: sha256 {model_file.sha256}"
 
 

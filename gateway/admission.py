@@ -256,7 +256,7 @@ class Admission:
             names.add(lease.replica)
         kept_slots = kept_tickets = ""
         if batch.keep:
-            kept_slots = RS.join(f"{l.replica}{US}{l.member}" for l in self.leases.values() if l.model == model)
+            kept_slots = RS.join(f"{held.replica}{US}{held.member}" for held in self.leases.values() if held.model == model)
             kept_tickets = RS.join(f"{t}{US}{fields}" for t, (m, fields) in self.tickets.items() if m == model)
         args = [model_prefix(model), self._settings_for(model), self.process,
                 RS.join(f"{name}{US}{cap}" for name, cap in replicas), RS.join(releases), kept_slots, kept_tickets,
@@ -288,7 +288,7 @@ class Admission:
         del n  # one answer per new ticket, read above
         m = int(answer[at])
         at += 1
-        for (ticket, future), replica in zip(batch.cancels, answer[at:at + m]):
+        for (_, future), replica in zip(batch.cancels, answer[at:at + m]):
             if not future.done():
                 future.set_result(_text(replica))
         at += m
@@ -318,7 +318,7 @@ class Admission:
             for key, n in batch.service.items():
                 retry.service[key] = retry.service.get(key, 0) + n
         else:
-            for ticket, future in batch.cancels:
+            for _, future in batch.cancels:
                 if not future.done():
                     future.set_result("")
             for done in batch.done:

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import datetime as dt
 
-from agents.units import BUDGET_PERIODS as PERIODS, about, parse_budget as parse, shown_tokens as shown  # noqa: F401
+from agents.units import BUDGET_PERIODS as PERIODS
+from agents.units import about
+from agents.units import parse_budget as parse
+from agents.units import shown_tokens as shown
+
+__all__ = ["PERIODS", "about", "parse", "period_end", "period_start", "shown", "spent", "status", "with_spent"]
 
 
 def period_start(period: str, now: dt.datetime) -> dt.datetime:
     """The start of the period `now` is in (UTC)."""
-    now = now.astimezone(dt.timezone.utc)
+    now = now.astimezone(dt.UTC)
     day = now.replace(hour=0, minute=0, second=0, microsecond=0)
     if period == "day":
         return day

@@ -76,10 +76,10 @@ class Answer:
 
 
 class Streamed:
-    """An answer sent as it comes (server-sent events, or a large answer passed on), with what lets its upstream go however it ends: read to
-    the end, cut short, or never started (a client gone between the view's answer and its first byte, when the
-    generator never ran and so ran no `finally`). The handler calls `settle` once the answer is out or abandoned;
-    it is a no-op when the stream already ended its own way."""
+    """An answer sent as it comes (server-sent events, or a large answer passed on), with what lets its upstream go
+    however it ends: read to the end, cut short, or never started (a client gone between the view's answer and its
+    first byte, when the generator never ran and so ran no `finally`). The handler calls `settle` once the answer is
+    out or abandoned; it is a no-op when the stream already ended its own way."""
 
     streaming = True
     __slots__ = ("status", "chunks", "headers", "settle")

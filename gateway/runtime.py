@@ -222,7 +222,7 @@ class Gateway:
     def now(self) -> dt.datetime:
         """The time on Redis's clock (as last measured), the one every web process reads: a key's budget period
         begins at the same moment for all of them."""
-        return dt.datetime.fromtimestamp(time.time() + self.clock_offset, dt.timezone.utc)
+        return dt.datetime.fromtimestamp(time.time() + self.clock_offset, dt.UTC)
 
     async def _measure_clock(self) -> None:
         sent = time.time()

@@ -8,7 +8,7 @@ writing, the spend of each budget the write touched is read back in the same tra
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from django.db import transaction
 from django.db.models import F, Q
@@ -29,13 +29,13 @@ def record(rows: dict[tuple[int, int, str], list[int]], last_used: dict[int, flo
             if key_id not in existing:
                 continue
             row, _ = Usage.objects.get_or_create(
-                key_id=key_id, model=model, hour=datetime.fromtimestamp(hour, tz=timezone.utc))
+                key_id=key_id, model=model, hour=datetime.fromtimestamp(hour, tz=UTC))
             Usage.objects.filter(pk=row.pk).update(
                 requests=F("requests") + requests, prompt_tokens=F("prompt_tokens") + prompt,
                 completion_tokens=F("completion_tokens") + completion)
         for key_id, ts in last_used.items():
             if key_id in existing:
-                when = datetime.fromtimestamp(ts, tz=timezone.utc)
+                when = datetime.fromtimestamp(ts, tz=UTC)
                 ApiKey.objects.filter(Q(last_used_at__isnull=True) | Q(last_used_at__lt=when), pk=key_id).update(
                     last_used_at=when)
         return {(key_id, period, start): budgets.spent(key_id, period, start) for key_id, period, start in spends}

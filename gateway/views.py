@@ -15,8 +15,7 @@ import time
 
 from cluster import throttle
 from cluster.clients import address_of
-from gateway import admission, affinity, metrics, slots
-from gateway import prompt
+from gateway import admission, affinity, metrics, prompt, slots
 from gateway.engines_http import ConnectFailed, ConnectTimeout, ReadTimeout, Unreachable, UpstreamError
 from gateway.errors import GatewayError, invalid
 from gateway.http import Answer, HungUp, Streamed, json_answer
@@ -361,7 +360,8 @@ async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = N
             if deadline is None:
                 deadline = now + route.wait_seconds
             if tried and route.coming == 0:
-                raise last_error or GatewayError(502, "upstream_error", f"every ready replica of {call.model} failed this request")
+                raise last_error or GatewayError(502, "upstream_error",
+                                                 f"every ready replica of {call.model} failed this request")
             if (refusal := _none_coming(call, route, now, deadline, asked=waiting or call.lease_asked)) is not None:
                 raise refusal
             if gw.admission.enabled and route.slots and call.admits and not tried and not call.lease_asked:
@@ -369,7 +369,7 @@ async def _choose(gw, call, tried: set[str], last_error: GatewayError | None = N
                 # as demand; the replica ready, the queue's own wait bound follows the load's
                 call.lease_asked, call.asked_until = True, now + NO_ROOM_RECHECK
                 upstream = await slots.admit(gw, call, route, tried, None, max_wait=deadline - now + route.max_wait,
-                                             check=lambda: _still_coming(gw, call, deadline))
+                                             check=lambda deadline=deadline: _still_coming(gw, call, deadline))
                 if upstream is not None:
                     return upstream
                 continue  # granted a replica gone since, or Redis out of reach: as without admission

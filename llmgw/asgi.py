@@ -13,11 +13,11 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
 
 from agents.consumers import AgentConsumer  # noqa: E402
+from cluster import control, system  # noqa: E402
 from dashboard.consumers import dashboard_socket  # noqa: E402
 from gateway.handler import http_router  # noqa: E402
 from gateway.runtime import lifespan  # noqa: E402
 from gateway.urls import application as gateway_application  # noqa: E402
-from cluster import control, system  # noqa: E402
 
 control.start("web", system.successor_started)  # register with the control plane; obey `llmgw restart`
 

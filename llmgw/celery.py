@@ -18,9 +18,7 @@ app.autodiscover_tasks()
 
 @worker_ready.connect
 def _worker_ready(**kwargs):
-    from cluster import control, system
-
-    from cluster import peers
+    from cluster import control, peers, system
 
     control.start("worker", system.successor_started)  # register with the control plane; obey `llmgw restart`
     peers.start()  # this control plane's mirror: what it lacks, pulled from the others

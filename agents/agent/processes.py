@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 
 from agents.agent.replicas import Replica, ReplicaFailed, write_json
-from agents.ports import port_free
 from agents.engines import driver_for, engine_host
+from agents.ports import port_free
 
 log = logging.getLogger("llmgw.agent")
 

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from agents import facts as node_facts
-from agents.protocol import is_address
 from agents.agent.stream import Agent, agent_urls
+from agents.protocol import is_address
 
 log = logging.getLogger("llmgw.agent")
 ADDRESS_ENV = "LLMGW_AGENT_ADDRESS"
@@ -90,7 +90,8 @@ def run(
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m agents.agent", description="The llmgw node agent.",
                                 allow_abbrev=False)
-    p.add_argument("--server", default=os.environ.get("LLMGW_SERVER", ""), help="e.g. https://llmgw.example.com; several control planes separated by commas, dialled in "
+    p.add_argument("--server", default=os.environ.get("LLMGW_SERVER", ""),
+                   help="e.g. https://llmgw.example.com; several control planes separated by commas, dialled in "
                         "order, the next when one does not answer")
     token = os.environ.get("LLMGW_AGENT_TOKEN", "")
     p.add_argument("--token", default=token, help="the node token (or LLMGW_AGENT_TOKEN, which keeps it out of ps)")

@@ -190,10 +190,10 @@ def datetime_param(name: str, raw: str):
     if timezone.is_naive(value):
         value = timezone.make_aware(value)
     try:  # in UTC: the database takes no offset beyond ±15:59, which ISO 8601 allows
-        return value.astimezone(dt.timezone.utc)
+        return value.astimezone(dt.UTC)
     except OverflowError:  # the first or last moment Python knows, moved past the edge by its offset
         edge = dt.datetime.min if value.year == 1 else dt.datetime.max
-        return edge.replace(tzinfo=dt.timezone.utc)
+        return edge.replace(tzinfo=dt.UTC)
 
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import exceptions, mixins, permissions, serializers, status, viewsets
@@ -14,14 +13,14 @@ from rest_framework.views import APIView
 from cluster import operations, peers, queries
 from cluster.api.base import BIGINT_MAX, NamedViewSet, actor_of, datetime_param, flag_param, int_param, text_param
 from cluster.api.errors import Refused, refused
-from cluster.api.parsers import JSONParser
-from cluster.api.schema import UNKNOWN_FILTER, ErrorSerializer
 from cluster.api.model_serializers import (
     STATES,
     ServedModelCreateSerializer,
     ServedModelSerializer,
     ServedModelUpdateSerializer,
 )
+from cluster.api.parsers import JSONParser
+from cluster.api.schema import UNKNOWN_FILTER, ErrorSerializer
 from cluster.api.serializers import (
     ClusterSettingsSerializer,
     ClusterSettingsUpdateSerializer,
@@ -34,20 +33,19 @@ from cluster.api.serializers import (
     EngineSerializer,
     EngineUpdateSerializer,
     EventSerializer,
+    LoggedInSerializer,
+    LoginSerializer,
+    MeSerializer,
     ModelFileImportSerializer,
     ModelFileSerializer,
     ModelFileUploadSerializer,
     NewNodeSerializer,
+    NewNodeTokenSerializer,
     NewUserSerializer,
     NodeCreateSerializer,
     NodeDrainSerializer,
     NodeSerializer,
     NodeTokenSerializer,
-    NewNodeTokenSerializer,
-    MeSerializer,
-    LoginSerializer,
-    LoggedInSerializer,
-    SystemRestartRequestSerializer,
     ProfileCreateSerializer,
     ProfileSerializer,
     ProfileUpdateSerializer,
@@ -56,6 +54,7 @@ from cluster.api.serializers import (
     RestartQueuedSerializer,
     RestartSerializer,
     StatusSerializer,
+    SystemRestartRequestSerializer,
     SystemRestartSerializer,
     UserCreateSerializer,
     UserSerializer,

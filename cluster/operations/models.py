@@ -8,17 +8,17 @@ from django.db import transaction
 from django.utils import timezone
 
 from agents.confirmation import needs_confirmation
+from agents.units import MAX_DURATION
 from cluster.errors import Conflict, OperationError
 from cluster.events import kick_reconciler, record
-from agents.units import MAX_DURATION
 from cluster.models import (
     ALIAS_HINT,
     ALIAS_PATTERN,
     DEFAULT_MAX_CHOICES,
     DEFAULT_MAX_LOGPROBS,
+    ClusterSettings,
     Demand,
     EngineVersion,
-    ClusterSettings,
     Model,
     ModelFile,
     Profile,

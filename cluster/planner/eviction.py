@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from agents.units import format_size
 from cluster.planner.actions import Evict
-from cluster.planner.snapshot import DRAINING, READY, RESTART_NONE, STOPPING, COUNTING, ModelView, ReplicaView
+from cluster.planner.snapshot import COUNTING, DRAINING, READY, RESTART_NONE, STOPPING, ModelView, ReplicaView
 
 
 @dataclass

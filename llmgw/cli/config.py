@@ -41,7 +41,7 @@ def load() -> dict:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
-        raise CliError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc} (`llmgw logout` removes it)")
+        raise CliError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc} (`llmgw logout` removes it)") from None
     return data if isinstance(data, dict) else {}
 
 

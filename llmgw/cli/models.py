@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from agents.units import format_age
 from agents.confirmation import needs_confirmation
+from agents.units import format_age
 from llmgw.cli.args import UNSET, parse_size_arg
 from llmgw.cli.client import CliError
 from llmgw.cli.output import age, as_json, moment, now, size, table
+
 
 def models_list(o, out):
     models = o["api"].rows("models/")

@@ -4,9 +4,10 @@ agents.units writes them everywhere). Django-free."""
 from __future__ import annotations
 
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
-from agents.units import format_age, format_size as size
+from agents.units import format_age
+from agents.units import format_size as size
 from llmgw.cli.client import dumps
 
 __all__ = ["age", "as_json", "moment", "size", "table"]
@@ -17,11 +18,11 @@ def moment(text: str | None) -> datetime | None:
     if not text:
         return None
     when = datetime.fromisoformat(text)
-    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def age(when: str | datetime | None, at: datetime | None = None) -> str:

@@ -108,7 +108,8 @@ def service(o, out) -> None:
 def _run(out, verb: str, part: str) -> None:
     done = systemctl(verb, unit_name(part))
     if done.returncode != 0:
-        raise CommandError(f"systemctl {verb} {unit_name(part)} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:] or '?'}")
+        said = (done.stderr or done.stdout).strip().splitlines()[-1:] or "?"
+        raise CommandError(f"systemctl {verb} {unit_name(part)} failed: {said}")
     out.write(f"{verb} {unit_name(part)}: ok\n")
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 
 from agents.confirmation import CONFIRM_ABOVE
-from llmgw.cli.agent import add_arguments as agent_arguments, agent as agent_cmd
+from llmgw.cli.agent import add_arguments as agent_arguments
+from llmgw.cli.agent import agent as agent_cmd
 from llmgw.cli.args import (
     DEFAULT_MAX_CHOICES,
     DEFAULT_MAX_LOGPROBS,
@@ -24,22 +25,22 @@ from llmgw.cli.args import (
     OneLineParser,
     aliases_arg,
     budget_arg,
-    serves_arg,
     duration_arg,
     limit_arg,
     max_choices_arg,
     max_logprobs_arg,
     max_tokens_arg,
-    models_arg,
     max_wait_arg,
+    models_arg,
     queue_limit_arg,
+    serves_arg,
 )
-from llmgw.cli.completion import add_completion
-from llmgw.cli.login import login, logout
 from llmgw.cli.cluster_settings import engine_key_rotate, engine_key_show, settings_show_or_set
+from llmgw.cli.completion import add_completion
 from llmgw.cli.control_planes import control_plane_list, control_plane_remove, control_plane_token
 from llmgw.cli.events import events_list
 from llmgw.cli.keys import keys_create, keys_list, keys_revoke, keys_set, usage_list
+from llmgw.cli.login import login, logout
 from llmgw.cli.mirror import mirror_import, mirror_list
 from llmgw.cli.models import model_add, model_remove, model_set, models_list
 from llmgw.cli.nodes import drain, node_add, node_remove, node_token, nodes_list, undrain

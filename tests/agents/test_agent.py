@@ -27,7 +27,6 @@ from agents.agent.records import stop_recorded_engines
 from agents.facts import gather
 from agents.ports import free_port
 
-
 pytestmark = pytest.mark.integration  # engines, agents and servers as real processes
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from cluster import mirror, operations, queries
 from agents.engines import CAPABILITIES
+from cluster import mirror, operations, queries
 from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
 from cluster.operations import Conflict, NotFound, OperationError
 from tests.factories import make_file, make_model, make_node, make_replica, row_counts

@@ -72,7 +72,7 @@ class Listener:
                 try:
                     limit = wait if wait is not None else (5.0 if not got else 0.3)
                     got.append(await asyncio.wait_for(layer.receive(self.channel), limit))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     return got
 
         return self._run(drain)

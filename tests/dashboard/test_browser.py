@@ -103,7 +103,8 @@ def test_every_page_fits_a_phone_and_its_nav_reaches_every_page(browser, live_se
             tab.wait_for_load_state("networkidle")
             wide = tab.evaluate("""() => ({scroll: document.documentElement.scrollWidth, view: window.innerWidth,
                 culprits: [...document.querySelectorAll('body *')].filter(e => e.getBoundingClientRect().right
-                  > window.innerWidth + 1 && !e.closest('.scroll, .card, pre')).slice(0, 5).map(e => e.outerHTML.slice(0, 80))})""")
+                  > window.innerWidth + 1 && !e.closest('.scroll, .card, pre')).slice(0, 5)
+                  .map(e => e.outerHTML.slice(0, 80))})""")
             assert wide["scroll"] <= wide["view"], (page, wide)
             for field in tab.locator("main form input:visible, main form select:visible").all():
                 box = field.bounding_box()

@@ -55,7 +55,8 @@ def test_login_with_a_wrong_password_says_so_and_a_right_one_lands_on_the_overvi
 
 
 def test_every_page_renders_whole_and_as_a_partial_for_htmx(op):
-    node = make_node("gpu-1", facts={"memory_total_bytes": 32 * 1024**3, "gpus": [{"index": 0, "name": "L4", "memory_bytes": 24 * 1024**3}]})
+    node = make_node("gpu-1", facts={"memory_total_bytes": 32 * 1024**3,
+                                     "gpus": [{"index": 0, "name": "L4", "memory_bytes": 24 * 1024**3}]})
     model = make_model(name="chat")
     make_replica(model, node, gpu_index=0, memory_bytes=2 * 1024**3)
     make_replica(model, node, state=Replica.State.FAILED, log_tail="boom: out of memory")
@@ -415,12 +416,14 @@ def test_settings_and_engine_key_rotation(op):
 
 
 def test_profiles_engines_mirror(op, tmp_path, settings):
-    body = op.post("/profiles/add/", {"name": "long", "context_size": "8192", "extra_args": "--flash-attn on"}, **HTMX).content.decode()
+    body = op.post("/profiles/add/", {"name": "long", "context_size": "8192", "extra_args": "--flash-attn on"},
+                   **HTMX).content.decode()
     assert "profile long added" in body and "--flash-attn on" in body
     body = op.post("/profiles/set/", {"name": "long", "context_size": "16384"}, **HTMX).content.decode()
     assert "profile long changed" in body and "16384" in body
     assert "profile long removed" in op.post("/profiles/long/remove/", **HTMX).content.decode()
-    body = op.post("/engines/add/", {"name": "mine", "kind": "command", "command": "{python} x.py --port {port}"}, **HTMX).content.decode()
+    body = op.post("/engines/add/", {"name": "mine", "kind": "command", "command": "{python} x.py --port {port}"},
+                   **HTMX).content.decode()
     assert "engine mine added" in body
     body = op.post("/engines/add/", {"name": "ranker", "kind": "command", "command": "r {port}",
                                      "serves": ["rerank", "embeddings"]}, **HTMX).content.decode()
@@ -510,7 +513,8 @@ def test_the_table_of_buttons_lists_every_command():
 def test_upload_a_model_file(op):
     from django.core.files.uploadedfile import SimpleUploadedFile
 
-    body = op.post("/mirror/upload/", {"file": SimpleUploadedFile("weights.bin", b"w" * 5000), "name": ""}, **HTMX).content.decode()
+    body = op.post("/mirror/upload/", {"file": SimpleUploadedFile("weights.bin", b"w" * 5000), "name": ""},
+                   **HTMX).content.decode()
     assert "weights.bin uploaded: sha256" in body and "4.9 KiB" in body
     assert "choose a model file" in op.post("/mirror/upload/", {}, **HTMX).content.decode()
 

@@ -1,8 +1,6 @@
 """The ledger (gateway/accounting.py): usage taken for the database once, traffic per minute into Redis (the real
 one) across web processes."""
 
-import asyncio
-import json
 import socket
 
 import pytest

@@ -49,7 +49,8 @@ def test_a_shared_template_before_the_document_still_tells_conversations_apart()
 
 def test_the_system_prompt_is_part_of_the_opening():
     user = {"role": "user", "content": "hello"}
-    assert chat_key([{"role": "system", "content": "be brief"}, user]) != chat_key([{"role": "system", "content": "be long"}, user])
+    brief, long = {"role": "system", "content": "be brief"}, {"role": "system", "content": "be long"}
+    assert chat_key([brief, user]) != chat_key([long, user])
     assert chat_opening([{"role": "system", "content": "s"}, user, {"role": "user", "content": "later"}]) == (
         "system\x1fs\x1duser\x1fhello"
     )

@@ -1,8 +1,7 @@
 """The REST API's keys, usage and system endpoints: parsing, status codes, fields, who may do what."""
 
 import hashlib
-from datetime import datetime, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.utils import timezone
@@ -372,7 +371,7 @@ def test_admin_may_create_and_revoke(admin):
 def usage(db):
     a, _ = operations.create_key("alice", "test")
     b, _ = operations.create_key("bob", "test")
-    h = lambda hour: datetime(2026, 3, 1, hour, tzinfo=dt_timezone.utc)  # noqa: E731
+    h = lambda hour: datetime(2026, 3, 1, hour, tzinfo=UTC)  # noqa: E731
     Usage.objects.create(key=a, model="qwen", hour=h(9), requests=3, prompt_tokens=30, completion_tokens=7)
     Usage.objects.create(key=a, model="qwen", hour=h(11), requests=1, prompt_tokens=10, completion_tokens=2)
     Usage.objects.create(key=a, model="smol", hour=h(11), requests=2, prompt_tokens=4, completion_tokens=4)

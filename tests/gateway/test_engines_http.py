@@ -147,7 +147,8 @@ async def test_a_stream_comes_as_it_is_sent(pool):
 
 
 async def test_a_body_that_lasts_until_the_connection_closes(pool):
-    async with Server(lambda request: [b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{\"a\": ", 0.05, b"1}", None]) as server:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{\"a\": "
+    async with Server(lambda request: [head, 0.05, b"1}", None]) as server:
         answer = await post(pool, server)
         assert await answer.read() == b'{"a": 1}'
         answer.release()

@@ -19,7 +19,10 @@ from gateway.table import KeyInfo
 pytestmark = pytest.mark.asyncio
 
 
-def key(id: int = 7, rpm: int | None = None, tpm: int | None = None) -> KeyInfo:
+ID = 970_000  # far from the keys other tests make (their gateways' settles may still land a moment after them)
+
+
+def key(id: int = ID, rpm: int | None = None, tpm: int | None = None) -> KeyInfo:
     return KeyInfo(id=id, name=f"key-{id}", prefix="sk-llmgw-abcde", models=frozenset(), rpm=rpm, tpm=tpm,
                    expires_at=None, revoked=False)
 
@@ -38,7 +41,7 @@ def inside_one_minute():
     if left < 3:
         time.sleep(left + 0.05)
     r = redis_client()
-    for name in r.keys("llmgw:rl:*"):
+    for name in r.keys(f"llmgw:rl:{ID // 10}*"):
         r.delete(name)
 
 
@@ -52,7 +55,7 @@ async def processes():
 
 
 def limit_keys() -> list[str]:
-    return sorted(k.decode() for k in redis_client().keys("llmgw:rl:*"))
+    return sorted(k.decode() for k in redis_client().keys(f"llmgw:rl:{ID}*"))
 
 
 async def refusal(limits, k, reserve: int = 0) -> GatewayError:
@@ -70,17 +73,17 @@ async def test_requests_per_minute_across_processes(processes):
     minute, left = redis_minute()
     assert (refused.status, refused.code) == (429, "rate_limited") and "3 requests per minute" in refused.message
     assert abs(refused.retry_after - left) <= 1  # until Redis's minute is over
-    assert limit_keys() == [f"{prefix(7)}r:{minute}"]
-    assert 0 < redis_client().ttl(f"{prefix(7)}r:{minute}") <= 120  # counters expire: no key lives on
+    assert limit_keys() == [f"{prefix(ID)}r:{minute}"]
+    assert 0 < redis_client().ttl(f"{prefix(ID)}r:{minute}") <= 120  # counters expire: no key lives on
 
 
 async def test_a_past_minutes_count_is_not_this_ones_and_windows_are_per_key(processes):
     one, _ = processes
     minute, _ = redis_minute()
-    redis_client().set(f"{prefix(1)}r:{minute - 1}", 99, ex=60)  # the last minute was busy
-    await one.check(key(id=1, rpm=1))
-    await refusal(one, key(id=1, rpm=1))
-    await one.check(key(id=2, rpm=1))  # another key's window is its own
+    redis_client().set(f"{prefix(ID + 1)}r:{minute - 1}", 99, ex=60)  # the last minute was busy
+    await one.check(key(id=ID + 1, rpm=1))
+    await refusal(one, key(id=ID + 1, rpm=1))
+    await one.check(key(id=ID + 2, rpm=1))  # another key's window is its own
 
 
 async def test_a_key_without_limits_writes_nothing(processes):
@@ -102,7 +105,7 @@ async def test_tokens_are_reserved_when_admitted_and_settled_when_used(processes
     assert all(isinstance(e, GatewayError) and e.status == 429 for e in tried if isinstance(e, Exception))
     minute, _ = redis_minute()
     assert admitted == [minute] * 3
-    name = f"{prefix(7)}t:{minute}"
+    name = f"{prefix(ID)}t:{minute}"
     assert int(redis_client().get(name)) == 120
     for m in admitted:  # each used 10, not 40: the reservations go, what they used stays
         await one.settle(k, 10, 40, m)
@@ -118,9 +121,9 @@ async def test_a_settle_for_a_count_redis_lost_makes_none(processes):
     one, _ = processes
     k = key(tpm=100)
     minute = await one.check(k, 90)
-    redis_client().delete(f"{prefix(7)}t:{minute}")
+    redis_client().delete(f"{prefix(ID)}t:{minute}")
     await one.settle(k, 5, 90, minute)
-    assert redis_client().get(f"{prefix(7)}t:{minute}") is None
+    assert redis_client().get(f"{prefix(ID)}t:{minute}") is None
 
 
 async def test_retry_after_is_the_rest_of_redis_minute_in_the_apis_shape(processes):

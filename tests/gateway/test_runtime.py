@@ -7,7 +7,6 @@ import secrets
 import time
 
 import pytest
-
 from asgiref.sync import sync_to_async
 
 from cluster.locks import redis_client

@@ -37,7 +37,7 @@ async def processes():
 
 
 def now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 async def write(budgets: Budgets, key_id: int, used: int) -> None:

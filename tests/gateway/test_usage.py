@@ -1,7 +1,7 @@
 """gateway.usage.record: what a web process counted into Usage rows and last use, in one transaction, with the
 budgets' spend read back; and a web process's books (gateway/runtime.py) keeping what the database refused."""
 
-from datetime import datetime, timedelta, timezone as dt_timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -15,7 +15,7 @@ HOUR = 1_772_000_000 // 3600 * 3600  # the start of an hour in 2026
 
 
 def at(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, tz=dt_timezone.utc)
+    return datetime.fromtimestamp(seconds, tz=UTC)
 
 
 def counted(*requests) -> dict:
@@ -58,7 +58,7 @@ def test_usage_adds_up_per_key_model_and_hour_across_writes(keys):
 
 def test_last_used_is_set_and_never_moves_back(keys):
     alice, bob = keys
-    now = datetime.now(dt_timezone.utc).timestamp()
+    now = datetime.now(UTC).timestamp()
     usage.record(*counted((alice, "qwen", 1, 1, now - 30), (alice, "qwen", 1, 1, now - 5)))
     ApiKey.objects.filter(pk=bob.pk).update(last_used_at=at(now))
     usage.record(*counted((bob, "qwen", 1, 1, now - 100)))  # older than what the database already has
@@ -80,7 +80,7 @@ def test_a_deleted_keys_usage_is_dropped(keys):
 
 def test_the_spend_of_the_budgets_written_is_read_back(keys):
     alice, _ = keys
-    day = datetime.now(dt_timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+    day = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
     Usage.objects.create(key=alice, model="qwen", hour=day - timedelta(hours=1), prompt_tokens=500)  # yesterday
     spent = usage.record(*counted((alice, "qwen", 30, 12, day.timestamp() + 60)), spends=[(alice.pk, "day", day)])
     assert spent == {(alice.pk, "day", day): 42}

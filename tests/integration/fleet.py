@@ -2,9 +2,10 @@
 
 Two control planes (web, Celery worker and beat each) on a PostgreSQL primary and its streaming standby
 (DATABASE_URL names both, libpq's host list) and a Valkey primary, its replica and
-three Sentinels of the test's own (tests/sentinel.py; the matrix restarts and kills them), Debian's nginx in front of both webs as docs/gateway.md configures it, and agent hosts in
-network namespaces (tests/integration/netns.py), each agent dialling both control planes (`--server A,B`) through a
-delaying relay of its own (no delay until a scenario sets one), so it advertises its own address.
+three Sentinels of the test's own (tests/sentinel.py; the matrix restarts and kills them), Debian's nginx in front
+of both webs as docs/gateway.md configures it, and agent hosts in network namespaces (tests/integration/netns.py),
+each agent dialling both control planes (`--server A,B`) through a delaying relay of its own (no delay until a
+scenario sets one), so it advertises its own address.
 
 While a scenario runs, `Load` keeps a few requests in flight through nginx with the official `openai` client and
 counts every failure, and `Watch` checks the invariants twice a second: per model, replicas counting toward it

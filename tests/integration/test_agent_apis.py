@@ -1,10 +1,10 @@
 """The APIs coding agents and RAG pipelines speak, through the real web process to llama.cpp's server (xllamacpp,
-SmolLM2): Anthropic's Messages with the official `anthropic` SDK (create, stream, count_tokens, each typed error),
-OpenAI's Responses with the official `openai` SDK (create, stream), each read by its SDK's stream helper too, and
-rerank on an engine started with rank pooling; their usage in the access log."""
+SmolLM2): chat completions, streamed with the usage chunk only when asked for; Anthropic's Messages with the
+official `anthropic` SDK (create, stream, count_tokens, each typed error), OpenAI's Responses with the official
+`openai` SDK (create, stream), each read by its SDK's stream helper too, and rerank on an engine started with rank
+pooling; their usage in the access log."""
 
 import importlib.util
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +14,16 @@ import openai
 import pytest
 
 from tests.integration.harness import wait_for
-from tests.integration.test_gateway import access_lines, add_model, assert_error, client, create_key, in_one_minute
+from tests.integration.test_gateway import (
+    access_lines,
+    add_model,
+    assert_error,
+    chat_text,
+    client,
+    create_key,
+    in_one_minute,
+    stream_text,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +52,21 @@ def agents(system):
             system.cli("ctl", "model", "remove", name, check=False)
         wait_for(lambda: not {CHAT, RANKER, HUGE} & {m["name"] for m in system.cli_json("ctl", "models")}, 60,
                  what="the models gone")
+
+
+def test_chat_completions_streamed_and_whole_on_the_real_llama_cpp_server(agents):
+    ask = {"model": CHAT, "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 12}
+    chunks = list(agents.openai.chat.completions.create(**ask, stream=True))
+    assert stream_text(chunks).strip(), chunks
+    assert chunks[-1].choices and chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert all(ch.usage is None for ch in chunks), "no usage chunk unless the client asks for one"
+    chunks = list(agents.openai.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert stream_text(chunks).strip()
+    last = chunks[-1]
+    assert last.usage and last.usage.completion_tokens > 0 and last.usage.prompt_tokens > 0
+    assert sum(ch.usage is not None for ch in chunks) == 1
+    done = agents.openai.chat.completions.create(**ask)
+    assert chat_text(done) and done.usage.completion_tokens > 0
 
 
 def test_messages_with_the_anthropic_sdk(system, agents):

@@ -17,7 +17,8 @@ def engine_key(system) -> str:
 
 def answers(port: int, key: str) -> bool:
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=3).status_code == 200
+        answer = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=3)
+        return answer.status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -45,7 +46,8 @@ def events(system, subject=None, kind=None) -> list[str]:
 
 
 def test_replicas_spread_become_ready_scale_down_and_remove(system):
-    system.cli("ctl", "model", "add", "spread", "--file", system.sha, "--engine", "testengine", "--replicas", "3", "--memory", "300MiB")
+    system.cli("ctl", "model", "add", "spread", "--file", system.sha, "--engine", "testengine", "--replicas", "3",
+               "--memory", "300MiB")
     ready = system.wait_ready("spread", 3)
     assert sorted(r["node"] for r in ready) == ["n1", "n2", "n3"], "three replicas spread over three nodes"
     key = engine_key(system)
@@ -72,7 +74,8 @@ def test_replicas_spread_become_ready_scale_down_and_remove(system):
 
 
 def test_agent_kill9_keeps_engines_and_adopts_them(system):
-    system.cli("ctl", "model", "add", "adopt", "--file", system.sha, "--engine", "testengine", "--replicas", "2", "--memory", "300MiB")
+    system.cli("ctl", "model", "add", "adopt", "--file", system.sha, "--engine", "testengine", "--replicas", "2",
+               "--memory", "300MiB")
     before = {r["name"]: r for r in system.wait_ready("adopt", 2)}
     node = next(iter(before.values()))["node"]
     on_node = [r for r in before.values() if r["node"] == node]
@@ -98,7 +101,8 @@ def test_agent_kill9_keeps_engines_and_adopts_them(system):
 
 
 def test_engine_killed_from_outside_is_reported_failed_and_replaced(system):
-    system.cli("ctl", "model", "add", "crash", "--file", system.sha, "--engine", "testengine", "--replicas", "1", "--memory", "300MiB")
+    system.cli("ctl", "model", "add", "crash", "--file", system.sha, "--engine", "testengine", "--replicas", "1",
+               "--memory", "300MiB")
     (first,) = system.wait_ready("crash", 1)
     os.kill(first["pid"], signal.SIGKILL)
 
@@ -157,7 +161,8 @@ def test_sha256_mismatch_on_download_fails_the_replica(system):
 
 
 def test_lost_node_replicas_are_placed_elsewhere_and_stopped_when_it_returns(system):
-    system.cli("ctl", "model", "add", "lost", "--file", system.sha, "--engine", "testengine", "--replicas", "1", "--memory", "300MiB")
+    system.cli("ctl", "model", "add", "lost", "--file", system.sha, "--engine", "testengine", "--replicas", "1",
+               "--memory", "300MiB")
     (first,) = system.wait_ready("lost", 1)
     node = first["node"]
     system.agents[node].proc.stop(signal.SIGKILL)
@@ -236,11 +241,14 @@ def test_real_llama_cpp_server_with_the_real_gguf(system):
     [
         (["ctl", "model", "add", "m1", "--file", "nope", "--engine", "testengine"], "no model file 'nope' in the mirror"),
         (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "nope"], "no engine named 'nope'"),
-        (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "testengine", "--profile", "nope"], "no profile named 'nope'"),
-        (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "testengine", "--replicas", "-2"], "replicas: Ensure this value is greater than or equal to 0"),
+        (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "testengine", "--profile", "nope"],
+         "no profile named 'nope'"),
+        (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "testengine", "--replicas", "-2"],
+         "replicas: Ensure this value is greater than or equal to 0"),
         (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "xllamacpp"], "is not GGUF; engine xllamacpp"),
         (["ctl", "model", "add", "Bad Name", "--file", "SHA", "--engine", "testengine"], "name: use lower-case letters, digits"),
-        (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "testengine", "--replicas", "two"], "invalid int value: 'two'"),
+        (["ctl", "model", "add", "m1", "--file", "SHA", "--engine", "testengine", "--replicas", "two"],
+         "invalid int value: 'two'"),
         (["ctl", "model", "set", "nope", "--replicas", "1"], "no model named 'nope'"),
         (["ctl", "model", "remove", "nope"], "no model named 'nope'"),
         (["ctl", "replicas", "--node", "nope"], "no node named 'nope'"),

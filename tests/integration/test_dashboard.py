@@ -111,7 +111,8 @@ def test_restart_model_goes_queued_replacing_done_without_reloading(system, dash
     # every restart marker the page ever shows, as the live updates swap the card
     dash.page.evaluate("""() => {
         window.__markers = new Set();
-        const seen = () => document.querySelectorAll('[data-testid=restart]').forEach(e => window.__markers.add(e.textContent.trim()));
+        const seen = () => document.querySelectorAll('[data-testid=restart]')
+            .forEach(e => window.__markers.add(e.textContent.trim()));
         new MutationObserver(seen).observe(document.body, {subtree: true, childList: true, characterData: true});
     }""")
     card(dash).locator("button", has_text="Restart model").click()

@@ -17,7 +17,7 @@ import signal
 import ssl
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -296,7 +296,7 @@ def test_from_a_laptop_the_documented_steps_through_nginx_with_tls(system, node_
     assert said.startswith(f"error: cannot reach the llmgw server at {dead}: ") and said.count("\n") == 1
 
     # `ctl events --follow` from the laptop prints what happens after it started
-    since = datetime.now(timezone.utc).isoformat()
+    since = datetime.now(UTC).isoformat()
     follow = subprocess.Popen([str(llmgw), "ctl", "events", "--follow", "--kind", "profile.", "--since", since], cwd=home,
                               env={**env, **as_vic}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:  # whenever it starts polling, it prints what happened after `since`

@@ -109,7 +109,8 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         picture = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
         with pytest.raises(openai.BadRequestError, match="model smollm2 does not take images"):
             c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": picture}])
-        with pytest.raises(openai.BadRequestError, match=r"\(5001 tokens\) is longer than model smollm2's context \(\d+ tokens\)") as long:
+        too_long = r"\(5001 tokens\) is longer than model smollm2's context \(\d+ tokens\)"
+        with pytest.raises(openai.BadRequestError, match=too_long) as long:
             c.completions.create(model="smollm2", prompt="hi " * 5000, max_tokens=1)
         assert long.value.code == "context_length_exceeded"
         # a completion that asks for no limit stops at the model's cap (4096 unless set), not at the context's end

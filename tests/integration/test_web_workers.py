@@ -71,10 +71,10 @@ def test_web_workers_share_one_socket_and_come_back_without_refusing_a_connectio
             for _ in range(2):  # each in turn told to stop, as `llmgw restart` tells it: it comes back
                 old = web_processes(launcher)
                 old[0].send_signal(signal.SIGTERM)
-                wait_for(lambda: len(web_processes(launcher)) == 2 and old[0] not in web_processes(launcher), 60,
+                wait_for(lambda old=old: len(web_processes(launcher)) == 2 and old[0] not in web_processes(launcher), 60,
                          what="the web process to be started again")
                 served = len(outcomes)
-                wait_for(lambda: len(outcomes) > served + 20, 30, what="answers from the new one too")
+                wait_for(lambda served=served: len(outcomes) > served + 20, 30, what="answers from the new one too")
         finally:
             stop.set()
             asker.join(30)

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_worker_holding_messages_it_has_not_acknowledged_survives_redis_restarting(tmp_path, postgresql_server):
-    # PostgreSQL (the run's, or its own server) holds the worker's one task up (the Event table locked); beat's next ticks wait, delivered to
-    # the worker and not yet acknowledged, when Redis restarts empty. Celery 5.7.0 alone exits here
+    # PostgreSQL (the run's, or its own server) holds the worker's one task up (the Event table locked); beat's next
+    # ticks wait, delivered to the worker and not yet acknowledged, when Redis restarts empty. Celery 5.7.0 alone exits here
     # ("Unrecoverable error: AttributeError"; llmgw.worker.Consumer says why).
     valkey = EmbeddedValkey(tmp_path / "valkey")
     system = start_system(tmp_path / "home", redis_url=valkey.start(), database_url=postgresql_server)

@@ -4,9 +4,9 @@ residency, and one with requests in flight only once the model asking has waited
 
 from dataclasses import replace
 
-from cluster.planner import PENDING, READY, DRAINING, Assign, Create, Evict, Unplaceable, plan
+from cluster.planner import DRAINING, PENDING, READY, Assign, Create, Evict, Unplaceable, plan
 from cluster.planner.scaling import Scaling
-from tests.cluster.planner.snapshots import GiB, NOW, model, node, of, rep, snap, step
+from tests.cluster.planner.snapshots import NOW, GiB, model, node, of, rep, snap, step
 
 ON_DEMAND = Scaling(min=0, max=1, target=4, idle_after=900, scale_down_delay=300)
 RESIDENT = 30.0

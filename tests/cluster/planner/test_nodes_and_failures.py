@@ -1,8 +1,8 @@
 """Nodes that go silent or are lost, and a model's back-off after failures, on plain data."""
 
 import math
-from dataclasses import replace
 import time
+from dataclasses import replace
 
 from cluster.planner import (
     DRAINING,
@@ -32,7 +32,8 @@ from tests.cluster.planner.snapshots import (
 # --- failures and back-off ----------------------------------------------------------------------------------
 
 
-BACKOFF_NOTE = "backing off after 3 failures; next try at " + time.strftime("%H:%M:%S", time.gmtime(math.ceil(NOW + 42.5))) + " UTC"
+BACKOFF_NOTE = ("backing off after 3 failures; next try at "
+                + time.strftime("%H:%M:%S", time.gmtime(math.ceil(NOW + 42.5))) + " UTC")
 
 
 def test_no_placement_while_backing_off():

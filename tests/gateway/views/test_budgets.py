@@ -12,9 +12,9 @@ from asgiref.sync import sync_to_async
 from cluster.locks import redis_client
 from cluster.models import Event
 from gateway import budgets, operations
-from gateway.spend import Bucket
 from gateway.models import ApiKey, Usage
 from gateway.runtime import runtime
+from gateway.spend import Bucket
 from tests.gateway.views.harness import add_key, chat, key_client, openai_error, read
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pytest.mark.integration]
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pyte
 
 def count_of(name: str, period: str) -> str:
     key = ApiKey.objects.get(name=name)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     return Bucket(key.id, period, budgets.period_start(period, now), budgets.period_end(period, now)).name
 
 
@@ -92,7 +92,7 @@ async def test_the_count_comes_from_the_database_when_redis_has_none_and_a_new_p
 
     def usage():
         key = ApiKey.objects.get(name="seeded")
-        now = dt.datetime.now(dt.timezone.utc).replace(minute=0, second=0, microsecond=0)
+        now = dt.datetime.now(dt.UTC).replace(minute=0, second=0, microsecond=0)
         Usage.objects.create(key=key, model="qwen", hour=now, requests=1, prompt_tokens=600, completion_tokens=400)
         start = budgets.period_start("month", now)
         if start < budgets.period_start("day", now):  # an earlier day of this month (none on the 1st)

@@ -106,7 +106,8 @@ async def test_what_multiplies_an_answer_is_held_to_the_models_caps(cluster, cli
     for field, value in (("n_probs", 21), ("top_logprobs", 21), ("n", 9), ("best_of", 9)):
         refused = openai_error(await chat(client, **{field: value}), 400, "invalid_request")
         setting = "max-choices" if field in ("n", "best_of") else "max-logprobs"
-        assert refused["message"] == f"`{field}` may be at most {20 if setting == 'max-logprobs' else 8} for model qwen (its {setting})"
+        most = 20 if setting == "max-logprobs" else 8
+        assert refused["message"] == f"`{field}` may be at most {most} for model qwen (its {setting})"
     openai_error(await post(client, "completions", {"model": "qwen", "prompt": "x", "logprobs": 50}), 400,
                  "invalid_request")
     openai_error(await chat(client, n_probs="many"), 400, "invalid_request")

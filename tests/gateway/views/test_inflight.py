@@ -11,8 +11,8 @@ from asgiref.sync import sync_to_async
 
 from cluster.models import Profile
 from gateway import metrics
-from gateway.urls import application
 from gateway.runtime import runtime
+from gateway.urls import application
 from tests.factories import make_model, make_profile
 from tests.gateway.views.harness import (
     MESSAGES,

@@ -10,7 +10,7 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from cluster.locks import redis_client
-from gateway.models import ApiKey, Usage
+from gateway.models import Usage
 from gateway.runtime import runtime
 from tests.gateway.views.harness import (
     ANSWER,
