@@ -3,7 +3,7 @@ packages in the repository — placed inside it as `llmgw/apps/<app>`, from wher
 
 from setuptools import find_namespace_packages, setup
 
-APPS = ("agents", "cluster", "gateway", "dashboard")
+APPS = ("agents", "cluster", "gateway", "dashboard", "ground")
 
 
 def found(top: str) -> list[str]:

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from agents.engines import KEY_ENV
+from ground.engines import KEY_ENV
 
 POOLING = ("none", "mean", "cls", "last", "rank")
 

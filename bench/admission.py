@@ -52,7 +52,7 @@ from loadgen import ClientConnection, answer_ok, build_request  # noqa: E402
 from report import fmt  # noqa: E402
 from targets import cpu_seconds, say, setup_llmgw, strays, wait_ready  # noqa: E402
 
-from agents.ports import free_port  # noqa: E402
+from ground.ports import free_port  # noqa: E402
 from llmgw.processes import Child  # noqa: E402
 
 FAKE = ROOT / "bench" / "fake_upstream.py"

@@ -101,7 +101,7 @@ from targets import (  # noqa: E402
     wait_ready,
 )
 
-from agents.ports import free_port  # noqa: E402
+from ground.ports import free_port  # noqa: E402
 from llmgw.processes import Child  # noqa: E402
 
 FAKE = ROOT / "bench" / "fake_upstream.py"

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MANAGE = ROOT / "manage.py"
 sys.path.insert(0, str(ROOT))
 
-from agents.ports import free_port  # noqa: E402
+from ground.ports import free_port  # noqa: E402
 
 
 def gguf_path() -> Path:

@@ -41,8 +41,8 @@ import httpx
 import openai
 from instance import Instance, gguf_path
 
-from agents.engines import driver_for  # the checkout: bench/instance.py put it on the path
-from agents.ports import free_port
+from ground.engines import driver_for  # the checkout: bench/instance.py put it on the path
+from ground.ports import free_port
 
 MESSAGES = [{"role": "user", "content": "Say hello in five words."}]
 

@@ -35,7 +35,7 @@ import psutil
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
-from agents.ports import free_port  # noqa: E402
+from ground.ports import free_port  # noqa: E402
 
 PATHS = ("/v1/chat/completions", "/api/v1/", "/login/", "/ws/agent/")
 MiB = 1024**2

@@ -1,7 +1,7 @@
 """What a replica needs: memory (weights + KV cache at the profile's context + a stated overhead), and the CPU
 cores its engine's threads take."""
 
-from agents.engines import cores_taken
+from ground.engines import cores_taken
 
 MIB = 1024**2
 # llama.cpp's compute buffers, the HTTP server, the runtime: measured ~60-110 MiB for small models on CPU.

@@ -9,9 +9,9 @@ from django.core.validators import RegexValidator
 from django.db import models, transaction
 from django.utils import timezone
 
-from agents.engines import CAPABILITIES, driver_for
-from agents.units import format_duration
 from cluster import memory
+from ground.engines import CAPABILITIES, driver_for
+from ground.units import format_duration
 
 # The one rule for a name of llmgw's (node, model, profile, engine, key): the server checks NAME_RE (operations,
 # the REST API, the model's validator) and every dashboard form renders NAME_PATTERN as its input's `pattern`, with
@@ -139,12 +139,12 @@ class EngineVersion(models.Model):
         GPU = "gpu", "GPU (one GPU's memory)"
 
     name = models.CharField(max_length=63, unique=True, validators=[name_validator])
-    kind = models.CharField(max_length=32)  # a key of agents.engines.DRIVERS
+    kind = models.CharField(max_length=32)  # a key of ground.engines.DRIVERS
     version = models.CharField(max_length=64, blank=True, default="")
     device = models.CharField(max_length=8, choices=Device.choices, default=Device.CPU)
     binary = models.CharField(max_length=500, blank=True, default="")  # empty: found on PATH on the node
     command = models.TextField(blank=True, default="")  # the `command` kind's template
-    # What a `command` engine serves, of agents.engines.CAPABILITIES, as its operator declares; empty: whatever a
+    # What a `command` engine serves, of ground.engines.CAPABILITIES, as its operator declares; empty: whatever a
     # request asks (the engine refuses what it cannot). Other kinds' drivers read it from the profile.
     serves = models.JSONField(default=list, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -304,7 +304,7 @@ class Model(models.Model):
                 f"each (one replica fewer after {format_duration(self.scale_down_delay_seconds)} below that{idle})")
 
     def capabilities(self) -> tuple[str, ...]:
-        """What its replicas serve (agents.engines.CAPABILITIES), as its engine's driver reads its profile."""
+        """What its replicas serve (ground.engines.CAPABILITIES), as its engine's driver reads its profile."""
         if self.engine.serves:  # an operator's declaration (a command engine's)
             return tuple(c for c in CAPABILITIES if c in self.engine.serves)
         try:

@@ -14,13 +14,13 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from agents.engines import cores_taken
 from cluster import autoscaler, inflight, notify, planner
 from cluster.events import RECONCILE_QUEUED, record
 from cluster.locks import redis_client
 from cluster.memory import estimate, replica_threads
 from cluster.models import ClusterSettings, Model, Node, Replica
 from cluster.planner.scaling import Scaling
+from ground.engines import cores_taken
 
 log = logging.getLogger("llmgw.reconciler")
 ACTOR = "reconciler"

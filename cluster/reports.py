@@ -13,10 +13,10 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from agents import protocol
 from cluster.dblock import retry_on_lock
 from cluster.events import kick_reconciler, record
 from cluster.models import ClusterSettings, Event, Model, Node, Replica
+from ground import protocol
 
 log = logging.getLogger("llmgw.agents")
 S = Replica.State

@@ -21,8 +21,6 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from agents.facts import BUILD_WHEEL, INSTALL_WHEEL, parse_size
-from agents.units import parse_duration
 from cluster import operations, peers, queries
 from cluster.clients import agents_url
 from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Profile, Replica
@@ -32,6 +30,8 @@ from gateway import budgets
 from gateway import operations as gateway_operations
 from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import ApiKey
+from ground.facts import BUILD_WHEEL, INSTALL_WHEEL, parse_size
+from ground.units import parse_duration
 
 PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirror", "keys", "users", "events",
          "settings")
@@ -151,7 +151,7 @@ def _profiles(request) -> dict:
 
 
 def _engines(request) -> dict:
-    from agents.engines import CAPABILITIES, DRIVERS
+    from ground.engines import CAPABILITIES, DRIVERS
 
     return {"engines": EngineVersion.objects.annotate(used=Count("models")).order_by("name"), "kinds": sorted(DRIVERS),
             "devices": EngineVersion.Device.choices, "capabilities": CAPABILITIES}
@@ -283,7 +283,7 @@ class FormError(ValueError):
 
 
 class ConfirmFirst(FormError):
-    """A change to confirm before it is made (agents.confirmation): nothing changed yet; the message comes with a
+    """A change to confirm before it is made (ground.confirmation): nothing changed yet; the message comes with a
     button that sends the same form again, confirmed."""
 
     def __init__(self, why: str, request):

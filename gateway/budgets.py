@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import datetime as dt
 
-from agents.units import BUDGET_PERIODS as PERIODS
-from agents.units import about
-from agents.units import parse_budget as parse
-from agents.units import shown_tokens as shown
+from ground.units import BUDGET_PERIODS as PERIODS
+from ground.units import about
+from ground.units import parse_budget as parse
+from ground.units import shown_tokens as shown
 
 __all__ = ["PERIODS", "about", "parse", "period_end", "period_start", "shown", "spent", "status", "with_spent"]
 

@@ -63,7 +63,7 @@ def responses_usage(usage: dict) -> Usage:
 @dataclass(frozen=True)
 class Surface:
     path: str  # under /v1/
-    capability: str  # what a model must serve (agents.engines.CAPABILITIES)
+    capability: str  # what a model must serve (ground.engines.CAPABILITIES)
     needs: tuple[str, ...]  # fields a request cannot do without
     token_fields: tuple[str, ...] = ()  # what caps what it generates (the model's and the key's max tokens)
     flavour: str = OPENAI  # whose errors and streams

@@ -13,10 +13,10 @@ from datetime import timedelta
 from django.db.models import Q
 from django.utils import timezone
 
-from agents.engines import CAPABILITIES
 from cluster.models import ClusterSettings, Demand, Model, Replica
 from gateway.affinity import Ring
 from gateway.models import ApiKey
+from ground.engines import CAPABILITIES
 
 FREED_RECENTLY = 30  # seconds a replaced replica's stop counts as room freed for its unplaced replacement
 WAITING_STATES = (Replica.State.PENDING, Replica.State.DOWNLOADING, Replica.State.STARTING)

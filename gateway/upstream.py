@@ -13,7 +13,7 @@ import re
 
 from gateway.errors import GatewayError, invalid
 
-# what each endpoint needs of a model (agents.engines.CAPABILITIES), and how a refusal names it
+# what each endpoint needs of a model (ground.engines.CAPABILITIES), and how a refusal names it
 ENDPOINT_CAPABILITY = {"chat/completions": "chat", "completions": "completions", "embeddings": "embeddings",
                        "messages": "messages", "messages/count_tokens": "messages", "responses": "responses",
                        "rerank": "rerank"}

@@ -1,9 +1,9 @@
 """llmgw: self-hosted LLMs on a small fleet, behind one OpenAI-compatible endpoint.
 
-The project's apps (`agents`, `cluster`, `gateway`, `dashboard`) are top-level packages in the repository. An
-installed llmgw keeps them inside this package (`llmgw/apps/`, see pyproject.toml), where they collide with no
-other distribution's top-level packages (`openai-agents` installs an `agents` too); every llmgw process starts
-by importing this package, which puts that directory (or the checkout) first on its path.
+The project's apps (`agents`, `cluster`, `gateway`, `dashboard`, and `ground` below them) are top-level packages
+in the repository. An installed llmgw keeps them inside this package (`llmgw/apps/`, see pyproject.toml), where
+they collide with no other distribution's top-level packages (`openai-agents` installs an `agents` too); every
+llmgw process starts by importing this package, which puts that directory (or the checkout) first on its path.
 """
 
 import importlib.util

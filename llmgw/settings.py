@@ -285,8 +285,8 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "cluster.api.schema.document_refusals"],
-    "ENUM_NAME_OVERRIDES": {"RoutingEnum": "cluster.models.Model.Routing", "CapabilityEnum": "agents.engines.CAPABILITIES",
-                            "SurfaceEnum": "agents.engines.SURFACES", "PriorityEnum": "gateway.admission.CLASSES",
+    "ENUM_NAME_OVERRIDES": {"RoutingEnum": "cluster.models.Model.Routing", "CapabilityEnum": "ground.engines.CAPABILITIES",
+                            "SurfaceEnum": "ground.engines.SURFACES", "PriorityEnum": "gateway.admission.CLASSES",
                             "BudgetPeriodEnum": "gateway.budgets.PERIODS"},
     # what a client over the network may use (the in-process one is the host's own `llmgw` command)
     "AUTHENTICATION_WHITELIST": [

@@ -12,7 +12,7 @@ import socket
 import time
 from pathlib import Path
 
-from agents.ports import free_port
+from ground.ports import free_port
 from llmgw.processes import Child, LogLimit
 
 

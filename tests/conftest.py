@@ -83,7 +83,7 @@ def channel_layer_at(settings):
     setting): `channel_layer_at(url)`; with no URL, a port nothing listens on (the layer away)."""
     from channels.layers import channel_layers
 
-    from agents.ports import free_port
+    from ground.ports import free_port
 
     def point(url: str | None = None) -> None:
         settings.CHANNEL_LAYERS = {"default": {"BACKEND": "llmgw.channel_layer.RedisChannelLayer", "CONFIG": {

@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from agents.ports import free_port
+from ground.ports import free_port
 
 
 def server_programs() -> Path | None:

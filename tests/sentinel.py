@@ -10,7 +10,7 @@ from pathlib import Path
 
 import redis
 
-from agents.ports import free_port
+from ground.ports import free_port
 from llmgw.valkey import binary
 
 MASTER = "mymaster"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 700
-SOURCES = ("llmgw", "cluster", "gateway", "dashboard", "agents", "bench", "tests")
+SOURCES = ("llmgw", "cluster", "gateway", "dashboard", "agents", "ground", "bench", "tests")
 
 
 def test_imports_keep_the_contracts(monkeypatch, capsys):

@@ -351,7 +351,7 @@ def test_a_keys_budget_and_concurrency_limit_are_set_and_listed_in_one_line_each
 
 @pytest.mark.integration  # a process of its own: this one has Django
 def test_a_budget_is_parsed_and_shown_without_django():
-    """`--budget` and `ctl keys list` use agents.units on a laptop too, whose install has no Django."""
+    """`--budget` and `ctl keys list` use ground.units on a laptop too, whose install has no Django."""
     import subprocess
     import sys
 

@@ -17,7 +17,7 @@ from llmgw.cli.client import CliError
 from llmgw.cli.tree import build
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("llmgw", "cluster", "gateway", "dashboard", "agents")
+SOURCES = ("llmgw", "cluster", "gateway", "dashboard", "agents", "ground")
 FIELD = "X"  # what an f-string's {field} stands for in a hint: a value
 
 # `llmgw …` in backticks, or after a lead-in that says "run this": "watch with: llmgw ctl replicas", "(llmgw

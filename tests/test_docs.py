@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 # the code whose environment variables an operator may set: the program, the apps, the agent
-SOURCES = ("llmgw", "agents", "cluster", "gateway", "dashboard")
+SOURCES = ("llmgw", "agents", "cluster", "gateway", "dashboard", "ground")
 NOT_SETTINGS = {
     "DJANGO_SETTINGS_MODULE",  # Django's own, always llmgw.settings
     "PYTEST_XDIST_WORKER",  # the test run's (llmgw/settings_test.py)

@@ -198,7 +198,7 @@ def test_shell_completion_comes_from_the_command_tree_itself():
 
 @pytest.mark.integration  # runs the program
 def test_the_program_says_its_own_version():
-    from agents.facts import AGENT_VERSION  # the distribution's version (pyproject.toml reads it there)
+    from ground.facts import AGENT_VERSION  # the distribution's version (pyproject.toml reads it there)
 
     said = run("--version")
     assert (said.returncode, said.stdout) == (0, f"llmgw {AGENT_VERSION}\n")
@@ -210,7 +210,7 @@ def test_the_program_runs_from_a_directory_holding_modules_named_as_its_own(tmp_
     a project's `agents.py` there must not take the place of llmgw's own package."""
     here = tmp_path / "project"
     here.mkdir()
-    for name in ("agents", "cluster", "gateway", "dashboard"):
+    for name in ("agents", "cluster", "gateway", "dashboard", "ground"):
         (here / f"{name}.py").write_text(f"raise SystemExit('the directory\\'s {name}.py was imported')\n")
     nothing = tmp_path / "nothing"
     env = {"LLMGW_HOME": str(nothing), "DATABASE_URL": ""}

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 
 from agents.agent.replicas import Replica, ReplicaFailed, write_json
-from agents.engines import driver_for, engine_host
-from agents.ports import port_free
+from ground.engines import driver_for, engine_host
+from ground.ports import port_free
 
 log = logging.getLogger("llmgw.agent")
 

@@ -11,9 +11,9 @@ import signal
 import sys
 from pathlib import Path
 
-from agents import facts as node_facts
 from agents.agent.stream import Agent, agent_urls
-from agents.protocol import is_address
+from ground import facts as node_facts
+from ground.protocol import is_address
 
 log = logging.getLogger("llmgw.agent")
 ADDRESS_ENV = "LLMGW_AGENT_ADDRESS"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import psutil
 
-from agents.engines import driver_for
-from agents.protocol import DesiredReplica, ReplicaStatus
+from ground.engines import driver_for
+from ground.protocol import DesiredReplica, ReplicaStatus
 
 LOG_TAIL_LINES = 30
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # replica names become file names

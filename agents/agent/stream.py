@@ -13,7 +13,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from agents.agent.supervisor import EngineSupervisor
-from agents.protocol import Facts
+from ground.protocol import Facts
 
 log = logging.getLogger("llmgw.agent")
 

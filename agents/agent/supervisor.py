@@ -17,8 +17,8 @@ import httpx
 from agents.agent import processes, records
 from agents.agent.downloads import ModelDownloads
 from agents.agent.replicas import NAME_RE, Replica, ReplicaFailed, log_tail, spec_problem, write_json
-from agents.engines import driver_for
-from agents.protocol import DesiredReplica, ReplicaStatus
+from ground.engines import driver_for
+from ground.protocol import DesiredReplica, ReplicaStatus
 
 log = logging.getLogger("llmgw.agent")
 

@@ -7,8 +7,6 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from agents.engines import CAPABILITIES, SURFACES
-from agents.units import MAX_DURATION
 from cluster import queries
 from cluster.api.base import INT_MAX, AliasField, NameField, StrictSerializer
 from cluster.models import Model, ModelFile, Replica
@@ -22,6 +20,8 @@ from cluster.operations import (
     MAX_REPLICAS,
     MAX_WAIT_SECONDS,
 )
+from ground.engines import CAPABILITIES, SURFACES
+from ground.units import MAX_DURATION
 
 
 class ModelFileRefSerializer(serializers.ModelSerializer):

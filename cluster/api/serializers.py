@@ -8,12 +8,12 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from agents.engines import CAPABILITIES, DRIVERS
 from cluster import peers, queries
 from cluster.api.base import NameField, StrictSerializer, UserNameField
 from cluster.models import ControlPlane, EngineVersion, Event, FileCopy, ModelFile, Node, Profile, Replica
 from cluster.operations import MAX_QUEUE_LIMIT, MAX_WAIT_SECONDS, PROFILE_MAXIMA
 from cluster.roles import ROLES
+from ground.engines import CAPABILITIES, DRIVERS
 
 # Nodes
 

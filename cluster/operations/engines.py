@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from django.db import transaction
 
-from agents.engines import CAPABILITIES, DRIVERS
 from cluster.errors import Conflict, OperationError
 from cluster.events import kick_reconciler, record
 from cluster.models import EngineVersion
 from cluster.operations.validation import check_name, created, get_named
+from ground.engines import CAPABILITIES, DRIVERS
 
 
 def add_engine(

@@ -7,8 +7,6 @@ import re
 from django.db import transaction
 from django.utils import timezone
 
-from agents.confirmation import needs_confirmation
-from agents.units import MAX_DURATION
 from cluster.errors import Conflict, OperationError
 from cluster.events import kick_reconciler, record
 from cluster.models import (
@@ -35,6 +33,8 @@ from cluster.operations.validation import (
     created,
     get_named,
 )
+from ground.confirmation import needs_confirmation
+from ground.units import MAX_DURATION
 
 GGUF_ENGINES = ("llama.cpp", "xllamacpp")
 DEFAULT_MAX_TOKENS = 4096  # a completion's cap unless the operator sets another (or none)
@@ -263,7 +263,7 @@ def add_model(
 
 def confirmation_needed(name: str | None, values: dict) -> str:
     """'' when adding the model `name` (None) or changing it so may go ahead at once; else why the change is
-    confirmed first (agents.confirmation: it adds many replicas at once). A model that does not exist is the
+    confirmed first (ground.confirmation: it adds many replicas at once). A model that does not exist is the
     operation's to refuse."""
     current = None
     if name is not None:

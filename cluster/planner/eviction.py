@@ -16,9 +16,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from agents.units import format_size
 from cluster.planner.actions import Evict
 from cluster.planner.snapshot import COUNTING, DRAINING, READY, RESTART_NONE, STOPPING, ModelView, ReplicaView
+from ground.units import format_size
 
 
 @dataclass

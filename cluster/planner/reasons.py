@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from agents.units import format_size
 from cluster.planner.placement import NodeState
 from cluster.planner.snapshot import ModelView
+from ground.units import format_size
 
 
 class Reasons:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from agents.units import format_age
+from ground.units import format_age
 
 MAX_SAMPLES = 720  # a window's samples kept at most (an hour of 5-second reconciles)
 

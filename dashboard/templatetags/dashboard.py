@@ -1,10 +1,10 @@
-"""Small template filters for the dashboard: sizes and ages read as in the CLI (agents.units)."""
+"""Small template filters for the dashboard: sizes and ages read as in the CLI (ground.units)."""
 
 from django import template
 from django.utils import timezone
 from django.utils.html import format_html
 
-from agents.units import format_age, format_duration, format_size
+from ground.units import format_age, format_duration, format_size
 
 register = template.Library()
 

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from agents import agent as agent_program
-from agents import facts
 from agents.agent.program import ADDRESS_ENV
 from agents.agent.records import stop_recorded_engines
+from ground import facts
 from llmgw.home import home
 
 TOKEN_ENV = "LLMGW_AGENT_TOKEN"

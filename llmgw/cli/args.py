@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from datetime import datetime
 
-from agents.units import parse_duration, parse_size
+from ground.units import parse_duration, parse_size
 from llmgw.cli.client import CliError
 
 # as cluster.operations and cluster.roles have them (tests/test_cli_remote.py checks they agree)
@@ -76,7 +76,7 @@ limit_arg = cap_arg(1)  # a key's `--rpm N|none`, `--tpm N|none`, `--max-concurr
 
 def budget_arg(text: str) -> tuple[int, str] | None:
     """A key's `--budget 2M/day`: (tokens, period) as gateway.budgets parses it; `none`: no budget."""
-    from agents.units import parse_budget as parse
+    from ground.units import parse_budget as parse
 
     if text.strip().lower() == "none":
         return None
@@ -105,9 +105,9 @@ def aliases_arg(text: str) -> list[str]:
 
 
 def serves_arg(text: str) -> list[str]:
-    """`--serves chat,embeddings`: what a command engine serves, of agents.engines.CAPABILITIES; `''` or `none`:
+    """`--serves chat,embeddings`: what a command engine serves, of ground.engines.CAPABILITIES; `''` or `none`:
     nothing declared (whatever a request asks)."""
-    from agents.engines import CAPABILITIES
+    from ground.engines import CAPABILITIES
 
     if text.strip().lower() == "none":
         return []

@@ -15,8 +15,8 @@ def _budget(budget: tuple[int, str] | None) -> dict:
 
 def _budget_shown(budget: dict | None, spent: bool = False) -> str:
     """A key's budget as the API shows it: `2M/day`, with `spent`: `120K/2M day`; `none` (or `-` in a table)."""
-    from agents.units import about
-    from agents.units import shown_tokens as shown
+    from ground.units import about
+    from ground.units import shown_tokens as shown
 
     if not budget:
         return "-" if spent else "none"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agents.confirmation import needs_confirmation
-from agents.units import format_age
+from ground.confirmation import needs_confirmation
+from ground.units import format_age
 from llmgw.cli.args import UNSET, parse_size_arg
 from llmgw.cli.client import CliError
 from llmgw.cli.output import age, as_json, moment, now, size, table
@@ -52,7 +52,7 @@ def _scaling_values(o) -> dict:
 
 
 def _confirmed(o, current: dict | None, values: dict) -> None:
-    """A change that adds many replicas at once (agents.confirmation) goes ahead only with --yes."""
+    """A change that adds many replicas at once (ground.confirmation) goes ahead only with --yes."""
     why = needs_confirmation(current, values)
     if why and not o.get("yes"):
         raise CliError(f"{why}: pass --yes if you mean it")

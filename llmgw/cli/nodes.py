@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agents.facts import BUILD_WHEEL, INSTALL_WHEEL
+from ground.facts import BUILD_WHEEL, INSTALL_WHEEL
 from llmgw.cli.output import age, as_json, now, size, table
 
 

@@ -1,13 +1,13 @@
 """Aligned tables, sizes, ages and JSON for the terminal, from what the API answers (sizes and ages as
-agents.units writes them everywhere). Django-free."""
+ground.units writes them everywhere). Django-free."""
 
 from __future__ import annotations
 
 import sys
 from datetime import UTC, datetime
 
-from agents.units import format_age
-from agents.units import format_size as size
+from ground.units import format_age
+from ground.units import format_size as size
 from llmgw.cli.client import dumps
 
 __all__ = ["age", "as_json", "moment", "size", "table"]
@@ -26,7 +26,7 @@ def now() -> datetime:
 
 
 def age(when: str | datetime | None, at: datetime | None = None) -> str:
-    """How long ago, as agents.units.format_age writes it; "never" for None."""
+    """How long ago, as ground.units.format_age writes it; "never" for None."""
     if isinstance(when, str):
         when = moment(when)
     if when is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from agents.confirmation import CONFIRM_ABOVE
+from ground.confirmation import CONFIRM_ABOVE
 from llmgw.cli.agent import add_arguments as agent_arguments
 from llmgw.cli.agent import agent as agent_cmd
 from llmgw.cli.args import (

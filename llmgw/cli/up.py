@@ -19,10 +19,10 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from agents.agent.records import stop_recorded_engines
-from agents.ports import port_free
 from cluster import operations
 from gateway.models import ApiKey
 from gateway.operations import create_key
+from ground.ports import port_free
 from llmgw.home import control_plane_token, secret_key
 from llmgw.processes import Child, LogLimit, Supervisor, exit_said
 from llmgw.valkey import EmbeddedValkey, use
@@ -138,7 +138,7 @@ def up(o, out):
         parse_size_arg(agent_memory)
     agent_cpus = o.get("agent_cpus")
     if agent_cpus:
-        from agents.facts import parse_cpus
+        from ground.facts import parse_cpus
 
         try:
             parse_cpus(agent_cpus)

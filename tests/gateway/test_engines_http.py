@@ -7,7 +7,6 @@ import socket
 import pytest
 import pytest_asyncio
 
-from agents.ports import free_port
 from gateway.engines_http import (
     UNACKNOWLEDGED_SECONDS,
     Broken,
@@ -17,6 +16,7 @@ from gateway.engines_http import (
     ReadTimeout,
     Unreachable,
 )
+from ground.ports import free_port
 
 pytestmark = pytest.mark.asyncio
 

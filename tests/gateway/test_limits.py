@@ -138,7 +138,7 @@ async def test_retry_after_is_the_rest_of_redis_minute_in_the_apis_shape(process
 
 
 async def test_with_redis_away_each_process_counts_alone_and_waits_on_it_no_more_than_a_quarter_second():
-    from agents.ports import free_port
+    from ground.ports import free_port
 
     gone = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.5)
     reach = Reach(gone)

@@ -30,7 +30,7 @@ import openai
 import psycopg
 
 from agents.agent.records import engines_dir
-from agents.ports import free_port
+from ground.ports import free_port
 from tests.integration import netns
 from tests.integration.harness import (
     MANAGE,

@@ -23,7 +23,7 @@ from urllib.parse import urlparse, urlunparse
 import httpx
 
 from agents.agent.records import stop_recorded_engines
-from agents.ports import free_port
+from ground.ports import free_port
 from llmgw.main import standalone
 from llmgw.processes import Child, Supervisor
 from llmgw.web import web_argv

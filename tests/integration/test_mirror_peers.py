@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from agents.ports import free_port
+from ground.ports import free_port
 from llmgw.web import web_argv
 from tests.integration.harness import _http_ok, make_model_file, start_system, wait_for
 

@@ -25,7 +25,7 @@ import openai
 import psutil
 import pytest
 
-from agents.ports import free_port
+from ground.ports import free_port
 from llmgw.processes import Child
 from tests.integration.harness import ENGINE_PORTS, ROOT, nginx_conf, nginx_conf_from_docs, wait_for
 from tests.test_package import completes

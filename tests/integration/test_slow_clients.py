@@ -11,7 +11,7 @@ import time
 import pytest
 from websockets.sync.client import connect
 
-from agents.ports import free_port
+from ground.ports import free_port
 from llmgw.web import web_argv
 from tests.integration.harness import _http_ok, start_system, wait_for
 

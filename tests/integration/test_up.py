@@ -18,7 +18,7 @@ import psutil
 import pytest
 import redis
 
-from agents.ports import free_port
+from ground.ports import free_port
 from llmgw.main import standalone
 from tests.integration.harness import MANAGE, ROOT, wait_for
 

@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from agents.ports import free_port
+from ground.ports import free_port
 from llmgw.uvicorn_limits import REFUSED_AT_ONCE, REFUSED_LINGER
 from llmgw.web import SERVERS, web_argv
 from tests.integration.harness import add_test_engine, start_web, wait_for

@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from agents.ports import free_port
+from ground.ports import free_port
 from tests.integration.harness import MANAGE, ROOT, _redis_db, flush_redis, wait_for
 
 pytestmark = pytest.mark.integration

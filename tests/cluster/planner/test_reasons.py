@@ -2,7 +2,6 @@
 
 from dataclasses import replace
 
-from agents.units import format_size
 from cluster.planner import (
     PENDING,
     Assign,
@@ -11,6 +10,7 @@ from cluster.planner import (
     Unplaceable,
     plan,
 )
+from ground.units import format_size
 from tests.cluster.planner.snapshots import (
     GiB,
     MiB,

@@ -13,12 +13,12 @@ from pathlib import Path
 import httpx
 from django.db import transaction
 
-from agents.ports import free_port
 from cluster import inflight, notify
 from cluster.locks import redis_client
 from cluster.models import ClusterSettings, Replica
 from gateway import operations as gateway_operations
 from gateway.urls import application
+from ground.ports import free_port
 from tests.factories import make_replica
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine.py"

@@ -115,8 +115,8 @@ async def test_with_redis_out_of_reach_requests_go_straight_to_an_engine(cluster
     """Admission fails open: no order for a while, but no request lost to a Redis restart or failover."""
     import redis.asyncio as aioredis
 
-    from agents.ports import free_port
     from gateway.admission import Admission
+    from ground.ports import free_port
 
     gw = runtime()
     await gw.current()

@@ -11,12 +11,12 @@ from asgiref.sync import sync_to_async
 from django.utils import timezone
 from prometheus_client import generate_latest
 
-from agents.ports import free_port
 from cluster import operations, reconciler, reports
 from cluster.models import Event, Node, Replica
 from gateway import operations as gateway_operations
 from gateway.models import ApiKey
 from gateway.runtime import runtime
+from ground.ports import free_port
 from tests.factories import make_model, make_replica, node_facts
 from tests.gateway.views.harness import (
     MESSAGES,

@@ -7,9 +7,9 @@ import logging
 import pytest
 from asgiref.sync import sync_to_async
 
-from agents.ports import free_port
 from cluster.models import ClusterSettings, EngineVersion, Profile
 from gateway.runtime import runtime
+from ground.ports import free_port
 from tests.factories import make_model
 from tests.gateway.views.harness import ENGINE_KEY, add_key, chat, key_client, openai_error, post, ready_replica
 

@@ -5,11 +5,11 @@ import pytest
 from asgiref.sync import sync_to_async
 from prometheus_client import REGISTRY
 
-from agents.ports import free_port
 from cluster import notify
 from cluster.models import Model
 from gateway.affinity import Ring, choose, request_key, session_key
 from gateway.runtime import runtime
+from ground.ports import free_port
 from tests.factories import make_model
 from tests.gateway.views.harness import openai_error, post, ready_replica
 

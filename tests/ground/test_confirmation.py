@@ -1,8 +1,8 @@
-"""agents.confirmation: which changes add so many replicas at once that they are confirmed first."""
+"""ground.confirmation: which changes add so many replicas at once that they are confirmed first."""
 
 import pytest
 
-from agents.confirmation import CONFIRM_ABOVE, needs_confirmation, replicas_added
+from ground.confirmation import CONFIRM_ABOVE, needs_confirmation, replicas_added
 
 FIXED_2 = {"replicas": 2, "min_replicas": None, "max_replicas": None}
 AUTO_1_3 = {"replicas": 1, "min_replicas": 1, "max_replicas": 3}

@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from agents import facts
 from agents.agent import parser as agent_parser
-from agents.engines import DRIVERS, SLOT_PROMPT_SIMILARITY, Command, driver_for, engine_host
+from ground import facts
+from ground.engines import DRIVERS, SLOT_PROMPT_SIMILARITY, Command, driver_for, engine_host
 
 KEY = "lek_secret-engine-key"
 

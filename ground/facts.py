@@ -10,9 +10,9 @@ import subprocess
 
 import psutil
 
-from agents.engines import DRIVERS
-from agents.protocol import Facts, Gpu
-from agents.units import parse_size
+from ground.engines import DRIVERS
+from ground.protocol import Facts, Gpu
+from ground.units import parse_size
 
 AGENT_VERSION = "0.1.0"
 # llmgw is on no package index: a node installs the wheel built from the checkout (the README's fleet steps)
