@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from instance import Instance, gguf_path  # noqa: E402
 
-from gateway.affinity import LOAD_FACTOR, Ring, choose, request_key  # noqa: E402  (pure: no Django)
+from gateway.affinity import LOAD_FACTOR, Ring, chat_key_text, choose, request_key  # noqa: E402  (pure: no Django)
 
 KUBEAI_LOAD_FACTOR = 1.25  # KubeAI's PrefixHash default
 
@@ -116,7 +116,7 @@ def workload(kind: str, seed: int, o, homes: list[str] | None = None, ring: Ring
 
 def home(ring: Ring, opening: list[dict]) -> str:
     """The replica a conversation's turns go to under `prefix` while it is under the load bound."""
-    return next(ring.walk(request_key("chat/completions", {"messages": opening})))
+    return next(ring.walk(request_key(chat_key_text({"messages": opening}))))
 
 
 @dataclass
@@ -168,7 +168,7 @@ class Fleet:
             first_user = next((m["content"] for m in body["messages"] if m["role"] == "user"), "")
             key = int.from_bytes(hashlib.blake2b(first_user[:100].encode(), digest_size=8).digest(), "big")
         else:
-            key = request_key("chat/completions", body)
+            key = request_key(chat_key_text(body))
         factor = KUBEAI_LOAD_FACTOR if policy == "kubeai" else self.factor  # KubeAI's as published; else llmgw's
         return choose(self.ring, key, self.inflight.__getitem__, factor=factor)
 

@@ -81,28 +81,35 @@ def responses_opening(body: dict) -> str:
     return f"instructions\x1f{_text(body.get('instructions'))}\x1d{chat_opening(items)}"
 
 
-def request_key(endpoint: str, body: dict) -> int:
-    """The ring position of a request:
+def chat_key_text(body: dict) -> str:
+    """Chat completions: its opening (`chat_opening`)."""
+    return chat_opening(body.get("messages"))
 
-    - chat: its opening (`chat_opening`);
-    - Messages (and its token count): its `system` prompt, then its opening;
-    - Responses: its `instructions`, then its input's opening;
-    - completions: the first COMPLETION_CHARS characters of the prompt (a prompt grows turn by turn, and
-      nothing marks where its opening ends);
-    - embeddings: the whole input (the same text, the same replica); rerank: its query and documents.
-    """
-    if endpoint == "chat/completions":
-        text = chat_opening(body.get("messages"))
-    elif endpoint in ("messages", "messages/count_tokens"):
-        text = f"system\x1f{_text(body.get('system'))}\x1d{chat_opening(body.get('messages'))}"
-    elif endpoint == "responses":
-        text = responses_opening(body)
-    elif endpoint == "completions":
-        text = _text(body.get("prompt"))[:COMPLETION_CHARS]
-    elif endpoint == "rerank":
-        text = f"{_text(body.get('query'))}\x1d{_text(body.get('documents'))}"
-    else:
-        text = _text(body.get("input"))
+
+def messages_key_text(body: dict) -> str:
+    """Anthropic's Messages (and its token count): its `system` prompt, then its opening."""
+    return f"system\x1f{_text(body.get('system'))}\x1d{chat_opening(body.get('messages'))}"
+
+
+def completion_key_text(body: dict) -> str:
+    """Completions: the first COMPLETION_CHARS characters of the prompt (a prompt grows turn by turn, and nothing
+    marks where its opening ends)."""
+    return _text(body.get("prompt"))[:COMPLETION_CHARS]
+
+
+def rerank_key_text(body: dict) -> str:
+    """Rerank: its query and documents."""
+    return f"{_text(body.get('query'))}\x1d{_text(body.get('documents'))}"
+
+
+def input_key_text(body: dict) -> str:
+    """Embeddings: the whole input (the same text, the same replica)."""
+    return _text(body.get("input"))
+
+
+def request_key(text: str) -> int:
+    """The ring position of a request, from what its API's surface reads its prefix from (gateway/surfaces.py:
+    `chat_key_text` and the rest here; Responses: `responses_opening`)."""
     return _hash(text.encode("utf-8", "surrogatepass")[:MAX_KEY_BYTES])
 
 

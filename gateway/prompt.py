@@ -85,21 +85,42 @@ def _messages(messages, text: int = 0, items: int = 0) -> tuple[int, int]:
     return text, items
 
 
-def size(endpoint: str, body: dict) -> Size:
-    if endpoint == "chat/completions":
-        return Size(*_shape(_messages(body.get("messages"))))
-    if endpoint in ("messages", "messages/count_tokens"):
-        text, items = _messages(body.get("messages"))
-        return Size(text + _walk(body.get("system"))[0], 0, items)
-    if endpoint == "responses":
-        value = body.get("input")
-        text, items = _messages(value) if isinstance(value, list) else (_walk(value)[0], 1)
-        return Size(text + _walk(body.get("instructions"))[0], 0, items)
-    if endpoint == "rerank":
-        documents = body.get("documents")
-        return Size(_walk(body.get("query"))[0] + _walk(documents)[0], 0,
-                    1 + (len(documents) if isinstance(documents, list) else 0))
-    value = body.get("prompt" if endpoint == "completions" else "input")
+def chat_size(body: dict) -> Size:
+    """Chat completions: its messages."""
+    return Size(*_shape(_messages(body.get("messages"))))
+
+
+def messages_size(body: dict) -> Size:
+    """Anthropic's Messages (and its token count): its `system` prompt and its messages."""
+    text, items = _messages(body.get("messages"))
+    return Size(text + _walk(body.get("system"))[0], 0, items)
+
+
+def responses_size(body: dict) -> Size:
+    """Responses: its `instructions` and its input (a string, or items)."""
+    value = body.get("input")
+    text, items = _messages(value) if isinstance(value, list) else (_walk(value)[0], 1)
+    return Size(text + _walk(body.get("instructions"))[0], 0, items)
+
+
+def rerank_size(body: dict) -> Size:
+    """Rerank: its query and documents."""
+    documents = body.get("documents")
+    return Size(_walk(body.get("query"))[0] + _walk(documents)[0], 0,
+                1 + (len(documents) if isinstance(documents, list) else 0))
+
+
+def completion_size(body: dict) -> Size:
+    """Completions: its prompt (text, token ids, or a list of either)."""
+    return _prompt_size(body.get("prompt"))
+
+
+def input_size(body: dict) -> Size:
+    """Embeddings: its input (text, token ids, or a list of either)."""
+    return _prompt_size(body.get("input"))
+
+
+def _prompt_size(value) -> Size:
     text, ids = _walk(value)
     return Size(text, ids, len(value) if isinstance(value, list) and value and not isinstance(value[0], int) else 0)
 

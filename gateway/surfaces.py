@@ -2,10 +2,14 @@
 and Responses, Anthropic's Messages (and its token count), and rerank.
 
 Not a translation layer: a request goes to an engine that serves its API as it came. What differs between them
-is described here once, for the views to use: the field a request cannot do without, the fields that cap what
-it generates, where its usage is (in a whole answer, and in which events of a stream), which event ends a
-stream, and how an error looks to the client's SDK (OpenAI's `{"error": {...}}`, Anthropic's `{"type": "error",
-"error": {...}}`), so that each SDK raises its own typed exception.
+is described here, once, in one entry each (`SURFACES`), and nowhere else: its path and what a model must serve
+for it; the fields a request cannot do without, and those it may not have; where its messages are (their images
+and audio); how long its prompt is about (gateway/prompt.py) and what its prefix key is read from
+(gateway/affinity.py); the fields that cap what it generates; whether it takes an engine's slot; where its usage
+is, in a whole answer and in the events of a stream, and whether a stream carries it unasked; which event ends a
+stream, and what its SDK's stream helpers need filled in; and how an error looks to its SDK (OpenAI's
+`{"error": {...}}`, Anthropic's `{"type": "error", "error": {...}}`), so that each raises its own typed
+exception. A new API is one entry here (its URL, view and tests follow from it).
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gateway import affinity, prompt
 from gateway.errors import GatewayError, error_response
 from gateway.http import Answer, json_answer
+from gateway.prompt import Size
 from gateway.streams import MessagesEvents, ResponsesEvents
+from gateway.upstream import TOKEN_FIELDS
 
 OPENAI, ANTHROPIC = "openai", "anthropic"
 
@@ -60,14 +67,69 @@ def responses_usage(usage: dict) -> Usage:
     return Usage(_int(usage.get("input_tokens")), _int(usage.get("output_tokens")))
 
 
+def openai_event_usage(data: dict, prompt: int, completion: int) -> tuple[int, int, bool] | None:
+    usage = data.get("usage")
+    if isinstance(usage, dict) and usage:
+        said = openai_usage(usage)
+        return said.prompt, said.completion, True
+    return None
+
+
+def anthropic_event_usage(data: dict, prompt: int, completion: int) -> tuple[int, int, bool] | None:
+    kind = data.get("type")
+    if kind == "message_start" and isinstance(data.get("message"), dict):
+        said = anthropic_usage(data["message"].get("usage") or {})
+        return said.prompt, said.completion, False
+    if kind == "message_delta" and isinstance(data.get("usage"), dict):
+        usage = data["usage"]
+        if any(f in usage for f in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")):
+            prompt = anthropic_usage(usage).prompt or prompt
+        return prompt, _int(usage.get("output_tokens")), True  # output_tokens is the running total
+    return None
+
+
+def responses_event_usage(data: dict, prompt: int, completion: int) -> tuple[int, int, bool] | None:
+    response = data.get("response")
+    if data.get("type") == "response.completed" and isinstance(response, dict) and isinstance(response.get("usage"), dict):
+        said = responses_usage(response["usage"])
+        return said.prompt, said.completion, True
+    return None
+
+
+def openai_error_event(exc: GatewayError) -> bytes:
+    return exc.event() + b"data: [DONE]\n\n"
+
+
+def anthropic_error_event(exc: GatewayError) -> bytes:
+    body = {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(exc.status, "api_error"), "message": exc.message}}
+    return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+
+
+def responses_error_event(exc: GatewayError) -> bytes:
+    body = {"type": "error", "code": exc.code, "message": exc.message, "param": None}
+    return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+
+
+EventUsage = Callable[[dict, int, int], "tuple[int, int, bool] | None"]
+
+
 @dataclass(frozen=True)
 class Surface:
     path: str  # under /v1/
     capability: str  # what a model must serve (ground.engines.CAPABILITIES)
     needs: tuple[str, ...]  # fields a request cannot do without
+    prompt_size: Callable[[dict], Size]  # how long its prompt is, about and at least (gateway/prompt.py)
+    key_text: Callable[[dict], str]  # what its prefix key is read from (gateway/affinity.py)
+    items: str | None = None  # the field its messages are in (their content parts: images, audio)
+    refused: tuple[tuple[str, str], ...] = ()  # fields a request may not have, and why
     token_fields: tuple[str, ...] = ()  # what caps what it generates (the model's and the key's max tokens)
-    flavour: str = OPENAI  # whose errors and streams
+    flavour: str = OPENAI  # whose errors: OpenAI's or Anthropic's shape
     generates: bool = True  # a completion: its max tokens count toward a key's tokens per minute
+    admits: bool = True  # it takes an engine's slot, and may stream (a token count: neither)
+    usage_unasked: bool = False  # its streams carry their usage of their own (no `stream_options` to ask for it)
+    usage_of: Callable[[dict], Usage] = openai_usage  # a whole answer's usage, from its `usage`
+    event_usage: EventUsage = openai_event_usage  # what one event of a stream says of its usage
+    error_event: Callable[[GatewayError], bytes] = openai_error_event  # an error in a stream already begun
     done_event: bytes = b"data: [DONE]"  # how the event that ends a stream begins
     # a stream's events completed for the SDKs' accumulators, made per stream from (model, prompt tokens about)
     completer: Callable[[str, int], Callable[[bytes], bytes]] | None = None
@@ -77,66 +139,41 @@ class Surface:
             return anthropic_error(exc.status, exc.message, exc.retry_after)
         return exc.response()
 
-    def error_event(self, exc: GatewayError) -> bytes:
-        """The same error, in a stream that already began: then the stream ends."""
-        if self.flavour == ANTHROPIC:
-            body = {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(exc.status, "api_error"), "message": exc.message}}
-            return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
-        if self.path == "responses":
-            body = {"type": "error", "code": exc.code, "message": exc.message, "param": None}
-            return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
-        return exc.event() + b"data: [DONE]\n\n"
-
     def usage(self, body: dict) -> Usage | None:
         """A whole answer's usage."""
         usage = body.get("usage")
-        if not isinstance(usage, dict):
-            return None
-        if self.flavour == ANTHROPIC:
-            return anthropic_usage(usage)
-        if self.path == "responses":
-            return responses_usage(usage)
-        return openai_usage(usage)
+        return self.usage_of(usage) if isinstance(usage, dict) else None
 
-    def event_usage(self, data: dict, prompt: int, completion: int) -> tuple[int, int, bool] | None:
-        """What one event of a stream says of its usage, given what earlier ones said: (prompt, completion, whether
-        that is the whole of it), or None when it says nothing."""
-        kind = data.get("type")
-        if self.flavour == ANTHROPIC:
-            if kind == "message_start" and isinstance(data.get("message"), dict):
-                said = anthropic_usage(data["message"].get("usage") or {})
-                return said.prompt, said.completion, False
-            if kind == "message_delta" and isinstance(data.get("usage"), dict):
-                usage = data["usage"]
-                if any(f in usage for f in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")):
-                    prompt = anthropic_usage(usage).prompt or prompt
-                return prompt, _int(usage.get("output_tokens")), True  # output_tokens is the running total
-            return None
-        if self.path == "responses":
-            response = data.get("response")
-            if kind == "response.completed" and isinstance(response, dict) and isinstance(response.get("usage"), dict):
-                said = responses_usage(response["usage"])
-                return said.prompt, said.completion, True
-            return None
-        usage = data.get("usage")
-        if isinstance(usage, dict) and usage:
-            said = openai_usage(usage)
-            return said.prompt, said.completion, True
-        return None
+    def prefix_key(self, body: dict) -> int:
+        """The request's position on its model's ring (`prefix` routing)."""
+        return affinity.request_key(self.key_text(body))
 
+
+ANTHROPIC_STREAMS = {"usage_unasked": True, "usage_of": anthropic_usage, "event_usage": anthropic_event_usage,
+                     "error_event": anthropic_error_event, "done_event": b"event: message_stop"}
+STATEFUL = "is not supported: llmgw's engines keep no responses between requests; send the whole conversation as `input`"
 
 SURFACES = {
     s.path: s
     for s in (
-        Surface("chat/completions", "chat", ("messages",), ("max_tokens", "max_completion_tokens", "n_predict")),
-        Surface("completions", "completions", ("prompt",), ("max_tokens", "max_completion_tokens", "n_predict")),
-        Surface("embeddings", "embeddings", ("input",), generates=False),
-        Surface("messages", "messages", ("messages",), ("max_tokens",), ANTHROPIC, done_event=b"event: message_stop",
-                completer=MessagesEvents),
-        Surface("messages/count_tokens", "messages", ("messages",), flavour=ANTHROPIC, generates=False),
-        Surface("responses", "responses", ("input",), ("max_output_tokens",),
+        Surface("chat/completions", "chat", ("messages",), prompt.chat_size, affinity.chat_key_text, items="messages",
+                token_fields=TOKEN_FIELDS),
+        Surface("completions", "completions", ("prompt",), prompt.completion_size, affinity.completion_key_text,
+                token_fields=TOKEN_FIELDS),
+        Surface("embeddings", "embeddings", ("input",), prompt.input_size, affinity.input_key_text, generates=False,
+                usage_unasked=True),
+        Surface("messages", "messages", ("messages",), prompt.messages_size, affinity.messages_key_text,
+                items="messages", token_fields=("max_tokens",), flavour=ANTHROPIC, completer=MessagesEvents,
+                **ANTHROPIC_STREAMS),
+        Surface("messages/count_tokens", "messages", ("messages",), prompt.messages_size, affinity.messages_key_text,
+                items="messages", flavour=ANTHROPIC, generates=False, admits=False, **ANTHROPIC_STREAMS),
+        Surface("responses", "responses", ("input",), prompt.responses_size, affinity.responses_opening, items="input",
+                refused=(("previous_response_id", STATEFUL), ("conversation", STATEFUL)),
+                token_fields=("max_output_tokens",), usage_unasked=True, usage_of=responses_usage,
+                event_usage=responses_event_usage, error_event=responses_error_event,
                 done_event=b"event: response.completed", completer=ResponsesEvents),
-        Surface("rerank", "rerank", ("query", "documents"), generates=False),
+        Surface("rerank", "rerank", ("query", "documents"), prompt.rerank_size, affinity.rerank_key_text,
+                generates=False, usage_unasked=True),
     )
 }
 

@@ -13,10 +13,8 @@ import re
 
 from gateway.errors import GatewayError, invalid
 
-# what each endpoint needs of a model (ground.engines.CAPABILITIES), and how a refusal names it
-ENDPOINT_CAPABILITY = {"chat/completions": "chat", "completions": "completions", "embeddings": "embeddings",
-                       "messages": "messages", "messages/count_tokens": "messages", "responses": "responses",
-                       "rerank": "rerank"}
+# how a refusal names what a model does not serve (ground.engines.CAPABILITIES; gateway/surfaces.py says which
+# each API needs)
 SERVES = {"chat": "chat completions", "completions": "text completions", "embeddings": "embeddings",
           "messages": "Anthropic Messages", "responses": "Responses", "rerank": "rerank"}
 TAKES = {"images": "images", "audio": "audio"}
@@ -41,15 +39,11 @@ def scrub(text: str) -> str:
     return line if len(line) <= MESSAGE_CHARS else line[: MESSAGE_CHARS - 1] + "…"
 
 
-def needs(endpoint: str, body: dict) -> list[str]:
-    """The capabilities this request needs: its endpoint's, and images or audio for such content parts."""
-    wanted = [ENDPOINT_CAPABILITY[endpoint]]
-    if endpoint in ("chat/completions", "messages", "messages/count_tokens"):
-        items = body.get("messages")
-    elif endpoint == "responses":
-        items = body.get("input")
-    else:
-        return wanted
+def needs(capability: str, items, body: dict) -> list[str]:
+    """The capabilities a request needs: its API's, and images or audio for such content parts of `items` (the
+    field of the body that holds its messages, or None)."""
+    wanted = [capability]
+    items = body.get(items) if items else None
     for message in items if isinstance(items, list) else ():
         parts = message.get("content") if isinstance(message, dict) else None
         if not isinstance(parts, list):
@@ -61,8 +55,9 @@ def needs(endpoint: str, body: dict) -> list[str]:
     return wanted
 
 
-def check_capabilities(model: str, capabilities: frozenset[str], endpoint: str, body: dict) -> None:
-    for capability in needs(endpoint, body):
+def check_capabilities(model: str, capabilities: frozenset[str], surface, body: dict) -> None:
+    """Refuse what the model cannot serve: the API (`surface`, gateway/surfaces.py), images, audio."""
+    for capability in needs(surface.capability, surface.items, body):
         if capability in capabilities:
             continue
         if capability in TAKES:
@@ -122,7 +117,7 @@ def _number(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def refusal(model: str, endpoint: str, status: int, content: bytes) -> GatewayError:
+def refusal(model: str, capability: str, status: int, content: bytes) -> GatewayError:
     """The client's answer to an engine's error answer (a status of 400 or more), in our words."""
     error = _engine_error(content)
     kind = str(error.get("type") or "")
@@ -130,7 +125,7 @@ def refusal(model: str, endpoint: str, status: int, content: bytes) -> GatewayEr
     if status in KEY_REFUSED:
         return GatewayError(502, "upstream_error", f"a replica of {model} refused the gateway's engine key")
     if status == 501 or kind == "not_supported_error" or status in (404, 405):
-        return GatewayError(400, "not_supported", f"model {model} does not serve {SERVES[ENDPOINT_CAPABILITY[endpoint]]}")
+        return GatewayError(400, "not_supported", f"model {model} does not serve {SERVES[capability]}")
     for capability, words in (("images", "image input is not supported"), ("audio", "audio input is not supported")):
         if words in said:  # llama.cpp without a projector answers these with a 500
             return GatewayError(400, "not_supported", f"model {model} does not take {TAKES[capability]}")

@@ -3,15 +3,10 @@
 from gateway import views
 from gateway.handler import GatewayHandler
 from gateway.metrics_view import metrics_view
+from gateway.surfaces import SURFACES
 
 EXACT = {
-    "/v1/chat/completions": views.chat_completions,
-    "/v1/completions": views.completions,
-    "/v1/embeddings": views.embeddings,
-    "/v1/messages": views.messages,
-    "/v1/messages/count_tokens": views.count_tokens,
-    "/v1/responses": views.responses,
-    "/v1/rerank": views.rerank,
+    **{f"/v1/{path}": views.surface_view(path) for path in SURFACES},  # each API (gateway/surfaces.py)
     "/v1/models": views.models_list,
     "/metrics": metrics_view,
 }

@@ -15,7 +15,7 @@ import time
 
 from cluster import throttle
 from cluster.clients import address_of
-from gateway import admission, affinity, metrics, prompt, slots
+from gateway import admission, affinity, metrics, slots
 from gateway.engines_http import ConnectFailed, ConnectTimeout, ReadTimeout, Unreachable, UpstreamError
 from gateway.errors import GatewayError, invalid
 from gateway.http import Answer, HungUp, Streamed, json_answer
@@ -73,32 +73,14 @@ def _model_object(route, alias: str | None = None) -> dict:
     return shown
 
 
-async def chat_completions(request):
-    return await proxy(request, "chat/completions")
+def surface_view(path: str):
+    """The view of one API (gateway/surfaces.py describes each): a POST proxied to a replica of its model."""
 
+    async def view(request):
+        return await proxy(request, path)
 
-async def completions(request):
-    return await proxy(request, "completions")
-
-
-async def embeddings(request):
-    return await proxy(request, "embeddings")
-
-
-async def messages(request):
-    return await proxy(request, "messages")
-
-
-async def count_tokens(request):
-    return await proxy(request, "messages/count_tokens")
-
-
-async def responses(request):
-    return await proxy(request, "responses")
-
-
-async def rerank(request):
-    return await proxy(request, "rerank")
+    view.__name__ = view.__qualname__ = path.replace("/", "_")
+    return view
 
 
 async def not_found(request, rest=""):
@@ -229,16 +211,16 @@ async def _proxy(call, request, endpoint: str):
         call.known = True
         if call.key.models and call.model not in call.key.models:
             raise GatewayError(403, "model_not_allowed", f"this key may not use model {call.model!r}")
-        check_capabilities(call.model, route.capabilities, endpoint, body)
+        check_capabilities(call.model, route.capabilities, surface, body)
         check_caps(call.model, body, route.max_logprobs, route.max_choices)
-        measured = prompt.size(endpoint, body)
+        measured = surface.prompt_size(body)
         check_context(call.model, route.context, measured)
-        call.estimated = measured.about if surface.path != "messages/count_tokens" else 0
+        call.estimated = measured.about if surface.admits else 0
         call.prompt_about = call.estimated + gw.prompt_overhead(call.model) if call.estimated else 0
-        call.admits = surface.path != "messages/count_tokens"
+        call.admits = surface.admits
         if route.routing == PREFIX:
             session = next((v for h in SESSION_HEADERS if (v := request.header(h))), "")
-            call.affinity = affinity.session_key(session) if session else affinity.request_key(endpoint, body)
+            call.affinity = affinity.session_key(session) if session else surface.prefix_key(body)
         changed = bool(surface.token_fields) and cap_tokens(body, (route.max_tokens, call.key.max_tokens),
                                                              surface.token_fields)
         if call.key.tpm:
@@ -254,10 +236,10 @@ async def _proxy(call, request, endpoint: str):
                 reserve += completion_at_most(body, surface.token_fields, route.context)
             call.budget = await gw.budgets.reserve(call.key, reserve, gw.now())
         gw.requested(call.model)  # demand, once nothing refuses it (a refused request must keep no model loaded)
-        stream = bool(body.get("stream")) and surface.path != "messages/count_tokens"
+        stream = bool(body.get("stream")) and surface.admits
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
-        if surface.path not in ("chat/completions", "completions"):
-            wants_usage = True  # their streams carry their usage of their own
+        if surface.usage_unasked:
+            wants_usage = True  # its streams carry their usage of their own
         if stream and not wants_usage:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
             changed = True
@@ -327,11 +309,9 @@ def _parse(raw: bytes, surface) -> tuple[bytes, dict]:
             raise invalid(f"`{needed}` is required for /v1/{surface.path}")
     if "messages" in surface.needs and not isinstance(body["messages"], list):
         raise invalid("`messages` must be a list")
-    if surface.path == "responses":
-        for stateful in ("previous_response_id", "conversation"):
-            if body.get(stateful):
-                raise invalid(f"`{stateful}` is not supported: llmgw's engines keep no responses between requests; send"
-                              " the whole conversation as `input`")
+    for field, why in surface.refused:
+        if body.get(field):
+            raise invalid(f"`{field}` {why}")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise invalid("`stream` must be true or false")
     if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"], dict):
@@ -461,7 +441,7 @@ async def _send(gw, call, surface, payload):
             _done(gw, call, upstream)
             log.warning("replica %s answered %s to %s; trying another", upstream.replica, response.status, call.model)
             if response.status in KEY_REFUSED:
-                last_error = refusal(call.model, surface.path, response.status, b"")
+                last_error = refusal(call.model, surface.capability, response.status, b"")
             else:
                 last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} answered {response.status}")
             continue
@@ -480,7 +460,7 @@ def _describe(exc: BaseException) -> str:
 def _refused(call, surface, upstream, status: int, content: bytes) -> GatewayError:
     said = content[:500].decode(errors="replace")
     log.warning("replica %s answered %s to %s: %s", upstream.replica, status, call.model, said)
-    return refusal(call.model, surface.path, status, content)
+    return refusal(call.model, surface.capability, status, content)
 
 
 async def _once(gw, call, surface, payload):

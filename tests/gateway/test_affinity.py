@@ -6,7 +6,8 @@ from collections import Counter
 
 import pytest
 
-from gateway.affinity import COMPLETION_CHARS, LOAD_FACTOR, Ring, chat_opening, choose, request_key
+from gateway.affinity import COMPLETION_CHARS, LOAD_FACTOR, Ring, chat_opening, choose
+from gateway.surfaces import SURFACES
 
 REPLICAS = ["m-0a1b2c3d", "m-4e5f6a7b", "m-8c9d0e1f"]
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 40}
@@ -20,7 +21,7 @@ def conversation(document: str, turns: int) -> list[dict]:
 
 
 def chat_key(messages) -> int:
-    return request_key("chat/completions", {"model": "m", "messages": messages})
+    return SURFACES["chat/completions"].prefix_key({"model": "m", "messages": messages})
 
 
 def idle(name: str) -> int:
@@ -70,16 +71,16 @@ def test_odd_messages_still_have_a_key(messages):
 
 def test_a_completions_key_is_the_start_of_its_prompt():
     prompt = "x" * COMPLETION_CHARS
-    key = request_key("completions", {"prompt": prompt})
-    assert request_key("completions", {"prompt": prompt + " and then more, turn after turn"}) == key
-    assert request_key("completions", {"prompt": "y" + prompt}) != key
-    assert isinstance(request_key("completions", {"prompt": [1, 2, 3]}), int)  # token ids
+    key = SURFACES["completions"].prefix_key({"prompt": prompt})
+    assert SURFACES["completions"].prefix_key({"prompt": prompt + " and then more, turn after turn"}) == key
+    assert SURFACES["completions"].prefix_key({"prompt": "y" + prompt}) != key
+    assert isinstance(SURFACES["completions"].prefix_key({"prompt": [1, 2, 3]}), int)  # token ids
 
 
 def test_an_embeddings_key_is_its_whole_input():
-    assert request_key("embeddings", {"input": "a"}) == request_key("embeddings", {"input": "a"})
-    assert request_key("embeddings", {"input": "a"}) != request_key("embeddings", {"input": "a b"})
-    assert request_key("embeddings", {"input": ["a", "b"]}) != request_key("embeddings", {"input": ["a", "c"]})
+    assert SURFACES["embeddings"].prefix_key({"input": "a"}) == SURFACES["embeddings"].prefix_key({"input": "a"})
+    assert SURFACES["embeddings"].prefix_key({"input": "a"}) != SURFACES["embeddings"].prefix_key({"input": "a b"})
+    assert SURFACES["embeddings"].prefix_key({"input": ["a", "b"]}) != SURFACES["embeddings"].prefix_key({"input": ["a", "c"]})
 
 
 # The ring
@@ -153,20 +154,20 @@ def test_a_replica_that_failed_is_passed_by_and_none_is_left_at_the_end():
 
 
 def test_messages_and_responses_are_keyed_by_their_opening_and_sessions_by_their_id():
-    from gateway.affinity import request_key, session_key
+    from gateway.affinity import session_key
 
     first = [{"role": "user", "content": [{"type": "text", "text": "fix the bug in parser.py"}]}]
     later = [*first, {"role": "assistant", "content": "done"}, {"role": "user", "content": "now the tests"}]
     messages = {"system": "You are Claude Code.", "messages": first}
-    assert request_key("messages", messages) == request_key("messages", {**messages, "messages": later})
-    assert request_key("messages", messages) == request_key("messages/count_tokens", messages)
-    assert request_key("messages", messages) != request_key("messages", {**messages, "system": "other"})
-    assert request_key("messages", messages) != request_key("messages", {**messages, "messages": [
+    assert SURFACES["messages"].prefix_key(messages) == SURFACES["messages"].prefix_key({**messages, "messages": later})
+    assert SURFACES["messages"].prefix_key(messages) == SURFACES["messages/count_tokens"].prefix_key(messages)
+    assert SURFACES["messages"].prefix_key(messages) != SURFACES["messages"].prefix_key({**messages, "system": "other"})
+    assert SURFACES["messages"].prefix_key(messages) != SURFACES["messages"].prefix_key({**messages, "messages": [
         {"role": "user", "content": "another task"}]})
     responses = {"instructions": "You are Codex.", "input": first}
-    assert request_key("responses", responses) == request_key("responses", {**responses, "input": later})
-    assert request_key("responses", {"input": "fix it"}) == request_key(
-        "responses", {"input": [{"role": "user", "content": "fix it"}, {"role": "assistant", "content": "ok"}]})
-    assert request_key("rerank", {"query": "q", "documents": ["a"]}) != request_key(
-        "rerank", {"query": "q", "documents": ["b"]})
+    assert SURFACES["responses"].prefix_key(responses) == SURFACES["responses"].prefix_key({**responses, "input": later})
+    assert SURFACES["responses"].prefix_key({"input": "fix it"}) == SURFACES["responses"].prefix_key(
+        {"input": [{"role": "user", "content": "fix it"}, {"role": "assistant", "content": "ok"}]})
+    assert SURFACES["rerank"].prefix_key({"query": "q", "documents": ["a"]}) != SURFACES["rerank"].prefix_key(
+        {"query": "q", "documents": ["b"]})
     assert session_key("abc") == session_key("abc") != session_key("abd")

@@ -4,10 +4,11 @@ import pytest
 
 from gateway import prompt
 from gateway.errors import GatewayError
+from gateway.surfaces import SURFACES
 
 
 def test_sizes_count_text_token_ids_and_messages_but_not_images():
-    chat = prompt.size("chat/completions", {"messages": [
+    chat = SURFACES["chat/completions"].prompt_size({"messages": [
         {"role": "system", "content": "abcd" * 16},
         {"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "image_url",
                                                                       "image_url": {"url": "data:" + "A" * 10_000}}]},
@@ -17,11 +18,11 @@ def test_sizes_count_text_token_ids_and_messages_but_not_images():
     assert (chat.text_bytes, chat.token_ids, chat.items) == (64 + 2 + 2, 0, 4)
     assert chat.at_least == 4 + 68 // prompt.MAX_BYTES_PER_TOKEN
     assert chat.about == 4 * prompt.TEMPLATE_TOKENS + 17
-    ids = prompt.size("completions", {"prompt": [1, 2, 3]})
+    ids = SURFACES["completions"].prompt_size({"prompt": [1, 2, 3]})
     assert (ids.token_ids, ids.items, ids.at_least) == (3, 0, 3)
-    batch = prompt.size("embeddings", {"input": ["é", "ab"]})
+    batch = SURFACES["embeddings"].prompt_size({"input": ["é", "ab"]})
     assert (batch.text_bytes, batch.items) == (4, 2)
-    assert prompt.size("completions", {"prompt": None}) == prompt.Size()
+    assert SURFACES["completions"].prompt_size({"prompt": None}) == prompt.Size()
 
 
 def test_context_and_depth():
@@ -34,7 +35,7 @@ def test_context_and_depth():
     for _ in range(prompt.MAX_DEPTH + 1):
         deep = [deep]
     with pytest.raises(GatewayError, match="nested too deeply"):
-        prompt.size("completions", {"prompt": deep})
+        SURFACES["completions"].prompt_size({"prompt": deep})
 
 
 def test_caps_and_the_most_an_answer_may_use():
@@ -49,13 +50,13 @@ def test_caps_and_the_most_an_answer_may_use():
 
 
 def test_sizes_of_messages_responses_and_rerank():
-    messages = prompt.size("messages", {"system": "abcd", "messages": [{"role": "user", "content": "ab"}]})
+    messages = SURFACES["messages"].prompt_size({"system": "abcd", "messages": [{"role": "user", "content": "ab"}]})
     assert (messages.text_bytes, messages.items) == (6, 1)
-    assert prompt.size("messages/count_tokens", {"messages": []}) == prompt.Size()
-    text = prompt.size("responses", {"instructions": "ab", "input": "abcd"})
+    assert SURFACES["messages/count_tokens"].prompt_size({"messages": []}) == prompt.Size()
+    text = SURFACES["responses"].prompt_size({"instructions": "ab", "input": "abcd"})
     assert (text.text_bytes, text.items) == (6, 1)
-    items = prompt.size("responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "ab"}]},
+    items = SURFACES["responses"].prompt_size({"input": [{"role": "user", "content": [{"type": "input_text", "text": "ab"}]},
                                                  {"type": "function_call_output", "output": "abc"}]})
     assert (items.text_bytes, items.items) == (5, 2)
-    ranked = prompt.size("rerank", {"query": "ab", "documents": ["abc", "d"]})
+    ranked = SURFACES["rerank"].prompt_size({"query": "ab", "documents": ["abc", "d"]})
     assert (ranked.text_bytes, ranked.items) == (6, 3)

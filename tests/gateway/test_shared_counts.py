@@ -10,8 +10,9 @@ import pytest_asyncio
 
 from cluster import inflight
 from cluster.models import Model
-from gateway.affinity import Ring, request_key
+from gateway.affinity import Ring
 from gateway.runtime import Gateway
+from gateway.surfaces import SURFACES
 from gateway.table import ModelRoute, Upstream
 
 pytestmark = pytest.mark.asyncio
@@ -31,7 +32,7 @@ def route():
     return ModelRoute("m", 30, ready=ready, routing=Model.Routing.PREFIX, ring=Ring(names))
 
 
-KEY = request_key("chat/completions", {"messages": [{"role": "user", "content": "the annual report"}]})
+KEY = SURFACES["chat/completions"].prefix_key({"messages": [{"role": "user", "content": "the annual report"}]})
 
 
 async def test_a_replica_that_looked_busy_is_read_again_before_a_request_moves_off_it(gw, route):

@@ -7,8 +7,9 @@ from prometheus_client import REGISTRY
 
 from cluster import notify
 from cluster.models import Model
-from gateway.affinity import Ring, choose, request_key, session_key
+from gateway.affinity import Ring, choose, session_key
 from gateway.runtime import runtime
+from gateway.surfaces import SURFACES
 from ground.ports import free_port
 from tests.factories import make_model
 from tests.gateway.views.harness import openai_error, post, ready_replica
@@ -55,7 +56,7 @@ async def test_every_turn_of_a_conversation_goes_to_one_replica_and_conversation
     # the replica each went to is the one the ring gives its opening, in any process that builds the ring
     ring = Ring(names)
     for conversation, replicas in went.items():
-        key = request_key("chat/completions", {"messages": turns(f"report {conversation}", 1)[0]})
+        key = SURFACES["chat/completions"].prefix_key({"messages": turns(f"report {conversation}", 1)[0]})
         assert replicas == {choose(ring, key, lambda name: 0)}
     assert not runtime().local
 
@@ -67,7 +68,7 @@ async def test_a_conversations_replica_that_refuses_connections_passes_it_to_the
     # a conversation whose first choice is the dead replica
     for i in range(200):
         messages = turns(f"doc {i}", 1)[0]
-        order = list(ring.walk(request_key("chat/completions", {"messages": messages})))
+        order = list(ring.walk(SURFACES["chat/completions"].prefix_key({"messages": messages})))
         if order[0] == names[0]:
             break
     else:
