@@ -6,7 +6,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
 from gateway import metrics
-from gateway.views import Call
+from gateway.call import Call
 
 BOUNDED = {"model", "status", "kind", "priority", "reason"}  # priority: 3 classes; reason: 4 refusals
 
@@ -25,7 +25,7 @@ def _requests(model: str) -> list:
 
 def test_requests_served_by_many_replicas_are_one_series():
     for replica in ("bounded-1", "bounded-2", "bounded-3"):
-        call = Call(None)
+        call = Call()
         call.model, call.known, call.replica = "bounded", True, replica
         call.finish(200)
     (series,) = _requests("bounded")

@@ -1,0 +1,225 @@
+"""An engine's answer on its way to the client: a whole one held and sent at once (or passed on as it comes when
+large), a stream passed on event by event, never buffered; what it used read off it (its API's usage fields, or
+what was passed when a stream is cut short); and the request's end, once, however it ended."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+
+from gateway import metrics
+from gateway.call import Call
+from gateway.engines_http import EngineAnswer, ReadTimeout, UpstreamError
+from gateway.errors import GatewayError
+from gateway.http import Answer, Streamed
+from gateway.runtime import Gateway
+from gateway.sending import describe, done, refused, send
+from gateway.surfaces import Surface
+from gateway.table import Upstream
+
+log = logging.getLogger("llmgw.gateway")
+
+
+async def once(gw: Gateway, call: Call, surface: Surface, payload: bytes) -> Answer | Streamed:
+    """A whole answer: held and sent as one when it is small (ONCE_BYTES), else passed on as it comes, with no more
+    of it in memory than the engine connection's buffer (an answer of many embeddings or log-probabilities)."""
+    upstream, response = await send(gw, call, surface, payload)
+    passing = False
+    try:
+        try:
+            content, whole = await response.read_upto(ONCE_BYTES if response.status == 200 else ERROR_BYTES)
+        except ReadTimeout:
+            raise GatewayError(504, "upstream_timeout", f"replica {upstream.replica} did not finish in time") from None
+        except UpstreamError as exc:
+            raise GatewayError(502, "upstream_error", f"replica {upstream.replica} broke off: {describe(exc)}") from None
+        status = response.status
+        if status >= 400:
+            raise refused(call, surface, upstream, status, content)
+        if not whole:
+            passing = True
+            return _pass_on(gw, call, upstream, response, content)
+        if status == 200:
+            _take_usage(call, surface, content)  # before its slot goes back: the key's service counts it
+    finally:
+        if not passing:
+            response.release()  # read to the end: back to the pool; else closed
+            done(gw, call, upstream)
+    if status == 200:
+        gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
+        await call.settle()  # before the answer: the key's next request sees what this one used
+    call.finish(status)
+    return Answer(content, status, response.content_type)
+
+
+ONCE_BYTES = 1 << 20  # a whole answer larger than this is passed on as it comes instead of held
+ERROR_BYTES = 64 << 10  # of an engine's error answer, read for its words; the rest is not wanted
+USAGE_TAIL = 64 << 10  # of a passed-on answer, kept to find its usage in (the engines put it near the end)
+_USAGE_FIELD = re.compile(rb'[{,]\s*"(prompt_tokens|completion_tokens|input_tokens|output_tokens)"\s*:\s*(\d+)')
+
+
+def _pass_on(gw: Gateway, call: Call, upstream: Upstream, response: EngineAnswer, head: bytes) -> Streamed:
+    """A large whole answer, passed on as it comes; its usage read off its tail."""
+    state = {"settled": False}
+
+    def settle(status: int) -> None:
+        if state["settled"]:
+            return
+        state["settled"] = True
+        if response.complete:
+            response.release()
+        else:
+            response.close()
+        if status != 200 and not call.completion:  # cut short: the engine had generated it all; its usage never came
+            call.prompt = call.prompt_about
+            call.completion = max(0, call.reserved - call.prompt_about)  # with a tpm limit: what it may have used
+        done(gw, call, upstream)
+        gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
+        call.finish(status)
+
+    async def chunks():
+        tail = head[-USAGE_TAIL:]
+        status = 499
+        try:
+            yield head
+            async for chunk in response.chunks():
+                tail = (tail + chunk)[-USAGE_TAIL:]
+                yield chunk
+            status = 200
+            for name, value in _USAGE_FIELD.findall(tail):  # the last of each: the answer's own usage
+                if name in (b"prompt_tokens", b"input_tokens"):
+                    call.prompt = int(value)
+                else:
+                    call.completion = int(value)
+        except (ReadTimeout, UpstreamError) as exc:  # the status went out: all that is left is to stop
+            log.warning("replica %s broke off a large answer: %s", upstream.replica, describe(exc))
+            status = 502
+        finally:
+            settle(status)
+
+    return Streamed(chunks(), settle, response.content_type)
+
+
+def _take_usage(call: Call, surface: Surface, content: bytes) -> None:
+    try:
+        body = json.loads(content)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return
+    usage = surface.usage(body) if isinstance(body, dict) else None
+    if usage is not None:
+        call.prompt, call.completion, call.usage_known = usage.prompt, usage.completion, True
+
+
+async def stream(gw: Gateway, call: Call, surface: Surface, payload: bytes, wants_usage: bool) -> Answer | Streamed:
+    upstream, response = await send(gw, call, surface, payload)
+    if response.status != 200:
+        try:
+            content = await response.read()
+        except UpstreamError:
+            content = b""
+        finally:
+            response.release()
+            done(gw, call, upstream)
+        if response.status >= 400:
+            raise refused(call, surface, upstream, response.status, content)
+        call.finish(response.status)
+        return Answer(content, response.status, response.content_type)
+
+    state = {"finished": False, "settled": False, "done_sent": False, "released": False}
+    complete = surface.completer(call.model, call.prompt_about) if surface.completer is not None else None
+
+    def release() -> None:
+        """The replica is done with the request: once, when the engine's [DONE] arrives (before the client has it:
+        a conversation's next turn may follow at once, through another web process, and must not find the
+        replica still counted busy with this one), or however else the stream ended."""
+        if not state["released"]:
+            state["released"] = True
+            done(gw, call, upstream)
+
+    def settle(status: int) -> None:
+        """Let the upstream go and count the request, once, however the stream ended."""
+        if state["settled"]:
+            return
+        state["settled"] = True
+        if state["finished"]:
+            response.release()  # read to the end: the connection goes back to the pool
+        else:
+            response.close()  # cut short: the engine sees its client go and stops generating
+        release()
+        call.count_cut_short()
+        if call.completion and not call.prompt:  # its prompt's count never came (a Messages stream without its start)
+            call.prompt = call.prompt_about
+        gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
+        call.finish(status)
+
+    async def events():
+        buffer = b""
+        status = 499  # unless it ends otherwise: the client went away, and closing the upstream cancels the work
+        try:
+            async for chunk in response.chunks():
+                if call.first_chunk is None:
+                    call.first_chunk = time.monotonic()
+                    metrics.of(call.model).first_token.observe(call.first_chunk - call.started)
+                buffer += chunk
+                out = []
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    if _keep_event(call, surface, event, wants_usage):
+                        out.append((complete(event) if complete is not None else event) + b"\n\n")
+                if out:
+                    last = any(e.startswith(surface.done_event) for e in out)
+                    if last:
+                        release()
+                    yield b"".join(out)
+                    # asked for more: the [DONE] went out. A client that hangs up now got the whole stream
+                    state["done_sent"] = state["done_sent"] or last
+            if buffer.strip():
+                yield complete(buffer) if complete is not None else buffer
+            state["finished"], status = True, 200
+        except ReadTimeout:
+            status = 504
+            yield _ending(surface, complete, GatewayError(504, "upstream_timeout",
+                                                          f"replica {upstream.replica} stopped sending"))
+        except UpstreamError as exc:
+            status = 502
+            yield _ending(surface, complete, GatewayError(502, "upstream_error",
+                                                          f"replica {upstream.replica} broke off: {describe(exc)}"))
+        finally:
+            settle(200 if status == 499 and state["done_sent"] else status)
+
+    return Streamed(events(), settle)
+
+
+def _ending(surface, complete, exc: GatewayError) -> bytes:
+    """The error that ends a stream the engine broke off, completed as the stream's other events were."""
+    event = surface.error_event(exc)
+    return complete(event[:-2]) + b"\n\n" if complete is not None else event
+
+
+# a chunk that carries a token: OpenAI's and Anthropic's deltas, and the Responses API's text deltas
+_GENERATED = re.compile(rb'"(?:content|text|reasoning_content)"\s*:\s*"|"type"\s*:\s*"response\.output_text\.delta"')
+
+
+def _keep_event(call: Call, surface: Surface, event: bytes, wants_usage: bool) -> bool:
+    """Read the usage off the stream; drop the usage-only chunk the client did not ask for. Count the chunks that
+    carry generated text (one token each, as the engines stream), for a stream cut short before its usage."""
+    if b'"usage"' not in event:
+        if _GENERATED.search(event):
+            call.passed += 1
+        return True
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            data = json.loads(line[5:])
+        except (ValueError, RecursionError):
+            return True
+        said = surface.event_usage(data, call.prompt, call.completion) if isinstance(data, dict) else None
+        if said is None:
+            continue
+        call.prompt, call.completion, whole = said
+        call.usage_known = call.usage_known or whole
+        if not wants_usage and not data.get("choices"):
+            return False
+    return True

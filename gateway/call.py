@@ -1,0 +1,120 @@
+"""One request through /v1/, as the gateway keeps it: who asked (its key and class), what (its model and surface),
+what it holds (its slot, its key's slot, its budget and rate reservations), where it went (replicas, attempts),
+and what it used (tokens, first chunk); and its end, once: the reservations settled, the slots given back, the
+metrics, the access log line and the traffic counted.
+
+`Call` is the request's one record, made by the views (gateway/views.py) and filled in by the steps of its way:
+the views (`key`, `model`, `rank`, the reservations), choosing and sending (gateway/sending.py: `replica`,
+`attempts`, `waited`, `lease`), the answer (gateway/answers.py: `first_chunk`, the usage). Each field says which.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gateway import admission, metrics
+from gateway.spend import Hold
+from gateway.table import KeyInfo
+
+if TYPE_CHECKING:
+    from gateway.runtime import Gateway
+
+access = logging.getLogger("llmgw.access")
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """One request's record on its way through the gateway (the module's docstring says who writes what)."""
+
+    started: float = field(default_factory=time.monotonic)
+    gw: Gateway | None = None  # the process's gateway runtime, once the request reached it (views)
+    # who and what (views)
+    key: KeyInfo | None = None
+    model: str = "-"  # as asked, then the model's own name (an alias resolved)
+    known: bool = False  # `model` names a model llmgw serves: only such names become metric labels
+    rank: int = admission.RANK[admission.DEFAULT_CLASS]  # its class when it waits for a slot
+    admits: bool = True  # it takes a slot of an engine (counting tokens takes none)
+    affinity: int | None = None  # its key on the model's ring, when the model routes by prefix
+    prompt_about: int = 0  # its prompt's tokens as estimated (gateway.prompt), until the engine says
+    estimated: int = 0  # the same, before its model's learned overhead (Gateway.prompt_overhead)
+    # what it holds of its key (views)
+    reserved: int = 0  # tokens reserved against its key's tpm limit when it was admitted
+    reserved_minute: int | None = None  # the minute they were reserved in (None: no tpm limit)
+    key_slot: str | None = None  # one of its key's requests at once (max_concurrency)
+    budget: Hold | None = None  # what it reserved of its key's budget
+    # where it went (sending)
+    replica: str = "-"
+    attempts: int = 0  # replicas it was sent to
+    waited: float | None = None  # seconds it waited for a ready replica, once it looked for one
+    asked_until: float = 0.0  # an autoscaled model found without room: until when the request waits for news
+    lease_asked: bool = False  # it waited in its model's queue for a replica on its way (once)
+    lease: admission.Lease | None = None  # the slot it holds (gateway/admission.py)
+    # what it used (answers)
+    first_chunk: float | None = None
+    prompt: int = 0
+    completion: int = 0
+    passed: int = 0  # tokens of a streamed answer passed on to the client, as counted by its chunks
+    usage_known: bool = False  # the engine said what the request used
+    status: int = 0
+
+    @property
+    def label(self) -> str:
+        """The model as a metric label: a model llmgw serves, else the one `unknown` bucket (any client could
+        otherwise grow the series, and the web process with them, a name at a time)."""
+        return self.model if self.known else metrics.UNKNOWN_MODEL
+
+    def count_cut_short(self) -> None:
+        """A stream that ended before the engine said what it used (the client closed it, say) still used what the
+        engine produced: the tokens passed on, and its prompt as estimated when anything was passed."""
+        if not self.usage_known and self.passed:
+            self.prompt, self.completion = self.prompt or self.prompt_about, max(self.completion, self.passed)
+
+    async def settle(self) -> None:
+        """Count what it used against its key's tpm limit in place of what it reserved (never raises: an answer
+        given is never replaced for it)."""
+        if self.reserved_minute is not None:
+            minute, self.reserved_minute = self.reserved_minute, None
+            await self.gw.limits.settle(self.key, self.prompt + self.completion, self.reserved, minute)
+
+    def finish(self, status: int) -> None:
+        self.status = status
+        if self.usage_known and self.gw is not None:
+            self.gw.learn_prompt(self.model, self.estimated, self.prompt)
+        if self.reserved_minute is not None and self.gw is not None:
+            self.gw.spawn(self.settle())
+        if self.gw is not None:
+            if self.key_slot is not None:
+                slot, self.key_slot = self.key_slot, None
+                self.gw.spawn(self.gw.admission.let_key_go(slot))
+            if self.budget is not None:
+                budget, self.budget = self.budget, None
+                self.gw.budgets.settle(budget, self.prompt + self.completion)
+        seconds = time.monotonic() - self.started
+        series = metrics.of(self.label)
+        series.requests(status).inc()
+        series.latency.observe(seconds)
+        if self.attempts:
+            series.attempts.observe(self.attempts)
+        if self.waited is not None:
+            series.waited.observe(self.waited)
+        if self.prompt or self.completion:
+            series.prompt.inc(self.prompt)
+            series.completion.inc(self.completion)
+        if self.gw is not None:
+            first = self.first_chunk - self.started if self.first_chunk is not None else None
+            self.gw.ledger.count(status, self.prompt + self.completion, first_chunk=first)
+        access.info(
+            "key=%s model=%s replica=%s status=%s duration_ms=%.1f prompt_tokens=%d completion_tokens=%d",
+            self.key.prefix if self.key else "-",
+            self.model if self.known or self.model == "-" else f"unknown({self.model[:64]!r})",
+            self.replica,
+            status,
+            seconds * 1000,
+            self.prompt,
+            self.completion,
+        )
+
+
