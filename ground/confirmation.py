@@ -12,6 +12,8 @@ to what it is about to send as the dashboard (cluster.operations.confirmation_ne
 
 from __future__ import annotations
 
+from typing import Any
+
 CONFIRM_ABOVE = 8
 
 
@@ -22,12 +24,12 @@ def ceiling(replicas: int | None, min_replicas: int | None, max_replicas: int | 
     return max(min_replicas or 0, max_replicas or 0)
 
 
-def ceiling_after(current: dict | None, values: dict) -> int:
+def ceiling_after(current: dict[str, Any] | None, values: dict[str, Any]) -> int:
     """The model's ceiling once `values` (a change's fields: replicas, min_replicas, max_replicas) apply to
     `current` (the model's fields now; None: a new model)."""
     current = current or {}
     if values.get("replicas") is not None:  # a fixed count (an autoscaled model becomes fixed)
-        return values["replicas"]
+        return int(values["replicas"])
     low, high = values.get("min_replicas"), values.get("max_replicas")
     if low is None and high is None:
         if not current:
@@ -38,14 +40,14 @@ def ceiling_after(current: dict | None, values: dict) -> int:
     return max(low or 0, high or 0)
 
 
-def replicas_added(current: dict | None, values: dict) -> int:
+def replicas_added(current: dict[str, Any] | None, values: dict[str, Any]) -> int:
     """How many replicas the change may add at once (0 when it adds none)."""
     before = 0 if not current else ceiling(current.get("replicas"), current.get("min_replicas"),
                                            current.get("max_replicas"))
     return max(0, ceiling_after(current, values) - before)
 
 
-def needs_confirmation(current: dict | None, values: dict) -> str:
+def needs_confirmation(current: dict[str, Any] | None, values: dict[str, Any]) -> str:
     """'' when the change may go ahead as it is; else why it is confirmed first, in a line."""
     added = replicas_added(current, values)
     if added <= CONFIRM_ABOVE:

@@ -16,6 +16,8 @@ import shutil
 import string
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 DRIVERS: dict[str, type[EngineDriver]] = {}
 
@@ -45,7 +47,7 @@ CAPABILITIES = ("chat", "completions", "embeddings", "messages", "responses", "r
 SURFACES = CAPABILITIES[:6]
 
 
-def register(kind: str):
+def register(kind: str) -> Callable[[type[EngineDriver]], type[EngineDriver]]:
     def decorate(cls: type[EngineDriver]) -> type[EngineDriver]:
         cls.kind = kind
         DRIVERS[kind] = cls
@@ -99,7 +101,7 @@ class EngineDriver:
         return None
 
     @classmethod
-    def capabilities(cls, args: dict) -> tuple[str, ...]:
+    def capabilities(cls, args: dict[str, Any]) -> tuple[str, ...]:
         """What a replica started with these profile args serves, of CAPABILITIES. An engine llmgw cannot read
         (a command) serves all of them as far as the gateway knows: it refuses what it cannot itself."""
         return CAPABILITIES
@@ -108,7 +110,7 @@ class EngineDriver:
     default_slots: int | None = None
 
     @classmethod
-    def slots(cls, args: dict, command: str = "") -> int | None:
+    def slots(cls, args: dict[str, Any], command: str = "") -> int | None:
         """Requests a replica started with these profile args (and, for a `command` engine, this template) serves
         at once (its slots; None: llmgw cannot tell): the gateway admits no more than that to it, and the rest
         wait in the gateway (gateway/admission.py). A flag among the extra args comes later on the command line and
@@ -119,17 +121,17 @@ class EngineDriver:
         return args.get("parallel") or cls.default_slots
 
     @classmethod
-    def context(cls, args: dict) -> int | None:
+    def context(cls, args: dict[str, Any]) -> int | None:
         """The tokens of context a replica started with these profile args has, as far as llmgw knows (None: it
         cannot tell): the gateway refuses a prompt that cannot fit before the engine spends anything on it."""
         return args.get("context_size") or None
 
     @classmethod
-    def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
+    def command(cls, spec: dict[str, Any], model_path: str, port: int) -> list[str]:
         raise NotImplementedError
 
     @classmethod
-    def env(cls, spec: dict) -> dict[str, str]:
+    def env(cls, spec: dict[str, Any]) -> dict[str, str]:
         """Environment added to the agent's own for the engine process: the engine key, the GPU it may use."""
         env = {KEY_ENV: spec["engine_key"]}
         if spec.get("gpu_index") is not None:
@@ -151,27 +153,27 @@ class EngineDriver:
         return {"Authorization": f"Bearer {engine_key}"}
 
 
-def _args(spec: dict) -> dict:
+def _args(spec: dict[str, Any]) -> dict[str, Any]:
     return spec.get("args") or {}
 
 
-def _binary(spec: dict, default: str) -> str:
+def _binary(spec: dict[str, Any], default: str) -> str:
     return ((spec.get("engine") or {}).get("binary") or "").strip() or default
 
 
-def _extra(spec: dict) -> list[str]:
+def _extra(spec: dict[str, Any]) -> list[str]:
     extra = _args(spec).get("extra_args") or []
     if isinstance(extra, str):
         return shlex.split(extra)
     return [str(a) for a in extra]
 
 
-def _has_flag(args: dict, *names: str) -> bool:
+def _has_flag(args: dict[str, Any], *names: str) -> bool:
     """Whether the profile's extra args carry one of these flags (`--flag`, `--flag value` or `--flag=value`)."""
     return any(word in names or word.split("=", 1)[0] in names for word in _extra({"args": args}))
 
 
-def _flag_values(args: dict, name: str) -> list[str]:
+def _flag_values(args: dict[str, Any], name: str) -> list[str]:
     """Every value the profile's extra args give the flag `name` (`name value` or `name=value`)."""
     words, values = _extra({"args": args}), []
     for i, word in enumerate(words):
@@ -191,7 +193,7 @@ def _llama_capabilities(embeddings: bool, multimodal: bool, rerank: bool = False
     return tuple(c for c in CAPABILITIES if c in wanted)
 
 
-def _small_batch(spec: dict, args: dict) -> bool:
+def _small_batch(spec: dict[str, Any], args: dict[str, Any]) -> bool:
     """Whether a llama.cpp replica is started with DEFAULT_BATCH: its profile sets no batch size, it neither embeds
     nor reranks, and it runs on the CPU (not a GPU engine's, placed on a GPU, nor offloading layers to one)."""
     on_gpu = ((spec.get("engine") or {}).get("device") == "gpu" or spec.get("gpu_index") is not None
@@ -199,13 +201,13 @@ def _small_batch(spec: dict, args: dict) -> bool:
     return args.get("batch_size") is None and not _pools(args) and not on_gpu
 
 
-def _pools(args: dict) -> bool:
+def _pools(args: dict[str, Any]) -> bool:
     """A llama.cpp profile that embeds or reranks (xllamacpp's `--param embedding=true` too)."""
     return _has_flag(args, "--embeddings", "--embedding", "--reranking", "--rerank") or any(
         v.lower() in ("embedding=true", "embedding=1") for v in _flag_values(args, "--param"))
 
 
-def _reranks(args: dict) -> bool:
+def _reranks(args: dict[str, Any]) -> bool:
     return _has_flag(args, "--reranking", "--rerank") or (
         _has_flag(args, "--embeddings", "--embedding") and "rank" in _flag_values(args, "--pooling"))
 
@@ -239,13 +241,13 @@ class LlamaCpp(EngineDriver):
         return match.group(1).strip() if match else ""
 
     @classmethod
-    def capabilities(cls, args: dict) -> tuple[str, ...]:
+    def capabilities(cls, args: dict[str, Any]) -> tuple[str, ...]:
         # /v1/embeddings needs --embeddings (else a 501); images and audio need a projector (else a 500)
         multimodal = _has_flag(args, "--mmproj", "-mm", "--mmproj-url", "-mmu") and not _has_flag(args, "--no-mmproj")
         return _llama_capabilities(_has_flag(args, "--embeddings", "--embedding"), multimodal, _reranks(args))
 
     @classmethod
-    def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
+    def command(cls, spec: dict[str, Any], model_path: str, port: int) -> list[str]:
         args = _args(spec)
         argv = [_binary(spec, cls.default_binary()), "-m", model_path, "--host", engine_host(), "--port", str(port)]
         if spec.get("model"):
@@ -265,7 +267,7 @@ class LlamaCpp(EngineDriver):
         return argv + _extra(spec)
 
     @classmethod
-    def env(cls, spec: dict) -> dict[str, str]:
+    def env(cls, spec: dict[str, Any]) -> dict[str, str]:
         # llama.cpp common/arg.cpp: --api-key is `.set_env("LLAMA_API_KEY")`.
         return {**super().env(spec), "LLAMA_API_KEY": spec["engine_key"]}
 
@@ -285,14 +287,14 @@ class XLlamaCpp(EngineDriver):
             return ""
 
     @classmethod
-    def capabilities(cls, args: dict) -> tuple[str, ...]:
+    def capabilities(cls, args: dict[str, Any]) -> tuple[str, ...]:
         # the launcher takes llama-server's --embeddings and --mmproj, or CommonParams' own field
         embedding = _has_flag(args, "--embeddings", "--embedding")
         embedding = embedding or any(v.lower() in ("embedding=true", "embedding=1") for v in _flag_values(args, "--param"))
         return _llama_capabilities(embedding, _has_flag(args, "--mmproj", "-mm"), _reranks(args))
 
     @classmethod
-    def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
+    def command(cls, spec: dict[str, Any], model_path: str, port: int) -> list[str]:
         args = _args(spec)
         python = _binary(spec, sys.executable)
         argv = [python, "-m", "agents.xllamacpp_launcher", "--model", model_path, "--port", str(port)]
@@ -314,7 +316,7 @@ class XLlamaCpp(EngineDriver):
         return argv + _extra(spec)
 
     @classmethod
-    def env(cls, spec: dict) -> dict[str, str]:
+    def env(cls, spec: dict[str, Any]) -> dict[str, str]:
         # `-m agents.xllamacpp_launcher` must import whatever the agent's working directory is.
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
@@ -326,14 +328,14 @@ class Vllm(EngineDriver):
     POOLING_TASKS = ("embed", "embedding", "classify", "score", "reward")
 
     @classmethod
-    def slots(cls, args: dict, command: str = "") -> int | None:
+    def slots(cls, args: dict[str, Any], command: str = "") -> int | None:
         # vLLM batches up to --max-num-seqs sequences (hundreds by default) and schedules them itself: bounded
         # only when the profile says so
         values = _flag_values(args, "--max-num-seqs")
         return int(values[-1]) if values and values[-1].isdigit() else None
 
     @classmethod
-    def capabilities(cls, args: dict) -> tuple[str, ...]:
+    def capabilities(cls, args: dict[str, Any]) -> tuple[str, ...]:
         # a pooling model serves embeddings and no generation; which inputs a model takes, vLLM knows
         pooling = any(t in cls.POOLING_TASKS for t in _flag_values(args, "--task") + _flag_values(args, "--convert"))
         if pooling or "pooling" in _flag_values(args, "--runner"):
@@ -349,7 +351,7 @@ class Vllm(EngineDriver):
         return match.group(1) if match else ""
 
     @classmethod
-    def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
+    def command(cls, spec: dict[str, Any], model_path: str, port: int) -> list[str]:
         args = _args(spec)
         argv = [_binary(spec, "vllm"), "serve", model_path, "--host", engine_host(), "--port", str(port)]
         argv += ["--served-model-name", str(spec.get("model") or spec["name"])]
@@ -358,7 +360,7 @@ class Vllm(EngineDriver):
         return argv + _extra(spec)
 
     @classmethod
-    def env(cls, spec: dict) -> dict[str, str]:
+    def env(cls, spec: dict[str, Any]) -> dict[str, str]:
         return {**super().env(spec), "VLLM_API_KEY": spec["engine_key"]}
 
 
@@ -392,11 +394,11 @@ class Command(EngineDriver):
     )
 
     @classmethod
-    def context(cls, args: dict) -> int | None:
+    def context(cls, args: dict[str, Any]) -> int | None:
         return None  # its command may or may not pass {context_size} on: the engine refuses what it cannot fit
 
     @classmethod
-    def slots(cls, args: dict, command: str = "") -> int | None:
+    def slots(cls, args: dict[str, Any], command: str = "") -> int | None:
         # the profile's parallel is its slots only when the template passes {parallel} on; else the program
         # serves as many at once as it serves, and admission does not bound it
         return (args.get("parallel") or None) if "{parallel}" in command else None
@@ -426,7 +428,7 @@ class Command(EngineDriver):
         return words
 
     @classmethod
-    def command(cls, spec: dict, model_path: str, port: int) -> list[str]:
+    def command(cls, spec: dict[str, Any], model_path: str, port: int) -> list[str]:
         words = cls.check_template((spec.get("engine") or {}).get("command") or "")
         args = _args(spec)
         values = {

@@ -21,4 +21,4 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port the kernel says is free on `host` now (another process may take it before it is used)."""
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])

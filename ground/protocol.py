@@ -6,7 +6,7 @@ server -> agent: desired, restart_agent
 
 import ipaddress
 import re
-from typing import Literal, NotRequired, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 # States an agent reports for a replica it was asked to run.
 AGENT_STATES = ("pending", "downloading", "starting", "ready", "failed", "stopped")
@@ -71,8 +71,8 @@ class FileSpec(TypedDict):
 class DesiredReplica(TypedDict):
     name: str
     model: str
-    engine: dict  # EngineVersion.spec(): name, kind, version, device, binary, command
-    args: dict  # Profile.args(): context_size, threads, gpu_layers, batch_size, parallel, extra_args
+    engine: dict[str, Any]  # EngineVersion.spec(): name, kind, version, device, binary, command
+    args: dict[str, Any]  # Profile.args(): context_size, threads, gpu_layers, batch_size, parallel, extra_args
     file: FileSpec
     port: int
     gpu_index: int | None

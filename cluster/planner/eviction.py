@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from cluster.planner.actions import Evict
 from cluster.planner.snapshot import COUNTING, DRAINING, READY, RESTART_NONE, STOPPING, ModelView, ReplicaView
+from cluster.planner.state import PlannerState
 from ground.units import format_size
 
 
@@ -38,7 +39,7 @@ def _slot(r: ReplicaView, uses_gpu: bool):
     return (r.node_id, r.gpu_index if uses_gpu else None)
 
 
-class Evictions:
+class Evictions(PlannerState):
     """A mixin of cluster.planner.planning.Planner: it reads the snapshot, the fleet of candidate nodes and the
     replicas by model, and remembers what this run already chose to evict."""
 

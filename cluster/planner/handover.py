@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from cluster.planner.actions import Drain, MarkReplacing, SetNodeNote, Stop
 from cluster.planner.snapshot import COUNTING, NOTE_MAX, READY, RESTART_QUEUED, RESTART_REPLACING, ModelView, ReplicaView
+from cluster.planner.state import PlannerState
 
 
-class HandOver:
+class HandOver(PlannerState):
     """The planner's restart and drain rules (a mixin of cluster.planner.planning.Planner: it uses the
     planner's snapshot, actions, nodes, fleet and the draining nodes' notes)."""
 

@@ -7,10 +7,11 @@ from bisect import bisect_left
 
 from cluster.planner.placement import NodeState
 from cluster.planner.snapshot import ModelView
+from cluster.planner.state import PlannerState
 from ground.units import format_size
 
 
-class Reasons:
+class Reasons(PlannerState):
     """The planner's explanations (a mixin of cluster.planner.planning.Planner: it reads the planner's nodes,
     the alive set and the fleet of candidates)."""
 
