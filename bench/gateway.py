@@ -5,6 +5,7 @@
     python bench/gateway.py                       # everything: about 3 to 5 minutes
     python bench/gateway.py --targets direct,llmgw-daphne --concurrency 1,16 --modes json
     python bench/gateway.py --targets direct,llmgw-uvicorn --apis chat,messages --rounds 2
+    python bench/gateway.py --targets llmgw-uvicorn,llmgw-base --baseline-tree /tmp/base   # before/after
 
 One run, side by side on this machine, against the same fake OpenAI engine (bench/fake_upstream.py: answers at
 once, streams --chunks chunks, then the usage chunk and [DONE]; it answers Anthropic's Messages and OpenAI's
@@ -22,6 +23,9 @@ Responses too, with llama.cpp's server's events and the same --chunks text delta
 - llmgw-noadm     the same with admission off (LLMGW_ADMISSION=0; the llmgw targets run it on): what
                   admission's two Redis round trips per request cost (the model's profile has 256 slots, so no
                   request waits for one);
+- llmgw-base      with --baseline-tree DIR (a checkout of another commit: `git worktree add /tmp/base REV`), the
+                  llmgw-uvicorn target run from that tree (its working directory and PYTHONPATH), on the same
+                  database, Valkey and fake engine: a change's before and after in one run, side by side;
 - nginx           Debian's nginx (apt-get installs it when missing), `proxy_pass` to a keepalive upstream,
                   `proxy_buffering off`, one worker, run as our child with its own config, `daemon off`;
 - litellm         LiteLLM's proxy, `litellm[proxy]==1.108.7` in its own virtual environment (made when missing,
@@ -105,7 +109,8 @@ from ground.ports import free_port  # noqa: E402
 from llmgw.processes import Child  # noqa: E402
 
 FAKE = ROOT / "bench" / "fake_upstream.py"
-ALL_TARGETS = ("direct", "llmgw-daphne", "llmgw-uvicorn", "llmgw-noadm", "llmgw-2w", "nginx", "litellm")
+ALL_TARGETS = ("direct", "llmgw-daphne", "llmgw-uvicorn", "llmgw-base", "llmgw-noadm", "llmgw-2w", "nginx", "litellm")
+ONE_PROCESS = ("llmgw-daphne", "llmgw-uvicorn", "llmgw-base", "llmgw-noadm")  # one web process: one /metrics
 CHAT_ONLY = ("litellm",)  # LiteLLM translates Messages and Responses into chat: another benchmark
 
 
@@ -152,6 +157,8 @@ def main(argv=None) -> int:
     parser.add_argument("--py-spy", metavar="BIN", help="record each Python proxy with this py-spy (raw folded stacks)")
     parser.add_argument("--profile-dir", metavar="DIR", default="bench-profiles",
                         help="where --py-spy writes (default ./bench-profiles)")
+    parser.add_argument("--baseline-tree", metavar="DIR", type=Path,
+                        help="a checkout of another commit: target llmgw-base runs llmgw-uvicorn from it")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, configs)")
     parser.add_argument("--json", metavar="FILE", help="also write every cell's numbers to FILE")
     parser.add_argument("--setup-llmgw", type=int, metavar="UPSTREAM_PORT", help=argparse.SUPPRESS)
@@ -165,6 +172,10 @@ def main(argv=None) -> int:
     unknown = set(targets) - set(ALL_TARGETS)
     if unknown:
         parser.error(f"unknown targets {', '.join(sorted(unknown))}")
+    if o.baseline_tree and "llmgw-base" not in targets:
+        targets.append("llmgw-base")
+    if "llmgw-base" in targets and not (o.baseline_tree and (o.baseline_tree / "llmgw" / "web.py").is_file()):
+        parser.error("llmgw-base needs --baseline-tree DIR, a checkout of llmgw")
     if "direct" not in targets:
         targets.insert(0, "direct")  # the baseline of every ratio
     targets = [t for t in ALL_TARGETS if t in targets]
@@ -234,7 +245,12 @@ def main(argv=None) -> int:
             from llmgw.web import web_argv  # exactly what `llmgw up --server SERVER` runs
 
             own = dict(env, LLMGW_ADMISSION="0" if target == "llmgw-noadm" else "1")
-            child = children.start(target, web_argv("127.0.0.1", port, server), own, proxy=True)
+            tree = None
+            if target == "llmgw-base":  # `python -m` puts the working directory first on the path: that tree's llmgw
+                tree = o.baseline_tree.resolve()
+                own["PYTHONPATH"] = str(tree)
+                info["baseline"] = f"{tree} ({run(['git', '-C', str(tree), 'log', '-1', '--format=%h %s']).stdout[:60]})"
+            child = children.start(target, web_argv("127.0.0.1", port, server), own, proxy=True, cwd=tree)
             wait_ready(child, port, client_key, 60)
             return port, client_key
 
@@ -279,7 +295,8 @@ def main(argv=None) -> int:
             return port, client_key
 
         starters = {"llmgw-daphne": ("daphne", start_llmgw), "llmgw-uvicorn": ("uvicorn", start_llmgw),
-                    "llmgw-noadm": ("uvicorn", start_llmgw), "llmgw-2w": ("uvicorn", start_llmgw_workers),
+                    "llmgw-base": ("uvicorn", start_llmgw), "llmgw-noadm": ("uvicorn", start_llmgw),
+                    "llmgw-2w": ("uvicorn", start_llmgw_workers),
                     "nginx": ("nginx", start_nginx), "litellm": ("uvicorn", start_litellm)}
         running.append(("direct", "fake", upstream_port, engine_key))
         for target in targets[1:]:
@@ -316,7 +333,7 @@ def main(argv=None) -> int:
                             names = ["fake-upstream"] if target == "direct" else [
                                 n for n in children if n == target or n.startswith(f"{target}-")]
                             pids = [children[n].pid for n in names]
-                            counts = target in ("llmgw-daphne", "llmgw-uvicorn", "llmgw-noadm")  # one process: one /metrics
+                            counts = target in ONE_PROCESS
                             before = metrics_counts(port, metrics_token) if counts else None
                             asyncio.run(run_cell(cell, port, request, count, warmup if round_ == 0 else 2 * conc,
                                                  o.time_limit, lambda pids=pids: sum(cpu_seconds(pid) for pid in pids)))
@@ -362,7 +379,7 @@ def main(argv=None) -> int:
         pick.rounds = [c.rps for c in rounds]
         best.append(pick)
     order = [(t, s) for t, s, _, _ in running]
-    servers = [s for t, s in order if t.startswith("llmgw-") and t != "llmgw-2w"]
+    servers = [s for t, s in order if t.startswith("llmgw-") and t not in ("llmgw-2w", "llmgw-base")]
     print(f"\nbench/gateway.py on {platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}, {time.monotonic() - started:.0f} s, "
           f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after")
@@ -382,6 +399,8 @@ def main(argv=None) -> int:
     print("  ttfc: time to the first body byte; +p50: p50 minus direct's p50; cpu ms/req: CPU time of the target's")
     print("  processes (direct: the fake engine's) per request, which other load on the machine changes little;")
     print("  err '!': the cell hit --time-limit")
+    if info.get("baseline"):
+        print(f"  llmgw-base: {info['baseline']}")
     if info.get("profiles"):
         print(f"  py-spy profiles (folded stacks) in {info['profiles']}")
     print()

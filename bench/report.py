@@ -26,6 +26,9 @@ def ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x"
 
 
+SUFFIX = {"llmgw-2w": " x2", "llmgw-noadm": " noadm", "llmgw-base": " base"}  # targets on one server told apart
+
+
 def print_table(cells: list[Cell], order: list[tuple[str, str]]) -> None:
     by_key = {(c.target, c.server, c.concurrency, c.mode, c.api): c for c in cells}
     header = ["mode", "conc", "target", "server", "api", "req/s", "x chat", "x direct", "p50 ms", "x direct",
@@ -46,7 +49,7 @@ def print_table(cells: list[Cell], order: list[tuple[str, str]]) -> None:
                     p50, p99 = cell.p(0.5), cell.p(0.99)
                     ttfc = cell.p(0.5, cell.firsts) if mode == "stream" else math.nan
                     rows.append([
-                        mode, str(conc), target.split("-")[0], server + (" x2" if target == "llmgw-2w" else ""), api,
+                        mode, str(conc), target.split("-")[0], server + SUFFIX.get(target, ""), api,
                         fmt(cell.rps, 0), ratio(cell.rps, chat.rps) if chat and api != "chat" else "-",
                         ratio(cell.rps, d.rps) if d else "-",
                         fmt(p50), ratio(p50, d.p(0.5)) if d else "-",
