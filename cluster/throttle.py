@@ -31,6 +31,7 @@ from django.conf import settings
 from redis.exceptions import RedisError
 
 from cluster import events
+from cluster.scripts import CLUSTER
 
 DOORS = {"login": "failed logins", "api": "failed API tokens", "gateway": "failed client keys"}
 PREFIX = "llmgw:auth:"  # + door:kind:who -> failures; + door:kind:who:shut -> the door is shut while it lives
@@ -39,18 +40,6 @@ KNOWN_FOR = 30 * 86400  # seconds a successful login keeps its address known for
 log = logging.getLogger("llmgw.throttle")
 clock = time.monotonic  # when a shut door opens, as this process sees it (tests move it on)
 REMEMBERED = 10_000  # shut doors a process keeps in memory before it forgets the ones open again
-
-# one failure: count it (the window starts again), and past the free ones shut the door for 2^(n - free - 1)
-# seconds, at most the window. Returns the count and the delay (0: still free).
-FAIL = """
-local n = redis.call('INCR', KEYS[1])
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-local over = n - tonumber(ARGV[2])
-if over <= 0 then return {n, 0} end
-local delay = math.min(2 ^ math.min(over - 1, 30), tonumber(ARGV[1]))
-redis.call('SET', KEYS[2], '1', 'EX', delay)
-return {n, delay}
-"""
 
 
 @dataclass(frozen=True)
@@ -119,7 +108,7 @@ class Door:
 
     def failed(self, redis, found: tuple[Subject, ...]) -> None:
         """Count a failure (a Redis client): shut the door past the free ones, and write the Event once."""
-        script = redis.register_script(FAIL)
+        script = CLUSTER.register(redis, "throttle")
         for subject in found:
             try:
                 n, delay = script(keys=self._keys(subject), args=self._args(subject))
@@ -133,7 +122,7 @@ class Door:
         """The same with an asyncio Redis client; the Event is written on a thread."""
         from asgiref.sync import sync_to_async
 
-        script = redis.register_script(FAIL)
+        script = CLUSTER.register(redis, "throttle")
         for subject in found:
             try:
                 n, delay = await script(keys=self._keys(subject), args=self._args(subject))
