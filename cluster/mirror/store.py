@@ -1,4 +1,6 @@
-"""The mirror: model files stored by sha256 under MIRROR_DIR, with their GGUF facts."""
+"""The mirror's files on disk: model files stored by sha256 under MIRROR_DIR, with their GGUF facts."""
+
+from __future__ import annotations
 
 import hashlib
 import os
@@ -7,6 +9,8 @@ import tempfile
 from pathlib import Path
 
 from django.conf import settings
+
+from cluster.models import ModelFile
 
 GGUF_MAGIC = b"GGUF"
 CHUNK = 4 * 1024 * 1024
@@ -81,6 +85,15 @@ def sha256_of(path: Path) -> str:
         while chunk := f.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def whole(model_file: ModelFile) -> bool:
+    """Whether this control plane's mirror directory holds the file at its full size (its sha256 is checked when it
+    is stored, adopted or pulled, not here)."""
+    try:
+        return model_file.path.stat().st_size == model_file.size
+    except OSError:
+        return False
 
 
 def remove(sha: str) -> None:
