@@ -25,7 +25,7 @@ def is_gguf(path: Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def gguf_facts(path: Path) -> dict:
+def gguf_facts(path: Path) -> dict[str, object]:
     """Architecture, layers, context length, heads: what the memory estimate needs."""
     import gguf
 
@@ -34,7 +34,7 @@ def gguf_facts(path: Path) -> dict:
     except Exception as exc:  # gguf raises ValueError, struct errors, IndexError on damaged files
         raise NotGGUF(f"{path.name} looks like GGUF but cannot be read: {exc}") from exc
 
-    def value(key):
+    def value(key: str) -> object:
         field = reader.fields.get(key)
         if field is None:
             return None
@@ -44,7 +44,7 @@ def gguf_facts(path: Path) -> dict:
             return None
 
     arch = value("general.architecture") or ""
-    facts = {"architecture": arch, "name": value("general.name") or ""}
+    facts: dict[str, object] = {"architecture": arch, "name": value("general.name") or ""}
     for short in ("block_count", "context_length", "embedding_length", "feed_forward_length"):
         facts[short] = value(f"{arch}.{short}")
     for short in ("head_count", "head_count_kv", "key_length", "value_length"):
