@@ -190,7 +190,7 @@ class ModelFile(models.Model):
 
 
 class ControlPlane(models.Model):
-    """A control plane's mirror of model files (cluster/peers.py): where the others fetch what it holds. Known by
+    """A control plane's mirror of model files (cluster/mirror/sync.py): where the others fetch what it holds. Known by
     the hash of the token it keeps in its LLMGW_HOME; written by its own processes as they start and by its
     worker every few seconds."""
 

@@ -19,9 +19,11 @@ app.autodiscover_tasks()
 @worker_ready.connect
 def _worker_ready(**kwargs):
     from cluster import control, peers, system
+    from cluster.mirror import sync
 
     control.start("worker", system.successor_started)  # register with the control plane; obey `llmgw restart`
-    peers.start()  # this control plane's mirror: what it lacks, pulled from the others
+    peers.start()  # this control plane heard from by the others
+    sync.start()  # this control plane's mirror: what it lacks, pulled from the others
 
 
 @beat_init.connect

@@ -331,7 +331,7 @@ LLMGW_BACKOFF_BASE = envint("LLMGW_BACKOFF_BASE", 5)
 LLMGW_BACKOFF_CAP = envint("LLMGW_BACKOFF_CAP", 300)
 # Where the API and the dashboard may import model files from by path (the CLI may import any path).
 LLMGW_IMPORT_DIRS = [d for d in envstr("LLMGW_IMPORT_DIRS", str(LLMGW_HOME / "import")).split(":") if d]
-# The mirror on every control plane (cluster/peers.py): the address the other control planes fetch model files
+# The mirror on every control plane (cluster/mirror/sync.py): the address the other control planes fetch model files
 # from this one at (`llmgw up` and the systemd units set it; empty: the others cannot fetch from this one), its
 # name in `mirror ls` (default: the host and port of that address), and the seconds between its worker's looks
 # for files it lacks (0: never).

@@ -10,9 +10,9 @@ from pathlib import Path
 from django.conf import settings
 from django.db import transaction
 
-from cluster import mirror, peers
 from cluster.errors import NotFound, OperationError
 from cluster.events import record
+from cluster.mirror import store, sync
 from cluster.models import ModelFile
 
 
@@ -58,22 +58,22 @@ def _import(source: Path, actor: str, name: str, shown: str) -> tuple[ModelFile,
     gguf = {}
     fmt = "other"
     try:
-        if mirror.is_gguf(source):
+        if store.is_gguf(source):
             try:
-                gguf = mirror.gguf_facts(source)
-            except mirror.NotGGUF as exc:
+                gguf = store.gguf_facts(source)
+            except store.NotGGUF as exc:
                 raise OperationError(str(exc)) from None
             fmt = "gguf"
-        sha, size, _ = mirror.store(source)
+        sha, size, _ = store.store(source)
     except OSError as exc:
         raise OperationError(f"cannot import {shown}: {exc.strerror or exc}") from None
     with transaction.atomic():
         existing = ModelFile.objects.filter(sha256=sha).first()
         if existing:
-            peers.held_here(existing)  # perhaps imported through another control plane: now here too
+            sync.held_here(existing)  # perhaps imported through another control plane: now here too
             return existing, False
         model_file = ModelFile.objects.create(sha256=sha, name=name, size=size, format=fmt, gguf=gguf)
-        peers.held_here(model_file)  # the other control planes pull it from here (cluster/peers.py)
+        sync.held_here(model_file)  # the other control planes pull it from here (cluster/mirror/sync.py)
         record(
             "file.imported", actor, f"file {model_file.name} ({sha[:12]}, {size} bytes) imported", subject=sha[:12]
         )

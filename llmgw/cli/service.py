@@ -194,7 +194,7 @@ def render(part: str, o: dict, user: str) -> str:
         "RestartSec=2",
         "TimeoutStopSec=60",
     ]
-    if part in ("web", "worker", "beat"):  # where the other control planes fetch its model files (cluster/peers.py);
+    if part in ("web", "worker", "beat"):  # where the other control planes fetch its model files (cluster/mirror/);
         # /etc/llmgw/env may say otherwise (systemd: an EnvironmentFile's settings win)
         host = o.get("host") or "0.0.0.0"
         named = socket.getfqdn() if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host

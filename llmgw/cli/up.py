@@ -181,7 +181,7 @@ def up(o, out):
         _ensure_admin(out)
         demo_key = None if o["no_demo"] else _demo(out)
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        # where the other control planes fetch this one's model files (cluster/peers.py), unless said otherwise
+        # where the other control planes fetch this one's model files (cluster/mirror/sync.py), unless said otherwise
         env["LLMGW_CONTROL_PLANE_URL"] = settings.LLMGW_CONTROL_PLANE_URL
         py = sys.executable
         # `up` holds the listening socket and hands it to each web process it starts: while a restarted web

@@ -75,7 +75,7 @@ def test_a_new_token_for_another_control_plane_is_made_by_its_own_worker(two, se
     (home / peers.TOKEN_FILE).write_text("lcp_cp-2")
     settings.LLMGW_HOME, settings.LLMGW_CONTROL_PLANE_NAME = home, "cp-2"
     settings.LLMGW_CONTROL_PLANE_URL = other.url
-    monkeypatch.setattr(peers._heartbeat, "retired", True, raising=False)
+    monkeypatch.setattr(peers, "_retired", True)
     peers._heartbeat()
     new = (home / peers.TOKEN_FILE).read_text()
     assert new != "lcp_cp-2" and peers.is_peer(new) and not peers.is_peer("lcp_cp-2")

@@ -9,7 +9,8 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 from django.test import AsyncClient
 
-from cluster import mirror, operations, peers
+from cluster import operations, peers
+from cluster.mirror import store
 from cluster.models import Node
 from tests.factories import make_control_plane, make_file, make_node, make_user
 
@@ -32,11 +33,11 @@ def stored(tmp_path):
     """DATA in the mirror as a ModelFile row, and its sha256."""
     source = tmp_path / "model.bin"
     source.write_bytes(DATA)
-    sha, size, path = mirror.store(source)
+    sha, size, path = store.store(source)
     assert path.read_bytes() == DATA and sha == hashlib.sha256(DATA).hexdigest()
     make_file("model.bin", size=size, gguf=False, sha256=sha)
     yield sha
-    mirror.remove(sha)
+    store.remove(sha)
 
 
 @pytest.fixture
@@ -113,7 +114,7 @@ async def test_an_unsatisfiable_range_is_416(stored, node, header):
 async def test_an_empty_file_has_no_range_to_give(node, tmp_path):
     source = tmp_path / "empty"
     source.write_bytes(b"")
-    sha, _, _ = mirror.store(source)
+    sha, _, _ = store.store(source)
     await sync_to_async(make_file)("empty", size=0, gguf=False, sha256=sha)
     try:
         response = await fetch(sha)
@@ -121,7 +122,7 @@ async def test_an_empty_file_has_no_range_to_give(node, tmp_path):
         response = await fetch(sha, Range="bytes=0-")
         assert (response.status_code, response["Content-Range"]) == (416, "bytes */0")
     finally:
-        mirror.remove(sha)
+        store.remove(sha)
 
 
 async def test_an_unknown_file_is_404_json(node):
@@ -132,7 +133,7 @@ async def test_an_unknown_file_is_404_json(node):
 
 
 async def test_a_row_whose_file_is_gone_is_404(stored, node):
-    mirror.remove(stored)
+    store.remove(stored)
     response = await fetch(stored)
     assert response.status_code == 404
 

@@ -10,7 +10,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from cluster import mirror, operations, queries
+from cluster import operations, queries
+from cluster.mirror import store
 from cluster.models import EngineVersion, Event, Model, ModelFile, Node, Profile, Replica
 from cluster.operations import Conflict, NotFound, OperationError
 from ground.engines import CAPABILITIES
@@ -43,7 +44,7 @@ def smollm2_import(django_db_setup, django_db_blocker):
         except _Rollback:
             pass
     yield result
-    mirror.remove(result["row"]["sha256"])  # 100 MB that no row points to any more
+    store.remove(result["row"]["sha256"])  # 100 MB that no row points to any more
 
 
 @pytest.fixture

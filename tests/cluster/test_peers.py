@@ -1,4 +1,5 @@
-"""cluster/peers.py on one control plane, with no peer to pull from: what its look does with its own disk."""
+"""cluster/mirror/sync.py and cluster/peers.py on one control plane, with no peer to pull from: what its look does
+with its own disk."""
 
 import hashlib
 import ssl
@@ -11,6 +12,7 @@ import trustme
 from django.utils import timezone
 
 from cluster import peers
+from cluster.mirror import sync
 from cluster.models import ControlPlane, Event, FileCopy, ModelFile
 from tests.factories import make_control_plane
 
@@ -34,27 +36,27 @@ def a_file(mirror_dir, body: bytes = b"weights" * 1000) -> ModelFile:
 
 def test_a_copy_on_disk_is_checked_and_counted_held(db, here):
     model_file = a_file(here)
-    peers.sync_once()
+    sync.sync_once()
     assert list(FileCopy.objects.values_list("control_plane__name", flat=True)) == ["cp-1"]
     assert peers.is_peer(peers.token()) and not peers.is_peer("lcp_someone-else") and not peers.is_peer("")
     assert [p.files for p in peers.listed()] == [1]
-    assert peers.sources(model_file.sha256) == []  # this one is not its own source
+    assert sync.sources(model_file.sha256) == []  # this one is not its own source
 
 
 def test_a_copy_that_fails_its_check_is_left_in_place_and_not_counted(db, here):
     model_file = a_file(here)
     model_file.path.write_bytes(b"X" * model_file.size)  # the same size, other bytes
-    peers.sync_once()
-    peers.sync_once()  # not read again: unchanged since it failed
+    sync.sync_once()
+    sync.sync_once()  # not read again: unchanged since it failed
     assert not FileCopy.objects.exists()
     assert model_file.path.read_bytes() == b"X" * model_file.size
 
 
 def test_a_copy_gone_from_disk_is_said_and_forgotten(db, here):
     model_file = a_file(here)
-    peers.held_here(model_file)
+    sync.held_here(model_file)
     model_file.path.unlink()
-    peers.sync_once()
+    sync.sync_once()
     assert not FileCopy.objects.exists()
     lost = Event.objects.get(kind="file.lost")
     assert "cp-1" in lost.message and model_file.sha256[:12] == lost.subject
@@ -108,10 +110,10 @@ def test_a_peer_over_https_is_pulled_from_with_its_certificate_checked_against_t
     url, body, ca_file = https_peer
     model_file = ModelFile.objects.create(sha256=hashlib.sha256(body).hexdigest(), name="w.bin", size=len(body))
     make_control_plane("cp-2", url=url, holds=(model_file,))
-    assert peers.pull(model_file) is None  # a certificate of a CA the public ones do not know: refused
+    assert sync.pull(model_file) is None  # a certificate of a CA the public ones do not know: refused
     settings.LLMGW_CONTROL_PLANE_CA = str(ca_file.parent / "missing.pem")
-    assert peers.pull(model_file) is None  # a CA file that is not there: refused (and logged), never unchecked
+    assert sync.pull(model_file) is None  # a CA file that is not there: refused (and logged), never unchecked
     assert not model_file.path.exists()
     settings.LLMGW_CONTROL_PLANE_CA = str(ca_file)
-    assert peers.pull(model_file) == "cp-2"
+    assert sync.pull(model_file) == "cp-2"
     assert model_file.path.read_bytes() == body

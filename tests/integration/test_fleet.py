@@ -159,7 +159,7 @@ def test_a_lossy_slow_link_replaces_nothing_and_fails_nothing(fleet, scenario):
 def test_a_control_plane_killed_the_agents_and_the_gateway_go_on_through_the_other(fleet, scenario):
     load, watch, outcome = scenario
     system = fleet.system
-    # a model file uploaded through A alone; B's worker pulls it (cluster/peers.py) before A is lost
+    # a model file uploaded through A alone; B's worker pulls it (cluster/mirror/sync.py) before A is lost
     uploaded = system.api("POST", "/api/v1/model-files/", files={"file": ("pulled.bin", os.urandom(3 * 1024 * 1024))})
     assert uploaded.status_code == 201, uploaded.text
     sha = uploaded.json()["sha256"]

@@ -1,4 +1,4 @@
-"""Model files on every control plane (cluster/peers.py): two control planes, each with a LLMGW_HOME and so a
+"""Model files on every control plane (cluster/mirror/sync.py): two control planes, each with a LLMGW_HOME and so a
 mirror directory of its own, on one database and one Redis. A file imported through A is streamed by B before B
 has it, pulled by B's worker, and pulled back by A after A's disk lost it."""
 

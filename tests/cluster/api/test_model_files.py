@@ -84,6 +84,6 @@ def test_unreadable_file_is_a_422(db, operator, tmp_path, monkeypatch):
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr("cluster.mirror.is_gguf", denied)
+    monkeypatch.setattr("cluster.mirror.store.is_gguf", denied)
     refused(operator.post(f"{API}/model-files/", {"path": str(path)}, format="json"), 422, "Permission denied")
     assert not ModelFile.objects.exists()

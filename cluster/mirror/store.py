@@ -1,4 +1,6 @@
-"""The mirror: model files stored by sha256 under MIRROR_DIR, with their GGUF facts."""
+"""The mirror's files on disk: model files stored by sha256 under MIRROR_DIR, with their GGUF facts."""
+
+from __future__ import annotations
 
 import hashlib
 import os
@@ -7,6 +9,8 @@ import tempfile
 from pathlib import Path
 
 from django.conf import settings
+
+from cluster.models import ModelFile
 
 GGUF_MAGIC = b"GGUF"
 CHUNK = 4 * 1024 * 1024
@@ -21,7 +25,7 @@ def is_gguf(path: Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def gguf_facts(path: Path) -> dict:
+def gguf_facts(path: Path) -> dict[str, object]:
     """Architecture, layers, context length, heads: what the memory estimate needs."""
     import gguf
 
@@ -30,7 +34,7 @@ def gguf_facts(path: Path) -> dict:
     except Exception as exc:  # gguf raises ValueError, struct errors, IndexError on damaged files
         raise NotGGUF(f"{path.name} looks like GGUF but cannot be read: {exc}") from exc
 
-    def value(key):
+    def value(key: str) -> object:
         field = reader.fields.get(key)
         if field is None:
             return None
@@ -40,7 +44,7 @@ def gguf_facts(path: Path) -> dict:
             return None
 
     arch = value("general.architecture") or ""
-    facts = {"architecture": arch, "name": value("general.name") or ""}
+    facts: dict[str, object] = {"architecture": arch, "name": value("general.name") or ""}
     for short in ("block_count", "context_length", "embedding_length", "feed_forward_length"):
         facts[short] = value(f"{arch}.{short}")
     for short in ("head_count", "head_count_kv", "key_length", "value_length"):
@@ -81,6 +85,15 @@ def sha256_of(path: Path) -> str:
         while chunk := f.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def whole(model_file: ModelFile) -> bool:
+    """Whether this control plane's mirror directory holds the file at its full size (its sha256 is checked when it
+    is stored, adopted or pulled, not here)."""
+    try:
+        return model_file.path.stat().st_size == model_file.size
+    except OSError:
+        return False
 
 
 def remove(sha: str) -> None:
