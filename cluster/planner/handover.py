@@ -22,7 +22,7 @@ class HandOver(PlannerState):
     """The planner's restart and drain rules (a mixin of cluster.planner.planning.Planner: it uses the
     planner's snapshot, actions, nodes, fleet and the draining nodes' notes)."""
 
-    _marked_at: int  # where in `actions` the MarkReplacing of this model's replica marked in this run is
+    _marked_at: int  # the index in `actions` of the MarkReplacing _start_replacement last appended
 
     def _node(self, r: ReplicaView) -> NodeView:
         """The node of a placed replica."""
