@@ -74,7 +74,7 @@ def scale(snapshot: Snapshot, redis) -> tuple[Snapshot, Scaled]:
     window = float(settings.LLMGW_AUTOSCALE_WINDOW)
     models = []
     for m in snapshot.models:
-        if m.id not in scaled_ids:
+        if m.id not in scaled_ids or m.scaling is None:  # (one in scaled_ids has its scaling)
             models.append(m)
             continue
         state = states.get(m.id) or DemandState(replicas=m.scaling.min)

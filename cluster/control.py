@@ -116,7 +116,8 @@ def processes(client: redis.Redis | None = None) -> list[Process]:
     for key, raw in r.hgetall(PROCS).items():
         try:
             value = json.loads(raw)
-            p = Process(key.decode(), value["role"], value["host"], int(value["pid"]), float(value["started"]),
+            name = key.decode() if isinstance(key, bytes) else key
+            p = Process(name, value["role"], value["host"], int(value["pid"]), float(value["started"]),
                         float(value["seen"]))
         except (ValueError, KeyError, TypeError):
             dead.append(key)

@@ -32,9 +32,9 @@ def replica_threads(snapshot: dict | None) -> int:
     """The CPU cores a placed replica takes: the threads it was started with (its snapshot), else its engine's
     default."""
     snapshot = snapshot if isinstance(snapshot, dict) else {}
-    args = snapshot.get("args") if isinstance(snapshot.get("args"), dict) else {}
-    engine = snapshot.get("engine") if isinstance(snapshot.get("engine"), dict) else {}
-    threads = args.get("threads")
+    args, engine = snapshot.get("args"), snapshot.get("engine")
+    threads = args.get("threads") if isinstance(args, dict) else None
     if threads is not None and not isinstance(threads, int):
         threads = None  # not a number a profile could hold: the engine's default
-    return cores_taken(str(engine.get("kind") or ""), threads)
+    kind = engine.get("kind") if isinstance(engine, dict) else None
+    return cores_taken(str(kind or ""), threads)

@@ -73,7 +73,7 @@ class StreamStopped(TypedDict):
 AgentStreamMessage = SendDesired | RestartAgent | CloseAgent | AgentSuperseded
 
 
-def _send(group: str, message: dict) -> None:
+def _send(group: str, message: AgentStreamMessage | RoutingChanged | DashboardChanged) -> None:
     try:
         async_to_sync(get_channel_layer().group_send)(group, message)
     except Exception as exc:  # the listener catches up (see the module's docstring)
@@ -123,16 +123,25 @@ def dashboard_changed(kind: str) -> None:
     family = kind.split(".", 1)[0]
     pending = getattr(connection, "_llmgw_dashboard", None)
     # still waiting for this transaction's commit (not run, not discarded by a rollback): add to it
-    if pending is not None and connection.in_atomic_block and any(f is pending for _, f, _ in connection.run_on_commit):
+    # (run_on_commit holds (savepoint ids, function, robust) since Django 4.2; the stubs still say pairs)
+    if pending is not None and connection.in_atomic_block and any(
+        f is pending for _, f, _ in connection.run_on_commit  # type: ignore[misc]
+    ):
         pending.families.add(family)
         return
-
-    def send():
-        _send_dashboard(send.families)
-
-    send.families = {family}
-    connection._llmgw_dashboard = send
+    send = _DashboardSend(family)
+    connection._llmgw_dashboard = send  # type: ignore[attr-defined]  # our own mark on the connection
     transaction.on_commit(send)
+
+
+class _DashboardSend:
+    """A transaction's `dashboard.changed`, sent on its commit: the families it changed, added to until then."""
+
+    def __init__(self, family: str) -> None:
+        self.families = {family}
+
+    def __call__(self) -> None:
+        _send_dashboard(self.families)
 
 
 _dashboard_lock = threading.Lock()

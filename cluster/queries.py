@@ -82,7 +82,7 @@ def scaling_shown(model: Model, asked: dict[str, datetime] | None = None) -> dic
     ready = getattr(model, "n_ready", None)
     if ready is None:
         ready = model.replica_set.filter(state=Replica.State.READY).count()
-    wanted = model.replicas
+    wanted: int | None = model.replicas
     if model.autoscaled:
         wanted = demand.replicas if demand else model.min_replicas
     text = f"{ready}/{wanted}" + (f" ({model.min_replicas}-{model.max_replicas})" if model.autoscaled else "")

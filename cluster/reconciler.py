@@ -170,11 +170,12 @@ class _Applier:
         """A port of the node's range no live replica of it holds; None when all are taken."""
         used = self._ports.get(node_id)
         if used is None:
-            used = set(
+            ports = (
                 Replica.objects.filter(node_id=node_id, port__isnull=False)
                 .exclude(state__in=Replica.TERMINAL)
                 .values_list("port", flat=True)
             )
+            used = {port for port in ports if port is not None}  # (the query leaves out replicas without a port)
             self._ports[node_id] = used
             node_facts = Node.objects.filter(pk=node_id).values_list("facts", flat=True).first() or {}
             self._port_ranges[node_id] = (node_facts.get("port_range") or DEFAULT_PORT_RANGE)[:2]
@@ -367,6 +368,7 @@ class _Applier:
         if not n:
             return  # it changed meanwhile (failed, stopped): the next run sees it as it is
         if a.room:
+            assert replica.node_id is not None  # the planner replaces placed replicas only
             where = "elsewhere" if self.nodes[replica.node_id].draining else "beside it"
             then = f"a new replica starts {where}; it keeps serving until that one is ready"
         else:

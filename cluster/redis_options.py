@@ -22,6 +22,7 @@ Sentinel transport (sentinel_broker_url), the channel layer and Django's cache t
 
 from __future__ import annotations
 
+from typing import TypedDict
 from urllib.parse import quote, unquote, urlsplit
 
 import redis
@@ -66,10 +67,16 @@ class CachePool(redis.ConnectionPool):
         return pool if pool is not None else super().from_url(url, **kwargs)
 
 
-def url_auth(url: str) -> dict:
+class UrlAuth(TypedDict, total=False):
+    db: int
+    username: str
+    password: str
+
+
+def url_auth(url: str) -> UrlAuth:
     """The database number, user name and password a Redis URL gives (what a Sentinel-managed client keeps of it)."""
     parts = urlsplit(url)
-    out = {"db": int(parts.path.strip("/") or 0) if parts.path.strip("/").isdigit() else 0}
+    out: UrlAuth = {"db": int(parts.path.strip("/") or 0) if parts.path.strip("/").isdigit() else 0}
     if parts.username:
         out["username"] = unquote(parts.username)
     if parts.password:

@@ -20,7 +20,7 @@ from ground import protocol
 
 log = logging.getLogger("llmgw.agents")
 S = Replica.State
-FORWARD = {S.PENDING: 0, S.DOWNLOADING: 1, S.STARTING: 2, S.READY: 3}
+FORWARD: dict[str, int] = {S.PENDING: 0, S.DOWNLOADING: 1, S.STARTING: 2, S.READY: 3}
 FACTS_EVENT_INTERVAL = 60  # seconds: at most one `node.facts` Event per node this often
 
 
@@ -81,15 +81,15 @@ def disconnected(node_pk: int, stream: str | None = None) -> None:
 
 
 @retry_on_lock
-def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus], stream: str | None = None) -> None:
+def hello(node_pk: int, facts: object, replicas: list[protocol.ReplicaStatus], stream: str | None = None) -> None:
     now = timezone.now()
-    facts = _clean_facts(facts)
+    clean = _clean_facts(facts)
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node_pk)
-        changed = node.facts != facts
-        moved = (node.facts or {}).get("advertise_address") != facts.get("advertise_address") and _has_replicas(node.pk)
-        node.facts = facts
-        node.memory_bytes = facts["memory_bytes"]
+        changed = node.facts != clean
+        moved = (node.facts or {}).get("advertise_address") != clean.get("advertise_address") and _has_replicas(node.pk)
+        node.facts = clean
+        node.memory_bytes = clean["memory_bytes"]
         node.save(update_fields=["facts", "memory_bytes"])
         _alive(node.pk, stream, now, node.name)
         if changed:
@@ -97,12 +97,12 @@ def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus], str
             # (a bug, or a stolen token) must not flood the log. The facts themselves are always kept.
             since = now - timedelta(seconds=FACTS_EVENT_INTERVAL)
             if not Event.objects.filter(kind="node.facts", subject=node.name, created_at__gte=since).exists():
-                engines = ", ".join(f"{k} {v}".strip() for k, v in sorted(facts["engines"].items())) or "none"
+                engines = ", ".join(f"{k} {v}".strip() for k, v in sorted(clean["engines"].items())) or "none"
                 record(
                     "node.facts",
                     f"agent:{node.name}",
-                    f"node {node.name}: {facts['cpu_count']} CPUs, {facts['memory_bytes'] / 1024**3:.1f} GiB "
-                    f"offered, {len(facts['gpus'])} GPU(s), engines: {engines}",
+                    f"node {node.name}: {clean['cpu_count']} CPUs, {clean['memory_bytes'] / 1024**3:.1f} GiB "
+                    f"offered, {len(clean['gpus'])} GPU(s), engines: {engines}",
                     subject=node.name,
                 )
             kick_reconciler(routing=moved)
@@ -110,17 +110,17 @@ def hello(node_pk: int, facts: dict, replicas: list[protocol.ReplicaStatus], str
             _statuses(node, replicas, full=False, now=now)
 
 
-def _clean_facts(facts: dict) -> dict:
+def _clean_facts(facts: object) -> protocol.Facts:
     if not isinstance(facts, dict):
         raise ValueError("facts must be an object")
     # Anything an agent sends wrong is a ValueError: the stream ignores the message instead of dying on it.
     try:
-        gpus = [
+        gpus: list[protocol.Gpu] = [
             {"index": int(g.get("index", i)), "name": str(g.get("name", "")), "memory_bytes": int(g["memory_bytes"])}
             for i, g in enumerate(facts.get("gpus") or [])
         ]
         port_range = facts.get("port_range") or [20000, 20999]
-        clean = {
+        clean: protocol.Facts = {
             "hostname": str(facts.get("hostname", "")),
             "cpu_count": max(0, int(facts.get("cpu_count") or 0)),
             "memory_bytes": max(0, int(facts.get("memory_bytes") or 0)),
@@ -215,7 +215,7 @@ class _Raced(Exception):
     """The replica's state changed since it was read (the reconciler, an operation): decide again from the row."""
 
 
-def _apply(replica: Replica, status: dict, now, actor: str) -> str | None:
+def _apply(replica: Replica, status: protocol.ReplicaStatus, now, actor: str) -> str | None:
     """The transition the agent's word asks for, decided from the replica's state as it is when written: each
     write is conditional on the state it was decided from, so a state the reconciler wrote meanwhile
     (`draining`, `stopping`) is never overwritten by a decision made before it."""
@@ -223,9 +223,10 @@ def _apply(replica: Replica, status: dict, now, actor: str) -> str | None:
         try:
             return _transition(replica, status, now, actor)
         except _Raced:
-            replica = Replica.objects.filter(pk=replica.pk).exclude(state__in=Replica.TERMINAL).first()
-            if replica is None:
+            fresh = Replica.objects.filter(pk=replica.pk).exclude(state__in=Replica.TERMINAL).first()
+            if fresh is None:
                 return None  # over meanwhile (stopped, failed): nothing the agent says changes that
+            replica = fresh
     log.warning("%s: replica %s kept changing under its report; the next report applies it", actor, replica.name)
     return None
 
@@ -248,15 +249,16 @@ def _move(replica: Replica, state: str, now, **fields) -> None:
         raise _Raced()
 
 
-def _transition(replica: Replica, status: dict, now, actor: str) -> str | None:
+def _transition(replica: Replica, status: protocol.ReplicaStatus, now, actor: str) -> str | None:
     """Move the replica as the agent says, where the lifecycle allows. Returns the new state if it changed."""
     new = status.get("state")
     if new not in protocol.AGENT_STATES:
         log.warning("%s reported unknown state %r for %s", actor, new, replica.name)
         return None
-    extra = {}
-    if status.get("pid") and status.get("pid") != replica.pid:
-        extra["pid"] = int(status["pid"])
+    extra: dict[str, int] = {}
+    pid = status.get("pid")
+    if pid and pid != replica.pid:
+        extra["pid"] = int(pid)
         if not 0 < extra["pid"] < 2**31:  # the column's range; Linux pids stay far below it
             raise ValueError(f"pid {extra['pid']} out of range")
     if replica.state == S.STOPPING:
@@ -313,7 +315,9 @@ def progress(node_pk: int, name: str, done: int, total: int) -> None:
         if replica.state == S.PENDING:
             replica.state, replica.state_changed_at = S.DOWNLOADING, timezone.now()
             fields += ["state", "state_changed_at"]
-            record("replica.downloading", f"agent:{replica.node.name}", f"replica {replica.name} downloading",
+            node = replica.node
+            assert node is not None  # read by its node
+            record("replica.downloading", f"agent:{node.name}", f"replica {replica.name} downloading",
                    subject=replica.name)
         replica.save(update_fields=fields)
 
@@ -332,6 +336,7 @@ def desired(node_pk: int, mirror_base: str) -> protocol.Desired:
     # During a key rotation a replica keeps the key it started with (the snapshot's fingerprint names it).
     keys = {ClusterSettings.fingerprint(k): k for k in (cluster.engine_key, cluster.previous_engine_key) if k}
     for r in rows:
+        assert r.port is not None  # placed: the reconciler took it a port as it placed it
         # A replica runs what it was started with; a new engine key or profile reaches it by restart.
         snap = r.snapshot or {}
         model_file = r.model.file
@@ -349,7 +354,7 @@ def desired(node_pk: int, mirror_base: str) -> protocol.Desired:
                 },
                 "port": r.port,
                 "gpu_index": r.gpu_index,
-                "engine_key": keys.get(snap.get("engine_key"), cluster.engine_key),
+                "engine_key": keys.get(snap.get("engine_key") or "", cluster.engine_key),
             }
         )
     return {"type": "desired", "replicas": replicas}

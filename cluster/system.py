@@ -22,7 +22,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
+from functools import partial
 
 import redis
 from celery import current_app
@@ -170,8 +171,7 @@ def _restart_agents(actor: str, timeout: float, outcome: dict) -> Iterator[str]:
         notify.restart_agent(node.pk)
         yield f"agent {node.name}: asked to restart"
         started = time.monotonic()
-        back = _wait(lambda node=node, since=since: Event.objects.filter(kind="node.connected", subject=node.name,
-                                                                          created_at__gt=since).exists(), timeout)
+        back = _wait(partial(_connected_since, node.name, since), timeout)
         if back:
             outcome[node.name] = "back"
             record("agent.restarted", actor, f"agent {node.name}: back after {time.monotonic() - started:.1f}s",
@@ -223,6 +223,10 @@ def successor_started(new_id: str, note: dict) -> None:
     took = time.time() - float(note.get("asked", time.time()))
     record("process.restarted", str(note.get("actor", "system")), f"{role} {note['id']}: back as {new_id} after "
            f"{took:.1f}s", subject=str(note["id"]))
+
+
+def _connected_since(name: str, since: datetime) -> bool:
+    return Event.objects.filter(kind="node.connected", subject=name, created_at__gt=since).exists()
 
 
 def _wait(condition: Callable[[], bool], timeout: float) -> bool:

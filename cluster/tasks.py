@@ -31,7 +31,7 @@ def restart_system(actor: str, timeout: float | None = None):
     mine = {control.process_id("worker"), f"worker@{socket.gethostname()}:{os.getppid()}"}
     me = next((p.id for p in control.processes() if p.id in mine), None)
     try:
-        times = {"agent_timeout": timeout, "process_timeout": timeout} if timeout else {}
-        system.restart_system(actor, me=me, **times)
+        system.restart_system(actor, me=me, agent_timeout=timeout or system.AGENT_TIMEOUT,
+                              process_timeout=timeout or system.PROCESS_TIMEOUT)
     except OperationError:
         pass  # another restart is running; it does the whole job

@@ -8,7 +8,7 @@ from cluster.errors import Conflict, OperationError
 from cluster.events import kick_reconciler, record
 from cluster.models import EngineVersion
 from cluster.operations.validation import check_name, created, get_named
-from ground.engines import CAPABILITIES, DRIVERS
+from ground.engines import CAPABILITIES, DRIVERS, Command
 
 
 def add_engine(
@@ -30,7 +30,7 @@ def add_engine(
         raise OperationError("a command engine needs --command, e.g. '{python} server.py --port {port}'")
     if command:
         try:
-            DRIVERS["command"].check_template(command)
+            Command.check_template(command)
         except ValueError as exc:
             raise OperationError(str(exc)) from None
     serves = _serves(kind, serves or [])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any, TypedDict
 
 from django.db import transaction
 from django.utils import timezone
@@ -81,8 +82,9 @@ def _check_names(name: str, aliases: list[str], adding: bool) -> None:
             raise Conflict(f"alias {taken[0]!r} is already model {other}'s; an alias names one model")
 
 
-def _model_values(values: dict, actor: str) -> dict:
-    clean = {}
+def _model_values(values: dict[str, Any], actor: str) -> dict[str, Any]:
+    """The model's fields to set (Model's keywords), checked, from the values given (a front door's, as sent)."""
+    clean: dict[str, Any] = {}
     if "replicas" in values and values["replicas"] is not None:
         clean["replicas"] = check_count("replicas", values["replicas"], 0, MAX_REPLICAS)
     if values.get("engine") is not None:
@@ -142,7 +144,13 @@ def _check_engine_file(engine: EngineVersion, model_file: ModelFile) -> None:
 AUTOSCALE_ONLY = ("target_inflight", "idle_after_seconds", "scale_down_delay_seconds")
 
 
-def _scaling(current: Model | None, given: dict) -> dict:
+class ScalingFields(TypedDict, total=False):
+    replicas: int
+    min_replicas: int | None
+    max_replicas: int | None
+
+
+def _scaling(current: Model | None, given: dict[str, Any]) -> ScalingFields:
     """The model's replicas, fixed or autoscaled, from what was given (and what it had): the fields to set.
     A fixed count and a range together, a range with its minimum above its maximum, a maximum of 0, half a range
     for a fixed model, or an autoscaler's knob for a fixed one: each a one-line error."""
@@ -162,10 +170,12 @@ def _scaling(current: Model | None, given: dict) -> dict:
         if knobs and not was_autoscaled:
             raise OperationError(f"{knobs[0].replace('_', ' ')} is for an autoscaled model: give min and max replicas")
         return {}
-    if not was_autoscaled and (low is None or high is None):
-        raise OperationError("to autoscale a model give both min and max replicas")
-    low = current.min_replicas if low is None else low
-    high = current.max_replicas if high is None else high
+    if low is None or high is None:
+        # half a range: the rest is what the model has, an autoscaled one (both set)
+        if current is None or current.min_replicas is None or current.max_replicas is None:
+            raise OperationError("to autoscale a model give both min and max replicas")
+        low = current.min_replicas if low is None else low
+        high = current.max_replicas if high is None else high
     if high < 1:
         raise OperationError("max replicas must be at least 1")
     if low > high:
@@ -176,8 +186,10 @@ def _scaling(current: Model | None, given: dict) -> dict:
 def _start_demand(model: Model, replicas: int) -> None:
     """An autoscaled model's state begins: at `replicas` (its minimum when new, what it ran when it was fixed),
     scaled now, so an idle one is not unloaded before its idle time (counted from then: no request is made up)."""
+    low, high = model.min_replicas, model.max_replicas
+    assert low is not None and high is not None, f"model {model.name} is not autoscaled"
     Demand.objects.update_or_create(model=model, defaults={
-        "replicas": min(max(replicas, model.min_replicas), model.max_replicas), "samples": [], "below_since": None,
+        "replicas": min(max(replicas, low), high), "samples": [], "below_since": None,
         "last_request_at": None, "last_scaled_at": timezone.now(),
     })
 
@@ -246,7 +258,7 @@ def add_model(
         if Model.objects.filter(name=name).exists():
             raise Conflict(f"a model named {name!r} already exists")
         model = created(f"a model named {name!r} already exists", lambda: Model.objects.create(name=name, **clean))
-        if model.autoscaled:
+        if model.min_replicas is not None:  # autoscaled
             _start_demand(model, model.min_replicas)
         record(
             "model.added",
@@ -261,15 +273,16 @@ def add_model(
     return model
 
 
-def confirmation_needed(name: str | None, values: dict) -> str:
+def confirmation_needed(name: str | None, values: dict[str, Any]) -> str:
     """'' when adding the model `name` (None) or changing it so may go ahead at once; else why the change is
     confirmed first (ground.confirmation: it adds many replicas at once). A model that does not exist is the
     operation's to refuse."""
-    current = None
+    current: dict[str, Any] | None = None
     if name is not None:
-        current = Model.objects.filter(name=name).values("replicas", "min_replicas", "max_replicas").first()
-        if current is None:
+        row = Model.objects.filter(name=name).values("replicas", "min_replicas", "max_replicas").first()
+        if row is None:
             return ""
+        current = dict(row)
     return needs_confirmation(current, values)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import transaction
 
 from cluster.errors import Conflict, OperationError
@@ -14,8 +16,8 @@ PROFILE_FIELDS = ("context_size", "threads", "gpu_layers", "batch_size", "parall
 PROFILE_MAXIMA = {"context_size": 10_000_000, "threads": 4096, "batch_size": 1_000_000, "parallel": 1024}
 
 
-def _profile_values(values: dict) -> dict:
-    clean = {}
+def _profile_values(values: dict[str, Any]) -> dict[str, int | list[str] | None]:
+    clean: dict[str, int | list[str] | None] = {}
     for key, value in values.items():
         if key not in PROFILE_FIELDS:
             raise OperationError(f"unknown profile field {key!r} (known: {', '.join(PROFILE_FIELDS)})")

@@ -65,7 +65,7 @@ def set_settings(actor: str, drain_grace_seconds: int | None = None, reconcile_i
             cluster.save(update_fields=[*changed, "updated_at"])
             said = ", ".join(f"{k.replace('_seconds', '').replace('_', ' ')} {v}{'s' if k.endswith('_seconds') else ''}"
                              for k, v in changed.items())
-            record("settings.changed", actor, f"settings changed: {said}", **changed)
+            record("settings.changed", actor, f"settings changed: {said}", subject="", **changed)
             kick_reconciler()
     return cluster
 

@@ -121,6 +121,7 @@ Action = (
     | Assign
     | Unplaceable
     | Drain
+    | Evict
     | Stop
     | Fail
     | MarkStopped

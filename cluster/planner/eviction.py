@@ -21,6 +21,8 @@ from cluster.planner.snapshot import COUNTING, DRAINING, READY, RESTART_NONE, ST
 from cluster.planner.state import PlannerState
 from ground.units import format_size
 
+Slot = tuple[int, int | None]  # (node id, GPU index; None for a model on CPU)
+
 
 @dataclass
 class Room:
@@ -35,10 +37,6 @@ def _clock(epoch: float) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(math.ceil(epoch)))
 
 
-def _slot(r: ReplicaView, uses_gpu: bool):
-    return (r.node_id, r.gpu_index if uses_gpu else None)
-
-
 class Evictions(PlannerState):
     """A mixin of cluster.planner.planning.Planner: it reads the snapshot, the fleet of candidate nodes and the
     replicas by model, and remembers what this run already chose to evict."""
@@ -48,7 +46,7 @@ class Evictions(PlannerState):
         models = {x.id: x for x in s.models}
         need = m.memory_bytes
         # where the model may go, and what is free there now
-        slots: dict[tuple, int] = {}
+        slots: dict[Slot, int] = {}
         for ns in fleet.by_engine.get(m.engine_kind, ()):
             if m.nodes and ns.name not in m.nodes:
                 continue
@@ -59,15 +57,15 @@ class Evictions(PlannerState):
                 slots[(ns.id, None)] = ns.free_ram
         if not slots:
             return Room(False, no_room)
-        freeing: dict[tuple, int] = {}
-        candidates: list[tuple[tuple, ReplicaView, ModelView]] = []
+        freeing: dict[Slot, int] = {}
+        candidates: list[tuple[Slot, ReplicaView, ModelView]] = []
         blocked: list[str] = []
         left = {mid: sum(1 for r in rs if r.state in COUNTING and r.id not in self.evicting)
                 for mid, rs in by_model.items()}
         for r in s.replicas:
             if r.node_id is None or (m.uses_gpu) != (r.gpu_index is not None):
                 continue
-            slot = _slot(r, m.uses_gpu)
+            slot: Slot = (r.node_id, r.gpu_index if m.uses_gpu else None)
             if slot not in slots:
                 continue
             if r.state in (DRAINING, STOPPING) or r.id in self.evicting:
@@ -87,14 +85,16 @@ class Evictions(PlannerState):
                 return Room(True, f"waiting for room: a replica stopping on {self._slot_name(slot)} frees it")
         # least recently used first (a model never asked for counts as the oldest)
         candidates.sort(key=lambda c: (c[2].last_request or 0.0, c[1].state_changed_at, c[1].id))
-        best = None
+        best: tuple[tuple[float, int, str], Slot, list[tuple[ReplicaView, ModelView]]] | None = None
         for slot, free in sorted(slots.items(), key=lambda item: (self._slot_name(item[0]),)):
             have = free + freeing.get(slot, 0)
-            chosen, taken = [], dict(left)
+            chosen: list[tuple[ReplicaView, ModelView]] = []
+            taken = dict(left)
             for c_slot, r, owner in candidates:
                 if have >= need:
                     break
-                if c_slot != slot or taken.get(owner.id, 0) <= owner.scaling.min:
+                # (a candidate's model is evictable: it has its scaling)
+                if c_slot != slot or owner.scaling is None or taken.get(owner.id, 0) <= owner.scaling.min:
                     continue
                 taken[owner.id] -= 1
                 chosen.append((r, owner))
@@ -115,8 +115,11 @@ class Evictions(PlannerState):
             nothing = "; ".join(sorted(set(blocked))) or "no idle replica of an autoscaled model frees enough"
             return Room(False, f"{no_room}; nothing to evict ({nothing})")
         _, slot, chosen = best
-        now, waited = s.now, (s.now - m.waiting_since) if m.waiting_since is not None else 0.0
-        evict, holding = [], []
+        # asked for (m.waiting), so the gateway said since when; were it not, it has waited nothing yet
+        since = m.waiting_since if m.waiting_since is not None else s.now
+        now, waited = s.now, s.now - since
+        evict: list[Evict] = []
+        holding: list[str] = []
         for r, owner in chosen:
             served = now - r.state_changed_at
             busy = s.inflight.get(r.name, 0)
@@ -129,13 +132,13 @@ class Evictions(PlannerState):
                                f"{_clock(r.state_changed_at + s.min_resident)} UTC (the minimum residency)")
             elif busy and waited < s.min_resident:
                 holding.append(f"replica {r.name} of model {owner.name} has requests in flight; it stops taking new "
-                               f"ones at {_clock(m.waiting_since + s.min_resident)} UTC, once model {m.name} has "
+                               f"ones at {_clock(since + s.min_resident)} UTC, once model {m.name} has "
                                f"waited {s.min_resident:g}s")
             elif owner.waiting and waited < s.min_resident:
                 # its own requests queued for a slot are served first: two models asked for at once take turns
                 # of at least the minimum residency, not a swap per request
                 holding.append(f"model {owner.name} has {owner.waiting} request(s) waiting for a slot; replica "
-                               f"{r.name} serves them until {_clock(m.waiting_since + s.min_resident)} UTC, once model "
+                               f"{r.name} serves them until {_clock(since + s.min_resident)} UTC, once model "
                                f"{m.name} has waited {s.min_resident:g}s")
             else:
                 idle = "idle" if not busy else f"{busy} request(s) in flight, admitting no new one"
@@ -148,7 +151,7 @@ class Evictions(PlannerState):
         names = ", ".join(r.name for r, _ in chosen)
         return Room(True, f"waiting for room: evicting {names} on {self._slot_name(slot)}", evict)
 
-    def _slot_name(self, slot: tuple) -> str:
+    def _slot_name(self, slot: Slot) -> str:
         node = self.nodes.get(slot[0])
         name = node.name if node is not None else f"#{slot[0]}"
         return name if slot[1] is None else f"{name} GPU {slot[1]}"

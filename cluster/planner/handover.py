@@ -5,13 +5,29 @@ fits, it makes room first (an outage the Drain says so), or the restart or drain
 from __future__ import annotations
 
 from cluster.planner.actions import Drain, MarkReplacing, SetNodeNote, Stop
-from cluster.planner.snapshot import COUNTING, NOTE_MAX, READY, RESTART_QUEUED, RESTART_REPLACING, ModelView, ReplicaView
+from cluster.planner.snapshot import (
+    COUNTING,
+    NOTE_MAX,
+    READY,
+    RESTART_QUEUED,
+    RESTART_REPLACING,
+    ModelView,
+    NodeView,
+    ReplicaView,
+)
 from cluster.planner.state import PlannerState
 
 
 class HandOver(PlannerState):
     """The planner's restart and drain rules (a mixin of cluster.planner.planning.Planner: it uses the
     planner's snapshot, actions, nodes, fleet and the draining nodes' notes)."""
+
+    _marked_at: int  # the index in `actions` of the MarkReplacing _start_replacement last appended
+
+    def _node(self, r: ReplicaView) -> NodeView:
+        """The node of a placed replica."""
+        assert r.node_id is not None, f"replica {r.name} is not placed"
+        return self.nodes[r.node_id]
 
     def _to_replace(self, r: ReplicaView) -> bool:
         """A placed replica a restart or its node's drain wants replaced (and not yet being replaced)."""
@@ -38,12 +54,12 @@ class HandOver(PlannerState):
         if not len(placed) == len(counting) == desired:
             # Short of replicas (some fit nowhere): wait, except on a node drained with force, where
             # nothing may be left anyway.
-            forced = [r for r in wanted if self.nodes[r.node_id].drain_force]
+            forced = [r for r in wanted if self._node(r).drain_force]
             if not forced:
                 return None, wanted
             wanted = forced
         r = min(wanted, key=lambda r: (r.state != READY, r.id))  # the oldest
-        node = self.nodes[r.node_id]
+        node = self._node(r)
         self._marked_at = len(self.actions)
         self.actions.append(MarkReplacing(r.id, f"node {node.name} is draining" if node.draining else "restart queued"))
         return r, [w for w in wanted if w is not r]
@@ -77,7 +93,9 @@ class HandOver(PlannerState):
                 if not any(c.state == READY and c.node_id is not None for c in counting):
                     why += f" (model {m.name} has no other ready replica meanwhile)"
                 if marked is r:
-                    self.actions[self._marked_at] = MarkReplacing(r.id, self.actions[self._marked_at].reason, False)
+                    mark = self.actions[self._marked_at]
+                    assert isinstance(mark, MarkReplacing), mark  # put there by _start_replacement
+                    self.actions[self._marked_at] = MarkReplacing(r.id, mark.reason, False)
                 act(Drain(r.id, why, outage=True) if r.state == READY else Stop(r.id, why))
             elif node.draining and node.drain_force:
                 why = f"node {node.name} drained with force: nowhere else to go ({unplaceable})"
@@ -91,15 +109,16 @@ class HandOver(PlannerState):
                 note = f"restart of replica {r.name} waits: no room for a second copy, nor in its place ({unplaceable})"
         if unplaceable and marked is None:  # none could begin: say so on the draining nodes
             for r in waiting:
-                if self.nodes[r.node_id].draining and not self.nodes[r.node_id].drain_force:
-                    self.blocked.setdefault(r.node_id, []).append(
+                node = self._node(r)
+                if node.draining and not node.drain_force:
+                    self.blocked.setdefault(node.id, []).append(
                         f"replica {r.name} waits: model {m.name} is short of replicas ({unplaceable})"
                     )
         return note
 
     def _room_if_freed(self, m: ModelView, r: ReplicaView) -> bool:
         """Would a new replica of the model fit where `r` runs, once `r` has stopped? If so, reserve it there."""
-        ns = self.fleet.by_id.get(r.node_id)  # only an open node: not draining, schedulable, alive
+        ns = self.fleet.by_id.get(self._node(r).id)  # only an open node: not draining, schedulable, alive
         if ns is None or m.engine_kind not in ns.node.engines or (m.nodes and ns.name not in m.nodes):
             return False
         if not ns.cpu_fits(m.threads - r.threads):  # the cores `r` frees count

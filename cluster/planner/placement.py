@@ -4,8 +4,15 @@ found fast, and the placer that spreads one model's replicas across nodes before
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Iterable
+from typing import TypeVar
 
 from cluster.planner.snapshot import ModelView, NodeView
+
+CpuEntry = tuple[int, str, int]  # (free RAM, node name, node id)
+GpuEntry = tuple[int, str, int, int]  # (free GPU memory, node name, GPU index, node id)
+LevelEntry = tuple[int, str, int | None, int]  # (free memory, node name, GPU index or None, node id)
+_Entry = TypeVar("_Entry", CpuEntry, GpuEntry)
 
 
 class NodeState:
@@ -41,17 +48,17 @@ class Fleet:
         for ns in sorted(candidates, key=lambda ns: (ns.name, ns.id)):
             for kind in ns.node.engines:
                 self.by_engine.setdefault(kind, []).append(ns)
-        self._cpu: dict[str, list[tuple]] = {}
-        self._gpu: dict[str, list[tuple]] = {}
+        self._cpu: dict[str, list[CpuEntry]] = {}
+        self._gpu: dict[str, list[GpuEntry]] = {}
 
-    def cpu_index(self, kind: str) -> list[tuple]:
+    def cpu_index(self, kind: str) -> list[CpuEntry]:
         idx = self._cpu.get(kind)
         if idx is None:
             idx = sorted((ns.free_ram, ns.name, ns.id) for ns in self.by_engine.get(kind, ()))
             self._cpu[kind] = idx
         return idx
 
-    def gpu_index(self, kind: str) -> list[tuple]:
+    def gpu_index(self, kind: str) -> list[GpuEntry]:
         idx = self._gpu.get(kind)
         if idx is None:
             idx = sorted(
@@ -66,30 +73,28 @@ class Fleet:
         if ns.free_cpu is not None:
             ns.free_cpu -= threads
         if gpu is None:
-            old = (ns.free_ram, ns.name, ns.id)
+            old_cpu = (ns.free_ram, ns.name, ns.id)
             ns.free_ram -= memory
-            new = (ns.free_ram, ns.name, ns.id)
-            indexes = self._cpu
+            _reindex(self._cpu, ns.node.engines, old_cpu, (ns.free_ram, ns.name, ns.id))
         else:
-            old = (ns.free_gpu[gpu], ns.name, gpu, ns.id)
+            old_gpu = (ns.free_gpu[gpu], ns.name, gpu, ns.id)
             ns.free_gpu[gpu] -= memory
-            new = (ns.free_gpu[gpu], ns.name, gpu, ns.id)
-            indexes = self._gpu
-        for kind in ns.node.engines:
-            idx = indexes.get(kind)
-            if idx is not None:
-                _replace(idx, old, new)
+            _reindex(self._gpu, ns.node.engines, old_gpu, (ns.free_gpu[gpu], ns.name, gpu, ns.id))
 
 
-def _replace(idx: list, old: tuple, new: tuple) -> None:
-    i = bisect_left(idx, old)
-    del idx[i]
-    insort(idx, new)
+def _reindex(indexes: dict[str, list[_Entry]], kinds: Iterable[str], old: _Entry, new: _Entry) -> None:
+    """Move a place from `old` to `new` in every built index of the engine kinds."""
+    for kind in kinds:
+        idx = indexes.get(kind)
+        if idx is not None:
+            i = bisect_left(idx, old)
+            del idx[i]
+            insort(idx, new)
 
 
 def best_gpu(ns: NodeState, memory: int) -> tuple[int, int] | None:
     """(free, index) of the fullest GPU of the node that still fits `memory`; lowest index on a tie."""
-    best = None
+    best: tuple[int, int] | None = None
     for i, free in enumerate(ns.free_gpu):
         if free >= memory and (best is None or free < best[0]):
             best = (free, i)
@@ -124,7 +129,7 @@ class ModelPlacer:
         self.gpu = model.uses_gpu
         self.allowed = model.nodes
         kind = model.engine_kind
-        self.levels: dict[int, list[tuple]] | None = None
+        self.levels: dict[int, list[LevelEntry]] | None = None
         private = batch > self.SHARED_MAX_BATCH or len(counts) > self.SHARED_MAX_HOLDERS
         if model.nodes and not private:
             # Walking the shared index skips about (nodes / allowed) nodes per replica placed; private
@@ -137,29 +142,29 @@ class ModelPlacer:
                     key=lambda ns: (ns.name, ns.id),
                 )
             else:
-                nodes = fleet.by_engine.get(kind, ())
-            self._build_levels(nodes)
+                nodes = fleet.by_engine.get(kind, [])
+            self.levels = self._build_levels(nodes)
 
     # private levels
 
-    def _entries(self, ns: NodeState) -> list[tuple]:
+    def _entries(self, ns: NodeState) -> list[LevelEntry]:
         if self.gpu:
             return [(free, ns.name, i, ns.id) for i, free in enumerate(ns.free_gpu)]
         return [(ns.free_ram, ns.name, None, ns.id)]
 
-    def _build_levels(self, nodes) -> None:
-        levels: dict[int, list[tuple]] = {}
+    def _build_levels(self, nodes: list[NodeState]) -> dict[int, list[LevelEntry]]:
+        levels: dict[int, list[LevelEntry]] = {}
         for ns in nodes:
             levels.setdefault(self.counts.get(ns.id, 0), []).extend(self._entries(ns))
         for entries in levels.values():
             entries.sort()
-        self.levels = levels
+        return levels
 
-    def _place_private(self) -> tuple[NodeState, int | None] | None:
+    def _place_private(self, levels: dict[int, list[LevelEntry]]) -> tuple[NodeState, int | None] | None:
         key = (self.memory,)
         by_id, threads = self.fleet.by_id, self.threads
-        for level in sorted(self.levels):
-            entries = self.levels[level]
+        for level in sorted(levels):
+            entries = levels[level]
             i = bisect_left(entries, key)
             while i < len(entries) and not by_id[entries[i][3]].cpu_fits(threads):
                 i += 1
@@ -169,12 +174,12 @@ class ModelPlacer:
                 for entry in self._entries(ns):  # the node moves up a level, with its new free memory
                     del entries[bisect_left(entries, entry)]
                 if not entries:
-                    del self.levels[level]
+                    del levels[level]
                 return ns, gpu
         return None
 
-    def _after_private(self, ns: NodeState) -> None:
-        entries = self.levels.setdefault(self.counts[ns.id], [])
+    def _after_private(self, levels: dict[int, list[LevelEntry]], ns: NodeState) -> None:
+        entries = levels.setdefault(self.counts[ns.id], [])
         for entry in self._entries(ns):
             insort(entries, entry)
 
@@ -191,7 +196,7 @@ class ModelPlacer:
             if node_id not in counts and (not allowed or entry[1] in allowed) and fleet.by_id[node_id].cpu_fits(threads):
                 return fleet.by_id[node_id], (entry[2] if self.gpu else None)
         # Every node that fits holds some already: the fewest, then the fullest that fits, then name.
-        best = None
+        best: tuple[tuple[int, int, str, int | None], NodeState] | None = None
         for node_id, count in counts.items():
             ns = fleet.by_id.get(node_id)
             if ns is None or kind not in ns.node.engines or (allowed and ns.name not in allowed):
@@ -202,7 +207,7 @@ class ModelPlacer:
                 fit = best_gpu(ns, memory)
                 if fit is None:
                     continue
-                key = (count, fit[0] - memory, ns.name, fit[1])
+                key: tuple[int, int, str, int | None] = (count, fit[0] - memory, ns.name, fit[1])
             else:
                 if ns.free_ram < memory:
                     continue
@@ -214,12 +219,13 @@ class ModelPlacer:
         return best[1], best[0][3]
 
     def place(self) -> tuple[NodeState, int | None] | None:
-        found = self._place_private() if self.levels is not None else self._place_shared()
+        levels = self.levels
+        found = self._place_private(levels) if levels is not None else self._place_shared()
         if found is None:
             return None
         ns, gpu = found
         self.fleet.commit(ns, gpu, self.memory, self.threads)
         self.counts[ns.id] = self.counts.get(ns.id, 0) + 1
-        if self.levels is not None:
-            self._after_private(ns)
+        if levels is not None:
+            self._after_private(levels, ns)
         return found

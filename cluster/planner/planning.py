@@ -174,15 +174,17 @@ class Planner(HandOver, Reasons, Evictions):
 
         # 6. restarts and node drains: one replica of the model at a time is marked replacing
         # (Not in a run that removes surplus: one step at a time.)
-        marked, waiting = (None, [])
+        marked: ReplicaView | None = None
+        waiting: list[ReplicaView] = []
         if desired > 0 and not removed:
             marked, waiting = self._start_replacement(m, replicas, counting, desired)
         if marked is not None:
             counting = [r for r in counting if r.id != marked.id]
             held = self.holders[m.id]  # it is leaving: its replacement spreads as any replica would
-            held[marked.node_id] -= 1
-            if not held[marked.node_id]:
-                del held[marked.node_id]
+            node_id = self._node(marked).id
+            held[node_id] -= 1
+            if not held[node_id]:
+                del held[node_id]
 
         # 7. missing and unplaced replicas
         note = unplaceable = ""

@@ -51,7 +51,7 @@ class Reasons(PlannerState):
         return self._need(m, top[0], top[1], top[2] if m.uses_gpu else None)
 
     def _memory_reason(self, m: ModelView, nodes: list[NodeState], none_of: str) -> str:
-        best = None
+        best: tuple[int, str, int | None] | None = None  # (-free, node name, GPU index)
         for ns in nodes:
             if m.uses_gpu:
                 for i, free in enumerate(ns.free_gpu):
@@ -71,12 +71,12 @@ class Reasons(PlannerState):
         def has_memory(ns: NodeState) -> bool:
             return any(f >= m.memory_bytes for f in ns.free_gpu) if m.uses_gpu else ns.free_ram >= m.memory_bytes
 
-        roomy = [ns for ns in nodes if has_memory(ns) and ns.free_cpu is not None]
+        roomy = [(ns.free_cpu, ns) for ns in nodes if has_memory(ns) and ns.free_cpu is not None]
         if not roomy:
             return f"needs {m.threads} CPU cores (its threads)"
-        best = min(roomy, key=lambda ns: (-ns.free_cpu, ns.name))
+        free, best = min(roomy, key=lambda c: (-c[0], c[1].name))
         cores = "core" if m.threads == 1 else "cores"
-        return (f"needs {m.threads} CPU {cores} (its threads); the most free is {max(0, best.free_cpu)} "
+        return (f"needs {m.threads} CPU {cores} (its threads); the most free is {max(0, free)} "
                 f"of {best.node.cpus} on {best.name}")
 
     @staticmethod

@@ -55,7 +55,7 @@ class Decision:
     before: int
     after: int
     why: str
-    figures: dict
+    figures: dict[str, float]  # what it was decided on (its Event's data): loads, counts, seconds
 
 
 def average(samples: tuple[tuple[float, float], ...], now: float, window: float | None = None) -> float:
@@ -73,7 +73,7 @@ def average(samples: tuple[tuple[float, float], ...], now: float, window: float 
     return total / weight if weight else samples[-1][1]
 
 
-def _in_window(samples, now: float, window: float):
+def _in_window(samples: tuple[tuple[float, float], ...], now: float, window: float) -> tuple[tuple[float, float], ...]:
     """The samples of the window, and the last one before it (it holds into the window)."""
     start = now - window
     before = [s for s in samples if s[0] < start]
@@ -90,7 +90,7 @@ def decide(cfg: Scaling, state: DemandState, seen: Seen, now: float, window: flo
     before = state.replicas
     floor = max(cfg.min, 1) if before else cfg.min
 
-    def to(after: int, why: str, **figures) -> tuple[DemandState, Decision]:
+    def to(after: int, why: str, **figures: float) -> tuple[DemandState, Decision]:
         # a new count starts a new window: what comes next is measured with the replicas it now has
         new = replace(state, replicas=after, last_scaled=now, below_since=None, samples=((now, float(load)),))
         return new, Decision(before, after, why, figures)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from collections.abc import Set
 
 from cluster.planner.actions import Action, Stop
 from cluster.planner.snapshot import DRAINING, READY, ReplicaView, Snapshot
@@ -21,11 +22,13 @@ def finished_drains(s: Snapshot, replicas: list[ReplicaView]) -> list[Action]:
     return actions
 
 
-def choose_surplus(counting: list[ReplicaView], n: int, leaving=frozenset()) -> list[ReplicaView]:
+def choose_surplus(counting: list[ReplicaView], n: int, leaving: Set[int] = frozenset()) -> list[ReplicaView]:
     """Which `n` of the counting replicas go: unplaced ones, then ones not ready yet (newest first), then
     ready ones to be replaced anyway (ids in `leaving`, newest first), then ready ones from the node
     holding the most replicas of the model (newest first there)."""
-    newest = lambda r: (-r.state_changed_at, -r.id)  # noqa: E731
+    def newest(r: ReplicaView) -> tuple[float, int]:
+        return (-r.state_changed_at, -r.id)
+
     unplaced = sorted((r for r in counting if r.node_id is None), key=newest)
     not_ready = sorted((r for r in counting if r.node_id is not None and r.state != READY), key=newest)
     chosen = (unplaced + not_ready)[:n]
