@@ -443,7 +443,8 @@ class Gateway:
     def cannot_connect(self, replica: str) -> None:
         self.unreachable[replica] = time.monotonic() + UNREACHABLE_FOR
 
-    def pick(self, route: routing.ModelRoute, exclude: Collection[str] = (), key: int | None = None) -> routing.Upstream | None:
+    def pick(self, route: routing.ModelRoute, exclude: Collection[str] = (),
+             key: int | None = None) -> routing.Upstream | None:
         """A ready replica not in `exclude`, passing over those this process could not connect to lately while
         another is there."""
         if self.unreachable:
@@ -457,7 +458,8 @@ class Gateway:
                     return upstream
         return self._pick(route, exclude, key)
 
-    def _pick(self, route: routing.ModelRoute, exclude: Collection[str] = (), key: int | None = None) -> routing.Upstream | None:
+    def _pick(self, route: routing.ModelRoute, exclude: Collection[str] = (),
+              key: int | None = None) -> routing.Upstream | None:
         """A ready replica not in `exclude`: by the request's key on the model's ring when it routes by prefix
         (gateway/affinity.py), else one with the fewest requests in flight."""
         if key is not None and route.routing == PREFIX:
