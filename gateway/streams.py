@@ -369,5 +369,6 @@ def message_start(model: str, prompt: int) -> bytes:
     build. Its input tokens are llmgw's estimate; the engine's `message_delta` gives the output tokens."""
     message: dict[str, object] = {
         "id": f"msg_llmgw_{secrets.token_hex(12)}", "type": "message", "role": "assistant", "content": [],
-        "model": model, "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt, "output_tokens": 0}}
+        "model": model, "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": prompt, "output_tokens": 0}}
     return f"event: message_start\ndata: {json.dumps({'type': 'message_start', 'message': message})}".encode()
