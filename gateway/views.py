@@ -68,7 +68,7 @@ async def model_detail(request: Request, model: str) -> Answer:
 def _model_object(route: ModelRoute, alias: str | None = None) -> JSON:
     """A model as /v1/models lists it; an alias of it as an entry of its own, naming the model it is one of."""
     shown: JSON = {"id": alias or route.name, "object": "model", "created": 0, "owned_by": "llmgw",
-             "ready": bool(route.ready), "replicas_ready": len(route.ready), "routing": route.routing}
+                   "ready": bool(route.ready), "replicas_ready": len(route.ready), "routing": route.routing}
     if alias:
         shown["alias_of"] = route.name
     return shown
