@@ -31,7 +31,7 @@ def _minute(now: float) -> int:
 class Ledger:
     """This process's usage and last-use since the last flush."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.usage: dict[tuple[int, int, str], list[int]] = defaultdict(lambda: [0, 0, 0])
         self.last_used: dict[int, float] = {}
         self.traffic: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])

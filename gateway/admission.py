@@ -55,10 +55,12 @@ import secrets
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from django.conf import settings
+from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from cluster.inflight import ADMISSION_PREFIX
@@ -67,6 +69,10 @@ from gateway.errors import GatewayError
 from gateway.redis_reach import Reach, RedisAway
 
 log = logging.getLogger("llmgw.gateway")
+
+T = TypeVar("T")
+# What admission.lua answers: counts, and tickets' and replicas' names (bytes, or str from a decoding client)
+Reply = list[bytes | str | int]
 
 CLASSES = ("interactive", "standard", "batch")
 DEFAULT_CLASS = "standard"
@@ -129,8 +135,8 @@ class Lease:
 @dataclass
 class _Waiter:
     model: str
-    placed: asyncio.Future  # (replica or None, position in the queue; -1: the queue is full)
-    granted: asyncio.Future  # the replica
+    placed: asyncio.Future[tuple[str | None, int]]  # (replica or None, position in the queue; -1: the queue is full)
+    granted: asyncio.Future[str]  # the replica
 
 
 @dataclass
@@ -159,12 +165,12 @@ class _Batch:
 
     releases: list[tuple[Lease, int]] = field(default_factory=list)  # a slot given back, the service to add
     service: dict[str, int] = field(default_factory=dict)  # key -> service of slots kept, to add
-    cancels: list[tuple[str, asyncio.Future]] = field(default_factory=list)
+    cancels: list[tuple[str, asyncio.Future[str]]] = field(default_factory=list)
     forgets: list[str] = field(default_factory=list)
     news: list[tuple[str, str]] = field(default_factory=list)
     keep: bool = False  # the model's slots and tickets kept alive
     look: bool = False
-    done: list[asyncio.Future] = field(default_factory=list)  # resolved when the call has been made
+    done: list[asyncio.Future[None]] = field(default_factory=list)  # resolved when the call has been made
 
     def __bool__(self) -> bool:
         return bool(self.releases or self.cancels or self.forgets or self.news or self.keep or self.look
@@ -174,7 +180,7 @@ class _Batch:
 class Admission:
     """One web process's side of admission: its waiters, its leases and tickets kept alive, its grants heard."""
 
-    def __init__(self, redis, reach: Reach | None = None):
+    def __init__(self, redis: Redis, reach: Reach | None = None):
         self.redis = redis
         self.reach = reach or Reach(redis)
         self.process = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -186,10 +192,10 @@ class Admission:
         self.leases: dict[str, Lease] = {}  # by member
         self.tickets: dict[str, tuple[str, str]] = {}  # ticket -> (model, fields): kept alive while it waits
         self._batches: dict[str, _Batch] = {}  # model -> what waits to go in its next call
-        self._calls: dict[str, asyncio.Task] = {}  # model -> the task making its calls
+        self._calls: dict[str, asyncio.Task[None]] = {}  # model -> the task making its calls
         self._replicas: dict[str, Callable[[], list[tuple[str, int]]]] = {}  # model -> its replicas, as given
         self._looked: dict[str, float] = {}  # model -> when this process last looked
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self.enabled = settings.LLMGW_ADMISSION
         self.load_factor = settings.LLMGW_ROUTING_LOAD_FACTOR  # `prefix` routing's bound (gateway/affinity.py)
         self._limits: dict[str, int] = {}  # model -> its queue limit, as last given
@@ -247,7 +253,7 @@ class Admission:
                 continue
             self._answered(model, batch, answer)
 
-    async def _call(self, model: str, batch: _Batch) -> list:
+    async def _call(self, model: str, batch: _Batch) -> Reply:
         replicas = self._replicas.get(model, list)()
         names = {name for name, _ in replicas}
         releases = []
@@ -263,7 +269,8 @@ class Admission:
                 RS.join(t for t, _ in batch.cancels), RS.join(batch.forgets),
                 RS.join(f"{t}{US}{fields}" for t, fields in batch.news), "1" if batch.look else "",
                 RS.join(f"{key}{US}{n}" for key, n in batch.service.items())]
-        return await self._script(keys=[SERVICE], args=args)
+        answer: Reply = await self._script(keys=[SERVICE], args=args)
+        return answer
 
     def _settings_for(self, model: str) -> str:
         """The script's settings (read each call: tests change them), with the model's queue limit."""
@@ -272,7 +279,7 @@ class Admission:
             self._limits.get(model, 0), OUTPUT_WEIGHT, self.load_factor, int(KEY_HOLD * 1000),
             int(TICKET_TTL * 1000), int(GRANT_TTL * 1000)))
 
-    def _answered(self, model: str, batch: _Batch, answer: list) -> None:
+    def _answered(self, model: str, batch: _Batch, answer: Reply) -> None:
         self._hints[model] = _Hints(time.monotonic(), int(answer[0]), _text(answer[2]), int(answer[3]))
         at = 4
         n = int(answer[at])
@@ -288,9 +295,9 @@ class Admission:
         del n  # one answer per new ticket, read above
         m = int(answer[at])
         at += 1
-        for (_, future), replica in zip(batch.cancels, answer[at:at + m]):
+        for (_, future), released in zip(batch.cancels, answer[at:at + m]):
             if not future.done():
-                future.set_result(_text(replica))
+                future.set_result(_text(released))
         at += m
         k = int(answer[at])
         at += 1
@@ -335,9 +342,11 @@ class Admission:
 
     # a request's side
 
-    async def admit(self, model: str, replicas, *, key: str, rank: int, cost: int, prefs: list[str],
-                    queue_limit: int, max_wait: float, on_wait=None, check=None, movable: bool = False,
-                    exclude=(), chosen: str | None = None, klass: int | None = None) -> Lease:
+    async def admit(self, model: str, replicas: Callable[[], list[tuple[str, int]]], *, key: str, rank: int,
+                    cost: int, prefs: list[str], queue_limit: int, max_wait: float,
+                    on_wait: Callable[[], None] | None = None, check: Callable[[], None] | None = None,
+                    movable: bool = False, exclude: Collection[str] = (), chosen: str | None = None,
+                    klass: int | None = None) -> Lease:
         """A slot on one of `replicas()` ((name, capacity) each, as they are now, none while a model loads), not
         one of `exclude`, waiting for it at most `max_wait` seconds (`on_wait()` is called when it must; `check()`,
         as it waits, raises what ends the wait sooner). Raises a 429 when the queue is full, a 503 when the wait is
@@ -356,7 +365,7 @@ class Admission:
         loop = asyncio.get_running_loop()
         waiter = self.waiters[ticket] = _Waiter(model, loop.create_future(), loop.create_future())
         started = time.monotonic()
-        replica = None
+        replica: str | None = None
         try:
             if self.reach.away:
                 raise RedisAway("Redis is away")
@@ -419,12 +428,12 @@ class Admission:
         elif not (waiter.placed.done() and not waiter.placed.cancelled() and waiter.placed.exception()):
             self._batch(model).cancels.append((ticket, asyncio.get_running_loop().create_future()))
 
-    def give_back(self, lease: Lease, served: int) -> asyncio.Future:
+    def give_back(self, lease: Lease, served: int) -> asyncio.Future[None]:
         """The slot back, the request's service settled (`served`: its attained service, of which `lease.cost` was
         counted at the grant), and the queue's free slots granted, in the model's next call; the future is done
         once that call was made. Or the slot kept for its key's next request (HINTS_FOR), done at once."""
         loop = asyncio.get_running_loop()
-        done = loop.create_future()
+        done: asyncio.Future[None] = loop.create_future()
         rank = int(lease.member.rsplit("|", 2)[1])
         hints = self._hints.get(lease.model)
         if hints is not None and hints.keep(lease.key, rank, time.monotonic()):
@@ -570,14 +579,14 @@ class Admission:
                     log.warning("could not keep the keys' requests alive (%s)", exc)
 
 
-def _result(future: asyncio.Future):
+def _result(future: asyncio.Future[T]) -> T | None:
     """A future's result, None while it has none (not done, cancelled, failed)."""
     if future.done() and not future.cancelled() and future.exception() is None:
         return future.result()
     return None
 
 
-def _text(value) -> str:
+def _text(value: bytes | str | int) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 

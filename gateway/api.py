@@ -6,11 +6,16 @@ router by llmgw.api_urls.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from django.db.models import QuerySet
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, extend_schema_view
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.request import Request
 from rest_framework.response import Response
 
 from cluster.api.base import INT_MAX, NamedViewSet, NameField, StrictSerializer, datetime_param, text_param
@@ -30,7 +35,7 @@ CONCURRENCY_HELP = "most of its requests in flight or waiting at once, refused w
 MAX_BUDGET = 10**15  # gateway.operations' bound
 
 
-class KeyBudgetSerializer(serializers.Serializer):
+class KeyBudgetSerializer(serializers.Serializer[Mapping[str, object]]):
     """A key's budget and what it spent of it in the current period."""
 
     tokens = serializers.IntegerField(help_text="tokens (prompt and completion) per period")
@@ -41,7 +46,7 @@ class KeyBudgetSerializer(serializers.Serializer):
     resets_at = serializers.DateTimeField(help_text="when the period ends and the budget is whole again")
 
 
-class ApiKeySerializer(serializers.ModelSerializer):
+class ApiKeySerializer(serializers.ModelSerializer[ApiKey]):
     models = serializers.ListField(
         source="allowed_models",
         child=serializers.CharField(),
@@ -80,7 +85,7 @@ class ApiKeySerializer(serializers.ModelSerializer):
         return "active" if key.active else "expired"
 
     @extend_schema_field(KeyBudgetSerializer(allow_null=True))
-    def get_budget(self, key: ApiKey) -> dict | None:
+    def get_budget(self, key: ApiKey) -> Mapping[str, object] | None:
         return budgets.status(key, timezone.now())
 
 
@@ -140,7 +145,7 @@ class ApiKeyUpdateSerializer(StrictSerializer):
         min_value=1, max_value=100_000, allow_null=True, required=False, help_text=CONCURRENCY_HELP)
 
 
-class UsageSerializer(serializers.Serializer):
+class UsageSerializer(serializers.Serializer[operations.UsageRow]):
     key = serializers.CharField()
     model = serializers.CharField()
     hour = serializers.DateTimeField(help_text="the start of the hour")
@@ -156,21 +161,23 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewS
     missing = "no key named {value!r}"
     queryset = ApiKey.objects.order_by("name")
 
-    def get_queryset(self):
-        return budgets.with_spent(super().get_queryset(), timezone.now())  # no query per key for its budget
+    def get_queryset(self) -> QuerySet[ApiKey]:
+        # with what each spent of its budget: no query per key for it
+        keys: QuerySet[ApiKey] = budgets.with_spent(super().get_queryset(), timezone.now())
+        return keys
 
     @extend_schema(request=ApiKeyCreateSerializer, responses={201: NewApiKeySerializer})
-    def create(self, request):
+    def create(self, request: Request) -> Response:
         data = self.parsed(ApiKeyCreateSerializer)
         with refused():
             key, secret = operations.create_key(data.pop("name"), self.actor, **data)
-        key.key = secret
+        key.key = secret  # type: ignore[attr-defined]  # no column: NewApiKeySerializer shows it this once
         return Response(NewApiKeySerializer(key).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=ApiKeyUpdateSerializer, responses={200: ApiKeySerializer})
-    def update(self, request, name=None):
+    def update(self, request: Request, name: str | None = None) -> Response:
         """Change what is given; fields left out stay as they are (PUT and PATCH alike). A revoked key stays so."""
-        key = self.get_object()
+        key: ApiKey = self.get_object()
         data = self.parsed(ApiKeyUpdateSerializer)
         if "budget_tokens" in data and data["budget_tokens"] is None:
             data["budget_tokens"] = 0  # null: no budget, as set_key takes it
@@ -179,14 +186,14 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewS
         return self.shown(key)
 
     @extend_schema(request=ApiKeyUpdateSerializer, responses={200: ApiKeySerializer})
-    def partial_update(self, request, name=None):
+    def partial_update(self, request: Request, name: str | None = None) -> Response:
         return self.update(request, name=name)
 
     @extend_schema(request=None, responses={200: ApiKeySerializer})
     @action(detail=True, methods=["post"])
-    def revoke(self, request, name=None):
+    def revoke(self, request: Request, name: str | None = None) -> Response:
         """The key stops working at once, in every web process; its usage stays."""
-        key = self.get_object()
+        key: ApiKey = self.get_object()
         with refused():
             key = operations.revoke_key(key.name, self.actor)
         return self.shown(key)
@@ -202,18 +209,18 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewS
         ]
     )
 )
-class UsageViewSet(viewsets.GenericViewSet):
+class UsageViewSet(viewsets.GenericViewSet[Any]):  # no model: its rows are usage_report's
     """Requests and tokens per key, model and hour, newest first. The gateway's counts reach it within a minute."""
 
     serializer_class = UsageSerializer
 
-    def list(self, request):
+    def list(self, request: Request) -> Response:
         params = request.query_params
         since = datetime_param("since", params["since"]) if "since" in params else None
         key, model = (text_param(request, name, required_text=True) for name in ("key", "model"))
         with refused():  # a key that does not exist: 422
             rows = operations.usage_report(key=key, model=model, since=since)
-        page = self.paginate_queryset(rows)
+        page = self.paginate_queryset(rows)  # type: ignore[arg-type]  # DRF's paginators take a list too
         return self.get_paginated_response(self.get_serializer(page, many=True).data)
 
 

@@ -6,6 +6,9 @@ tells every web process's gateway to reload its routing table after commit.
 
 from __future__ import annotations
 
+from datetime import datetime
+from typing import Any, Literal, TypedDict
+
 from django.db import transaction
 from django.utils import timezone
 
@@ -21,9 +24,35 @@ from gateway.models import ApiKey, Usage
 # what set_key changes
 KEY_SETTINGS = ("priority", "rpm", "tpm", "max_tokens", "models", "expires_at", "budget_tokens", "budget_period",
                 "max_concurrency")
+# the settings counted alike, with their names in a refusal
+COUNTS: tuple[tuple[Literal["rpm", "tpm", "max_tokens"], str], ...] = (
+    ("rpm", "rpm"), ("tpm", "tpm"), ("max_tokens", "max tokens"))
 
 
-def _check_budget(tokens, period, had_period: str = "") -> dict:
+class KeyFields(TypedDict, total=False):
+    """ApiKey's fields as the operations set them, checked."""
+
+    priority: str
+    rpm: int | None
+    tpm: int | None
+    max_tokens: int | None
+    allowed_models: list[str]
+    expires_at: datetime | None
+    max_concurrency: int | None
+    budget_tokens: int | None
+    budget_period: str
+
+
+class UsageRow(TypedDict):
+    key: str
+    model: str
+    hour: datetime
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def _check_budget(tokens: int | str | None, period: str | None, had_period: str = "") -> KeyFields:
     """The budget's fields from what was given (None: not given; tokens 0 or "" : no budget)."""
     if tokens is None and period is None:
         return {}
@@ -32,19 +61,19 @@ def _check_budget(tokens, period, had_period: str = "") -> dict:
     period = period if period is not None else had_period
     if period not in budgets.PERIODS:
         raise OperationError(f"a budget's period is one of {', '.join(budgets.PERIODS)}, not {str(period)[:20]!r}")
-    clean = {"budget_period": period}
+    clean: KeyFields = {"budget_period": period}
     if tokens is not None:
         clean["budget_tokens"] = check_count("budget tokens", tokens, 1, 10**15)
     return clean
 
 
-def _check_priority(priority) -> str:
-    if priority not in CLASSES:
+def _check_priority(priority: object) -> str:
+    if not isinstance(priority, str) or priority not in CLASSES:
         raise OperationError(f"priority is one of {', '.join(CLASSES)}, not {str(priority)[:40]!r}")
     return priority
 
 
-def _check_models(models) -> list[str]:
+def _check_models(models: object) -> list[str]:
     if not isinstance(models, (list, tuple)) or not all(isinstance(m, str) for m in models):
         raise OperationError("models must be a list of model names")
     for model_name in models:
@@ -52,7 +81,7 @@ def _check_models(models) -> list[str]:
     return sorted(set(models))
 
 
-def _check_expiry(expires_at):
+def _check_expiry(expires_at: datetime | None) -> datetime | None:
     if expires_at is not None and expires_at <= timezone.now():
         raise OperationError(f"the expiry {expires_at:%Y-%m-%d %H:%M} is in the past")
     return expires_at
@@ -71,7 +100,7 @@ def create_key(
     models: list[str] | None = None,
     rpm: int | None = None,
     tpm: int | None = None,
-    expires_at=None,
+    expires_at: datetime | None = None,
     max_tokens: int | None = None,
     priority: str = DEFAULT_CLASS,
     budget_tokens: int | None = None,
@@ -99,7 +128,7 @@ def create_key(
         if ApiKey.objects.filter(name=name).exists():
             raise Conflict(f"a key named {name!r} already exists")
         _check_models_exist(models)
-        key = created(f"a key named {name!r} already exists", lambda: ApiKey.objects.create(
+        key: ApiKey = created(f"a key named {name!r} already exists", lambda: ApiKey.objects.create(
             name=name,
             prefix=secret[:14],
             key_hash=ApiKey.hash(secret),
@@ -131,18 +160,19 @@ def create_key(
     return key, secret
 
 
-def set_key(name: str, actor: str, **values) -> ApiKey:
+def set_key(name: str, actor: str, **values: Any) -> ApiKey:
     """Change what is given of KEY_SETTINGS; what is left out stays. None for rpm, tpm, max_tokens or expires_at
-    is no limit (never expires); an empty (or None) models list is every model. A revoked key stays as it is."""
+    is no limit (never expires); an empty (or None) models list is every model. A revoked key stays as it is.
+    `values` as a front door parsed them: each is checked here."""
     unknown = sorted(set(values) - set(KEY_SETTINGS))
     if unknown:
         raise OperationError(f"a key has no setting {', '.join(unknown)} (it has {', '.join(KEY_SETTINGS)})")
-    clean = {}
+    clean: KeyFields = {}
     if "priority" in values:
         clean["priority"] = _check_priority(values["priority"])
-    for field, label in (("rpm", "rpm"), ("tpm", "tpm"), ("max_tokens", "max tokens")):
-        if field in values:
-            clean[field] = None if values[field] is None else check_count(label, values[field], 1)
+    for count, label in COUNTS:
+        if count in values:
+            clean[count] = None if values[count] is None else check_count(label, values[count], 1)
     if "models" in values:
         clean["allowed_models"] = _check_models(values["models"] or [])
     if "expires_at" in values:
@@ -151,7 +181,7 @@ def set_key(name: str, actor: str, **values) -> ApiKey:
         n = values["max_concurrency"]
         clean["max_concurrency"] = None if n is None else check_count("max concurrency", n, 1, 100_000)
     with transaction.atomic():
-        key = get_named(ApiKey.objects.select_for_update(), "key", name)
+        key: ApiKey = get_named(ApiKey.objects.select_for_update(), "key", name)
         if key.revoked_at is not None:
             raise Conflict(f"key {name} is revoked: create a new one")
         if "budget_tokens" in values or "budget_period" in values:
@@ -175,16 +205,16 @@ def set_key(name: str, actor: str, **values) -> ApiKey:
     return key
 
 
-def _setting_shown(field: str, value, period: str = "") -> str:
+def _setting_shown(field: str, value: object, period: str = "") -> str:
     """A changed setting in the key.edited Event, in the key.created Event's words: `rpm no limit`, `all models`."""
     if field in ("budget_tokens", "budget_period"):
-        tokens = value if field == "budget_tokens" else None
+        tokens = value if field == "budget_tokens" and isinstance(value, int) else None
         if field == "budget_period":
             return f"budget per {value}" if value else "no budget"
         return f"budget {budgets.shown(tokens)}/{period}" if tokens else "no budget"
     if field == "max_concurrency":
         return f"at most {value} requests at once" if value else "requests at once no limit"
-    if field == "allowed_models":
+    if field == "allowed_models" and isinstance(value, list):
         return f"models {', '.join(value)}" if value else "all models"
     if field == "expires_at":
         return f"expires {value:%Y-%m-%d %H:%M}" if value else "never expires"
@@ -196,7 +226,7 @@ def _setting_shown(field: str, value, period: str = "") -> str:
 
 def revoke_key(name: str, actor: str) -> ApiKey:
     with transaction.atomic():
-        key = get_named(ApiKey, "key", name)
+        key: ApiKey = get_named(ApiKey, "key", name)
         if key.revoked_at is not None:
             raise Conflict(f"key {name} is already revoked")
         now = timezone.now()
@@ -209,7 +239,7 @@ def revoke_key(name: str, actor: str) -> ApiKey:
     return key
 
 
-def usage_report(key: str | None = None, model: str | None = None, since=None) -> list[dict]:
+def usage_report(key: str | None = None, model: str | None = None, since: datetime | None = None) -> list[UsageRow]:
     """Tokens per key, model and hour, newest first."""
     rows = Usage.objects.select_related("key")
     if key:

@@ -18,10 +18,14 @@ import socket
 import time
 import weakref
 from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping
+from typing import Any, TypeVar, cast
 
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
+from redis.asyncio import Redis
+from redis.typing import EncodableT, FieldT
 
 from cluster import events, inflight, notify, redis_options
 from cluster.models import Model
@@ -58,8 +62,9 @@ LOOK_AGAIN = 0.25  # seconds between reloads for a key or model not in the table
 # its last usage to reach Redis: a stop is bounded whatever Redis does
 CLOSE_WAIT = 2.5
 PREFIX = Model.Routing.PREFIX
+T = TypeVar("T")
 
-_runtimes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_runtimes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Gateway] = weakref.WeakKeyDictionary()
 
 
 def runtime() -> Gateway:
@@ -77,7 +82,8 @@ async def close() -> None:
         await gw.aclose()
 
 
-async def lifespan(scope, receive, send) -> None:
+async def lifespan(scope: dict[str, Any], receive: Callable[[], Awaitable[Mapping[str, Any]]],
+                   send: Callable[[Mapping[str, Any]], Awaitable[None]]) -> None:
     """The ASGI lifespan of a web process (llmgw.asgi): nothing to do at startup; at shutdown, once the server has
     stopped serving, `close()`. uvicorn speaks it; under daphne, which has none, llmgw.web says it as daphne stops."""
     while True:
@@ -93,19 +99,19 @@ async def lifespan(scope, receive, send) -> None:
             return
 
 
-def _background(coro) -> asyncio.Task:
+def _background(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
     """A task of the process, not of the request that happened to start it: in a context of its own, so it holds
     nothing of that request's (under Django's default handler, a thread pool that is gone once the request is)."""
     return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
 
 
 class Gateway:
-    def __init__(self):
+    def __init__(self) -> None:
         self.table: routing.Table | None = None
         self.changed = asyncio.Condition()
         self.listening = asyncio.Event()  # set once this process hears `routing.changed`
-        self._refreshing: asyncio.Task | None = None
-        self._first_load: asyncio.Task | None = None
+        self._refreshing: asyncio.Task[None] | None = None
+        self._first_load: asyncio.Task[None] | None = None
         self._stale = True
         self._loads = 0  # loads begun, in order; the newest one finished is the table
         self._installed = 0
@@ -124,17 +130,17 @@ class Gateway:
         self.proc_key = inflight.PREFIX + me
         self.waiting_key = inflight.WAITING_PREFIX + me
         # a dead pooled connection (Redis restarted) is replaced, the command sent again (cluster.redis_options)
-        self.redis = redis_options.client(socket_timeout=5, asyncio=True)
+        self.redis: Redis = redis_options.client(socket_timeout=5, asyncio=True)
         # the engines' connections (gateway/engines_http.py: httptools, not aiohttp, for the CPU per request)
         self.engines = Pool(settings.LLMGW_UPSTREAM_CONNECT_TIMEOUT, settings.LLMGW_UPSTREAM_TIMEOUT)
         # read once: Django's settings object costs a lookup of its own on every attribute
         self.refresh_every = settings.LLMGW_GATEWAY_REFRESH
         self.load_factor = settings.LLMGW_ROUTING_LOAD_FACTOR
         self.tries = settings.LLMGW_GATEWAY_TRIES
-        self._tasks: list[asyncio.Task] = []
-        self._spawned: set[asyncio.Task] = set()
-        self._sharing: asyncio.Task | None = None  # _keep_inflight
-        self._booking: asyncio.Task | None = None  # _keep_books
+        self._tasks: list[asyncio.Task[None]] = []
+        self._spawned: set[asyncio.Task[Any]] = set()
+        self._sharing: asyncio.Task[None] | None = None  # _keep_inflight
+        self._booking: asyncio.Task[None] | None = None  # _keep_books
         self._closing = False  # aclose has begun: the sharing loop ends at its next turn
         self._closed = asyncio.Event()  # the same, for the books loop
         self.clock_offset = 0.0  # Redis's clock less this machine's, as last measured (`now`)
@@ -148,10 +154,10 @@ class Gateway:
         # when the last reload for each began (look_again), or the last warning was said (may_look_again)
         self._looked_again = {"key": float("-inf"), "model": float("-inf"), "stopped": float("-inf"),
                               "admission": float("-inf"), "books": float("-inf")}
-        self._looking: dict[str, asyncio.Future] = {}
+        self._looking: dict[str, asyncio.Future[None]] = {}
         self._overheads: dict[str, deque[int]] = {}  # model -> what its engine counted beyond the estimate, lately
 
-    def spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Run `coro` in the background, holding on to it until it ends (the loop keeps only weak references)."""
         task = _background(coro)
         self._spawned.add(task)
@@ -287,7 +293,7 @@ class Gateway:
         self._looked_again[what] = time.monotonic()
         await self.refresh()
 
-    def slots_of(self, model: str, exclude=()) -> list[tuple[str, int]]:
+    def slots_of(self, model: str, exclude: Collection[str] = ()) -> list[tuple[str, int]]:
         """The model's ready replicas not in `exclude`, each with the requests admission lets into it at once."""
         route = self.table.find(model) if self.table is not None else None
         if route is None or not route.slots:
@@ -310,6 +316,7 @@ class Gateway:
                 self._start_background()
         elif self._stale or time.monotonic() - self.table.loaded_at > self.refresh_every:
             self._refresh_soon()
+        assert self.table is not None  # the first load installed one, or raised
         return self.table
 
     def _refresh_soon(self) -> None:
@@ -421,7 +428,7 @@ class Gateway:
     async def _share_waiting(self) -> None:
         await self._share(self.waiting_key, {model: f"{n} {since:.3f}" for model, (n, since) in self.waiting.items()})
 
-    async def _share(self, key: str, mapping: dict) -> None:
+    async def _share(self, key: str, mapping: Mapping[FieldT, EncodableT]) -> None:
         """This process's hash, replaced whole, alive for inflight.TTL unless shared again."""
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(key)
@@ -436,7 +443,8 @@ class Gateway:
     def cannot_connect(self, replica: str) -> None:
         self.unreachable[replica] = time.monotonic() + UNREACHABLE_FOR
 
-    def pick(self, route: routing.ModelRoute, exclude=(), key: int | None = None) -> routing.Upstream | None:
+    def pick(self, route: routing.ModelRoute, exclude: Collection[str] = (),
+             key: int | None = None) -> routing.Upstream | None:
         """A ready replica not in `exclude`, passing over those this process could not connect to lately while
         another is there."""
         if self.unreachable:
@@ -450,7 +458,8 @@ class Gateway:
                     return upstream
         return self._pick(route, exclude, key)
 
-    def _pick(self, route: routing.ModelRoute, exclude=(), key: int | None = None) -> routing.Upstream | None:
+    def _pick(self, route: routing.ModelRoute, exclude: Collection[str] = (),
+              key: int | None = None) -> routing.Upstream | None:
         """A ready replica not in `exclude`: by the request's key on the model's ring when it routes by prefix
         (gateway/affinity.py), else one with the fewest requests in flight."""
         if key is not None and route.routing == PREFIX:
@@ -462,7 +471,8 @@ class Gateway:
         least = min(self.load_of(u.replica) for u in candidates)
         return random.choice([u for u in candidates if self.load_of(u.replica) == least])
 
-    async def choose(self, route: routing.ModelRoute, exclude=(), key: int | None = None) -> routing.Upstream | None:
+    async def choose(self, route: routing.ModelRoute, exclude: Collection[str] = (),
+                     key: int | None = None) -> routing.Upstream | None:
         """`pick`, and when prefix routing would move the request off its key's replica because that one looks busy,
         first the other processes' counts read afresh: what made it look busy may have ended a moment ago."""
         upstream = self.pick(route, exclude, key)
@@ -492,12 +502,12 @@ class Gateway:
                 now = time.monotonic()
                 if self._dirty or now - last_alive > inflight.TTL / 3:
                     self._dirty = False
-                    await self._share(self.proc_key, dict(self.local))
+                    await self._share(self.proc_key, {replica: n for replica, n in self.local.items()})
                     await self._share_waiting()
                     last_alive = now
                 if self._asked_dirty:
                     self._asked_dirty = False
-                    asked = {model: f"{t:.3f}" for model, t in self.asked.items()}
+                    asked: dict[FieldT, EncodableT] = {model: f"{t:.3f}" for model, t in self.asked.items()}
                     await self.redis.hset(inflight.LAST_REQUEST, mapping=asked)
                 if now - self._shared_at >= SHARED_INTERVAL:
                     await self._read_others()
@@ -519,6 +529,7 @@ class Gateway:
         async for key in self.redis.scan_iter(match=inflight.PREFIX + "*", count=100):
             if key.decode() == self.proc_key:
                 continue
-            for replica, n in (await self.redis.hgetall(key)).items():
+            counts = cast(dict[bytes, bytes], await self.redis.hgetall(key))  # the client decodes no replies
+            for replica, n in counts.items():
                 totals[replica.decode()] += int(n)
         return dict(totals)

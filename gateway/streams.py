@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from typing import Any
 
 # Responses: the events about the response as a whole, which belong to no output item
 _LIFECYCLE = frozenset(b"response." + k for k in (b"created", b"in_progress", b"completed", b"failed", b"incomplete",
@@ -42,13 +43,14 @@ _BEGINS = frozenset((b"response.output_item.added", b"response.content_part.adde
                      b"response.reasoning_summary_part.added"))  # what later events of an item or part refer to
 _NEEDS: dict[bytes, tuple[bytes, ...]] = {}
 _FIELDS = re.compile(rb'"(?:sequence_number|output_index|item_id|content_index|logprobs|summary_index)"')
-_MISSING: dict[tuple, tuple[bytes, ...]] = {}  # by type and the fields found
+_MISSING: dict[tuple[bytes, ...], tuple[bytes, ...]] = {}  # by type and the fields found
 _SEQUENCE, _OUTPUT, _ITEM = b'"sequence_number"', b'"output_index"', b'"item_id"'
 _CONTENT, _SUMMARY, _LOGPROBS = b'"content_index"', b'"summary_index"', b'"logprobs"'
 _SEQUENCE_ONLY = (_SEQUENCE,)
 _PART_INDEX = {_CONTENT: re.compile(rb'"content_index"\s*:\s*(\d+)'), _SUMMARY: re.compile(rb'"summary_index"\s*:\s*(\d+)')}
 _ID = re.compile(rb'"id"\s*:\s*"([^"\\]*)"')
-_WRITTEN: dict[tuple, bytes] = {}  # what is written into an event, by what it lacks and where it is
+# what is written into an event, by what it lacks and where it is (its output index, item id, part)
+_WRITTEN: dict[tuple[tuple[bytes, ...], int, str | None, int | None], bytes] = {}
 
 
 def responses_needs(kind: bytes) -> tuple[bytes, ...]:
@@ -75,7 +77,7 @@ def responses_needs(kind: bytes) -> tuple[bytes, ...]:
     return needs
 
 
-def _missing(found: tuple) -> tuple[bytes, ...]:
+def _missing(found: tuple[bytes, ...]) -> tuple[bytes, ...]:
     """The fields a Responses event of type found[0] lacks, having those of found[1:]."""
     missing = tuple([need for need in responses_needs(found[0]) if need not in found[1:]])
     missing = _SEQUENCE_ONLY if missing == _SEQUENCE_ONLY else missing
@@ -84,7 +86,7 @@ def _missing(found: tuple) -> tuple[bytes, ...]:
     return missing
 
 
-def _split(event: bytes, types: re.Pattern) -> tuple[bytes, bytes, int, int] | None:
+def _split(event: bytes, types: re.Pattern[bytes]) -> tuple[bytes, bytes, int, int] | None:
     """(the `event:` line's type or b"", the event's type (that line's, else its data's `type` of `types`), where
     the data's JSON object starts, where it ends), or None for an event with no such data (a comment, `[DONE]`)
     or of no type known."""
@@ -113,7 +115,7 @@ def _split(event: bytes, types: re.Pattern) -> tuple[bytes, bytes, int, int] | N
     return None if found is None else (b"", found.group(1), at, end)
 
 
-def _parsed(event: bytes, at: int, end: int) -> dict:
+def _parsed(event: bytes, at: int, end: int) -> dict[str, Any]:
     try:
         data = json.loads(event[at:end])
     except (ValueError, RecursionError):
@@ -131,7 +133,8 @@ class ResponsesEvents:
         self.sequence = 0
         self.items: list[str] = []  # the output items' ids, by output index
         self.parts: dict[tuple[bytes, int], int] = {}  # parts begun, by (the field counting them, output index)
-        self.known: dict[tuple, bytes] = {}  # _written's, by (what is missing, output index) until a part begins
+        # _written's, by (what is missing, output index) until a part begins
+        self.known: dict[tuple[tuple[bytes, ...], int], bytes] = {}
         # the last delta's bytes up to its `"delta"`, where the fields go, what goes before them, the fields but
         # its sequence number, whether that is written too: the next delta that begins with the same bytes and
         # has none of the fields after them gets the same (most events: one a token)
@@ -169,9 +172,10 @@ class ResponsesEvents:
         else:
             lacks = _OUTPUT not in found
             index = 0 if lacks and len(self.items) < 2 else self._item_of(kind, event, at, end, lacks)
-            written = self.known.get((missing, index))
-            if written is None:
-                written = self.known[missing, index] = self._written(missing, index, None)
+            known = self.known.get((missing, index))
+            if known is None:
+                known = self.known[missing, index] = self._written(missing, index, None)
+            written = known
             if kind.endswith(b".delta"):
                 self._remember(event, kind, named, at, written, missing[0] is _SEQUENCE)
         if missing and missing[0] is _SEQUENCE:
@@ -200,7 +204,7 @@ class ResponsesEvents:
                 return self.items.index(item_id)
         return max(len(self.items) - 1, 0)
 
-    def _begin(self, kind: bytes, event: bytes, at: int, end: int, found: tuple) -> tuple[int, int | None]:
+    def _begin(self, kind: bytes, event: bytes, at: int, end: int, found: tuple[bytes, ...]) -> tuple[int, int | None]:
         """An event that begins an output item, or a part of one: (the item's output index, the part's index)."""
         if kind == b"response.output_item.added":
             given = _given_index(event, _OUTPUT_INDEX, at, end) if _OUTPUT in found else None
@@ -215,7 +219,7 @@ class ResponsesEvents:
         self.parts[field, index] = max(self.parts.get((field, index), 0), part + 1)
         return index, part
 
-    def _written(self, missing: tuple, index: int, part: int | None) -> bytes:
+    def _written(self, missing: tuple[bytes, ...], index: int, part: int | None) -> bytes:
         """What an event of output item `index` (and, where it begins one, part `part`) lacking these fields gets
         written in, its sequence number aside."""
         item = self.items[index] if _ITEM in missing and index < len(self.items) else None
@@ -226,7 +230,7 @@ class ResponsesEvents:
         key = (missing, index, item, part)
         written = _WRITTEN.get(key)
         if written is None:
-            fill = {}
+            fill: dict[str, object] = {}
             for need in missing:
                 if need == _SEQUENCE:
                     continue
@@ -248,11 +252,12 @@ class ResponsesEvents:
 def _item_id(event: bytes, at: int, end: int) -> str:
     """The `id` of the item an `output_item` event carries: read off the bytes where it has one `"id"`, else
     parsed."""
-    ids = _ID.findall(event, at, end)
+    ids: list[bytes] = _ID.findall(event, at, end)  # one group: each match its bytes
     if len(ids) == 1:
         return ids[0].decode(errors="replace")
     item = _parsed(event, at, end).get("item")
-    return item["id"] if isinstance(item, dict) and isinstance(item.get("id"), str) else ""
+    item_id = item.get("id") if isinstance(item, dict) else None
+    return item_id if isinstance(item_id, str) else ""
 
 
 def _named(event: bytes, at: int, end: int) -> str | None:
@@ -260,7 +265,7 @@ def _named(event: bytes, at: int, end: int) -> str | None:
     return found.group(1).decode(errors="replace") if found is not None else None
 
 
-def _fields(fill: dict) -> bytes:
+def _fields(fill: dict[str, object]) -> bytes:
     return b"".join(b'"%s":%s,' % (k.encode(), b"%d" % v if type(v) is int else json.dumps(v).encode())
                     for k, v in fill.items())
 
@@ -276,11 +281,11 @@ def _insert(event: bytes, kind: bytes, named: bytes, at: int, fields: bytes) -> 
     return event if named else b"event: " + kind + b"\n" + event
 
 
-def _is_index(value) -> bool:
+def _is_index(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 20
 
 
-def _given_index(data: bytes, pattern: re.Pattern, at: int = 0, end: int | None = None) -> int | None:
+def _given_index(data: bytes, pattern: re.Pattern[bytes], at: int = 0, end: int | None = None) -> int | None:
     found = pattern.search(data, at, len(data) if end is None else end)
     return int(found.group(1)) if found is not None and int(found.group(1)) < 1 << 20 else None
 
@@ -312,7 +317,7 @@ class MessagesEvents:
             if kind not in (b"message_start", b"error"):
                 before = message_start(self.model, self.prompt) + b"\n\n"
         data = event[at:end]
-        fill = {}
+        fill: dict[str, object] = {}
         if kind == b"content_block_delta":
             self.deltas += 1
             if b'"index"' not in data or not self.blocks:
@@ -362,7 +367,8 @@ def message_start(model: str, prompt: int) -> bytes:
     """The `message_start` a Messages stream must open with, for an engine that left it out: llama.cpp's server
     does now and then (its first token a character still incomplete), and Anthropic's SDK then has no message to
     build. Its input tokens are llmgw's estimate; the engine's `message_delta` gives the output tokens."""
-    message = {"id": f"msg_llmgw_{secrets.token_hex(12)}", "type": "message", "role": "assistant", "content": [],
-               "model": model, "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": prompt, "output_tokens": 0}}
+    message: dict[str, object] = {
+        "id": f"msg_llmgw_{secrets.token_hex(12)}", "type": "message", "role": "assistant", "content": [],
+        "model": model, "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": prompt, "output_tokens": 0}}
     return f"event: message_start\ndata: {json.dumps({'type': 'message_start', 'message': message})}".encode()

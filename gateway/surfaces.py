@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypedDict
 
 from gateway import affinity, prompt
 from gateway.errors import GatewayError, error_response
@@ -26,6 +27,9 @@ from gateway.streams import MessagesEvents, ResponsesEvents
 from gateway.upstream import TOKEN_FIELDS
 
 OPENAI, ANTHROPIC = "openai", "anthropic"
+
+# A request's or an answer's body as it parsed: an object of any fields, read field by field and checked there
+JSON = dict[str, Any]
 
 # Anthropic's error types, by status (https://docs.anthropic.com/en/api/errors)
 ANTHROPIC_TYPES = {
@@ -48,26 +52,26 @@ class Usage:
     completion: int = 0
 
 
-def _int(value) -> int:
+def _int(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def openai_usage(usage: dict) -> Usage:
+def openai_usage(usage: JSON) -> Usage:
     """chat completions, completions, embeddings, rerank (llama.cpp's: prompt_tokens, total_tokens)."""
     return Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
 
 
-def anthropic_usage(usage: dict) -> Usage:
+def anthropic_usage(usage: JSON) -> Usage:
     """Messages: `input_tokens` counts what was not read from or written to the prompt cache."""
     prompt = sum(_int(usage.get(f)) for f in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
     return Usage(prompt, _int(usage.get("output_tokens")))
 
 
-def responses_usage(usage: dict) -> Usage:
+def responses_usage(usage: JSON) -> Usage:
     return Usage(_int(usage.get("input_tokens")), _int(usage.get("output_tokens")))
 
 
-def openai_event_usage(data: dict, prompt: int, completion: int) -> tuple[int, int, bool] | None:
+def openai_event_usage(data: JSON, prompt: int, completion: int) -> tuple[int, int, bool] | None:
     usage = data.get("usage")
     if isinstance(usage, dict) and usage:
         said = openai_usage(usage)
@@ -75,7 +79,7 @@ def openai_event_usage(data: dict, prompt: int, completion: int) -> tuple[int, i
     return None
 
 
-def anthropic_event_usage(data: dict, prompt: int, completion: int) -> tuple[int, int, bool] | None:
+def anthropic_event_usage(data: JSON, prompt: int, completion: int) -> tuple[int, int, bool] | None:
     kind = data.get("type")
     if kind == "message_start" and isinstance(data.get("message"), dict):
         said = anthropic_usage(data["message"].get("usage") or {})
@@ -88,7 +92,7 @@ def anthropic_event_usage(data: dict, prompt: int, completion: int) -> tuple[int
     return None
 
 
-def responses_event_usage(data: dict, prompt: int, completion: int) -> tuple[int, int, bool] | None:
+def responses_event_usage(data: JSON, prompt: int, completion: int) -> tuple[int, int, bool] | None:
     response = data.get("response")
     if data.get("type") == "response.completed" and isinstance(response, dict) and isinstance(response.get("usage"), dict):
         said = responses_usage(response["usage"])
@@ -110,7 +114,7 @@ def responses_error_event(exc: GatewayError) -> bytes:
     return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
 
 
-EventUsage = Callable[[dict, int, int], "tuple[int, int, bool] | None"]
+EventUsage = Callable[[JSON, int, int], "tuple[int, int, bool] | None"]
 
 
 @dataclass(frozen=True)
@@ -118,8 +122,8 @@ class Surface:
     path: str  # under /v1/
     capability: str  # what a model must serve (ground.engines.CAPABILITIES)
     needs: tuple[str, ...]  # fields a request cannot do without
-    prompt_size: Callable[[dict], Size]  # how long its prompt is, about and at least (gateway/prompt.py)
-    key_text: Callable[[dict], str]  # what its prefix key is read from (gateway/affinity.py)
+    prompt_size: Callable[[JSON], Size]  # how long its prompt is, about and at least (gateway/prompt.py)
+    key_text: Callable[[JSON], str]  # what its prefix key is read from (gateway/affinity.py)
     items: str | None = None  # the field its messages are in (their content parts: images, audio)
     refused: tuple[tuple[str, str], ...] = ()  # fields a request may not have, and why
     token_fields: tuple[str, ...] = ()  # what caps what it generates (the model's and the key's max tokens)
@@ -127,7 +131,7 @@ class Surface:
     generates: bool = True  # a completion: its max tokens count toward a key's tokens per minute
     admits: bool = True  # it takes an engine's slot, and may stream (a token count: neither)
     usage_unasked: bool = False  # its streams carry their usage of their own (no `stream_options` to ask for it)
-    usage_of: Callable[[dict], Usage] = openai_usage  # a whole answer's usage, from its `usage`
+    usage_of: Callable[[JSON], Usage] = openai_usage  # a whole answer's usage, from its `usage`
     event_usage: EventUsage = openai_event_usage  # what one event of a stream says of its usage
     error_event: Callable[[GatewayError], bytes] = openai_error_event  # an error in a stream already begun
     done_event: bytes = b"data: [DONE]"  # how the event that ends a stream begins
@@ -139,18 +143,29 @@ class Surface:
             return anthropic_error(exc.status, exc.message, exc.retry_after)
         return exc.response()
 
-    def usage(self, body: dict) -> Usage | None:
+    def usage(self, body: JSON) -> Usage | None:
         """A whole answer's usage."""
         usage = body.get("usage")
         return self.usage_of(usage) if isinstance(usage, dict) else None
 
-    def prefix_key(self, body: dict) -> int:
+    def prefix_key(self, body: JSON) -> int:
         """The request's position on its model's ring (`prefix` routing)."""
         return affinity.request_key(self.key_text(body))
 
 
-ANTHROPIC_STREAMS = {"usage_unasked": True, "usage_of": anthropic_usage, "event_usage": anthropic_event_usage,
-                     "error_event": anthropic_error_event, "done_event": b"event: message_stop"}
+class Streams(TypedDict):
+    """What a surface's streams are like, where they are not OpenAI's (Surface's fields of these names)."""
+
+    usage_unasked: bool
+    usage_of: Callable[[JSON], Usage]
+    event_usage: EventUsage
+    error_event: Callable[[GatewayError], bytes]
+    done_event: bytes
+
+
+ANTHROPIC_STREAMS: Streams = {"usage_unasked": True, "usage_of": anthropic_usage,
+                              "event_usage": anthropic_event_usage, "error_event": anthropic_error_event,
+                              "done_event": b"event: message_stop"}
 STATEFUL = "is not supported: llmgw's engines keep no responses between requests; send the whole conversation as `input`"
 
 SURFACES = {

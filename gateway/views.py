@@ -14,17 +14,19 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from cluster import throttle
 from cluster.clients import address_of
 from gateway import admission, affinity, answers, slots
 from gateway.call import Call
 from gateway.errors import GatewayError, invalid
-from gateway.http import HungUp, json_answer
+from gateway.http import Answer, HungUp, Request, Streamed, json_answer
 from gateway.models import ApiKey
 from gateway.prompt import check_caps, check_context, completion_at_most
-from gateway.runtime import PREFIX, runtime
-from gateway.surfaces import SURFACES, error_for
+from gateway.runtime import PREFIX, Gateway, runtime
+from gateway.surfaces import JSON, SURFACES, Surface, error_for
+from gateway.table import KeyInfo, ModelRoute, Table
 from gateway.upstream import cap_tokens, check_capabilities
 
 log = logging.getLogger("llmgw.gateway")
@@ -33,7 +35,7 @@ log = logging.getLogger("llmgw.gateway")
 SESSION_HEADERS = ("x-llmgw-session", "x-claude-code-session-id", "session_id", "session-id")
 
 
-async def models_list(request):
+async def models_list(request: Request) -> Answer:
     try:
         gw = runtime()
         table = await gw.current()
@@ -46,7 +48,7 @@ async def models_list(request):
     return json_answer({"object": "list", "data": data})
 
 
-async def model_detail(request, model: str):
+async def model_detail(request: Request, model: str) -> Answer:
     try:
         gw = runtime()
         table = await gw.current()
@@ -54,6 +56,7 @@ async def model_detail(request, model: str):
         route = table.find(model)
         if route is None:
             await gw.look_again("model")
+            assert gw.table is not None  # look_again waits for a load
             route = gw.table.find(model)
         if route is None or (key.models and route.name not in key.models):  # what it may not use, it is not told of
             raise GatewayError(404, "model_not_found", f"no model named {model!r}")
@@ -62,40 +65,40 @@ async def model_detail(request, model: str):
     return json_answer(_model_object(route, None if model == route.name else model))
 
 
-def _model_object(route, alias: str | None = None) -> dict:
+def _model_object(route: ModelRoute, alias: str | None = None) -> JSON:
     """A model as /v1/models lists it; an alias of it as an entry of its own, naming the model it is one of."""
-    shown = {"id": alias or route.name, "object": "model", "created": 0, "owned_by": "llmgw",
-             "ready": bool(route.ready), "replicas_ready": len(route.ready), "routing": route.routing}
+    shown: JSON = {"id": alias or route.name, "object": "model", "created": 0, "owned_by": "llmgw",
+                   "ready": bool(route.ready), "replicas_ready": len(route.ready), "routing": route.routing}
     if alias:
         shown["alias_of"] = route.name
     return shown
 
 
-def surface_view(path: str):
+def surface_view(path: str) -> Callable[[Request], Awaitable[Answer | Streamed]]:
     """The view of one API (gateway/surfaces.py describes each): a POST proxied to a replica of its model."""
 
-    async def view(request):
+    async def view(request: Request) -> Answer | Streamed:
         return await proxy(request, path)
 
     view.__name__ = view.__qualname__ = path.replace("/", "_")
     return view
 
 
-async def not_found(request, rest=""):
+async def not_found(request: Request, rest: str = "") -> Answer:
     return error_for(request.path, 404, "not_found", f"no such endpoint: {request.method} {request.path}")
 
 
 REPLICA_HEADER = "X-Llmgw-Replica"  # where the request went (`-`: to no replica), as the access log says
 
 
-async def proxy(request, endpoint: str):
+async def proxy(request: Request, endpoint: str) -> Answer | Streamed:
     call = Call()
     response = await _proxy(call, request, endpoint)
     response[REPLICA_HEADER] = call.replica
     return response
 
 
-async def _proxy(call, request, endpoint: str):
+async def _proxy(call: Call, request: Request, endpoint: str) -> Answer | Streamed:
     surface = SURFACES[endpoint]
     try:
         if request.method != "POST":
@@ -104,6 +107,7 @@ async def _proxy(call, request, endpoint: str):
         table = await gw.current()
         if table.serving_stopped:
             await gw.look_again("stopped")  # `llmgw start` a moment ago, before the change reached this process
+            assert gw.table is not None  # look_again waits for a load
             table = gw.table
         if table.serving_stopped:
             raise GatewayError(503, "system_stopped", "llmgw is stopped; it answers again after `llmgw start`", 30)
@@ -114,6 +118,7 @@ async def _proxy(call, request, endpoint: str):
         route = table.find(call.model)
         if route is None:
             await gw.look_again("model")  # a model added a moment ago, before the change reached this process
+            assert gw.table is not None
             route = gw.table.find(call.model)
         if route is None:
             raise GatewayError(404, "model_not_found", f"no model named {call.model[:64]!r}")
@@ -172,7 +177,7 @@ async def _proxy(call, request, endpoint: str):
         return surface.error(GatewayError(503, "gateway_error", "the gateway failed on this request; see the web log", 5))
 
 
-async def _authenticate(gw, table, request):
+async def _authenticate(gw: Gateway, table: Table, request: Request) -> KeyInfo:
     # an address that keeps guessing waits, whatever it sends (cluster/throttle.py)
     found = throttle.subjects(address_of(request.client, request.header("x-forwarded-for")))
     wait = throttle.GATEWAY.shut(found)
@@ -189,6 +194,7 @@ async def _authenticate(gw, table, request):
     key = table.keys.get(key_hash)
     if key is None:
         await gw.look_again("key")  # a key created a moment ago, before the change reached this process
+        assert gw.table is not None
         key = gw.table.keys.get(key_hash)
     if key is None:
         if not gw.reach.away:  # counted at once, but waited for no longer than Redis is (its count may land later)
@@ -201,7 +207,7 @@ async def _authenticate(gw, table, request):
     return key
 
 
-def _parse(raw: bytes, surface) -> tuple[bytes, dict]:
+def _parse(raw: bytes, surface: Surface) -> tuple[bytes, JSON]:
     """The body as it came (no larger than LLMGW_MAX_BODY_BYTES: gateway.handler refused it as it came), and as JSON."""
     try:
         body = json.loads(raw)

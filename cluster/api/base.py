@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+from typing import Any
 
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
@@ -31,7 +32,7 @@ class NameField(serializers.CharField):
     pattern = NAME_RE
     message = f"use {NAME_HINT}"
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("max_length", 63)
         super().__init__(trim_whitespace=False, **kwargs)
 
@@ -133,7 +134,7 @@ class NamedViewSet(viewsets.GenericViewSet):
         serializer.is_valid(raise_exception=True)
         return dict(serializer.validated_data)
 
-    def get_object(self):
+    def get_object(self) -> Any:
         value = self.kwargs[self.lookup_url_kwarg or self.lookup_field]
         obj = self.get_queryset().filter(**{self.lookup_field: value}).first()
         if obj is None:
