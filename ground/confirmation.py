@@ -12,6 +12,7 @@ to what it is about to send as the dashboard (cluster.operations.confirmation_ne
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 CONFIRM_ABOVE = 8
@@ -24,7 +25,7 @@ def ceiling(replicas: int | None, min_replicas: int | None, max_replicas: int | 
     return max(min_replicas or 0, max_replicas or 0)
 
 
-def ceiling_after(current: dict[str, Any] | None, values: dict[str, Any]) -> int:
+def ceiling_after(current: Mapping[str, Any] | None, values: Mapping[str, Any]) -> int:
     """The model's ceiling once `values` (a change's fields: replicas, min_replicas, max_replicas) apply to
     `current` (the model's fields now; None: a new model)."""
     current = current or {}
@@ -40,14 +41,14 @@ def ceiling_after(current: dict[str, Any] | None, values: dict[str, Any]) -> int
     return max(low or 0, high or 0)
 
 
-def replicas_added(current: dict[str, Any] | None, values: dict[str, Any]) -> int:
+def replicas_added(current: Mapping[str, Any] | None, values: Mapping[str, Any]) -> int:
     """How many replicas the change may add at once (0 when it adds none)."""
     before = 0 if not current else ceiling(current.get("replicas"), current.get("min_replicas"),
                                            current.get("max_replicas"))
     return max(0, ceiling_after(current, values) - before)
 
 
-def needs_confirmation(current: dict[str, Any] | None, values: dict[str, Any]) -> str:
+def needs_confirmation(current: Mapping[str, Any] | None, values: Mapping[str, Any]) -> str:
     """'' when the change may go ahead as it is; else why it is confirmed first, in a line."""
     added = replicas_added(current, values)
     if added <= CONFIRM_ABOVE:

@@ -277,12 +277,11 @@ def confirmation_needed(name: str | None, values: dict[str, Any]) -> str:
     """'' when adding the model `name` (None) or changing it so may go ahead at once; else why the change is
     confirmed first (ground.confirmation: it adds many replicas at once). A model that does not exist is the
     operation's to refuse."""
-    current: dict[str, Any] | None = None
+    current = None
     if name is not None:
-        row = Model.objects.filter(name=name).values("replicas", "min_replicas", "max_replicas").first()
-        if row is None:
+        current = Model.objects.filter(name=name).values("replicas", "min_replicas", "max_replicas").first()
+        if current is None:
             return ""
-        current = dict(row)
     return needs_confirmation(current, values)
 
 
