@@ -37,7 +37,7 @@ async def _note_refusal(gw, key, model: str, exc: GatewayError) -> None:
             await database_sync_to_async(record)(
                 "key.refused", "gateway", f"key {key.name}: requests for {model} refused ({exc.code}): {exc.message}",
                 subject=key.name, reason=exc.code, model=model)
-        until = getattr(exc, "exhausted_until", None)
+        until = exc.exhausted_until
         if until and await gw.redis.set(f"{REFUSED_NOTED}{key.id}:budget:{until}", 1, nx=True, exat=until + 60):
             await database_sync_to_async(record)("key.budget_reached", "gateway", exc.message, subject=key.name)
     except Exception as exc:  # an Event missed is not worth a request
