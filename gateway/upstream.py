@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gateway.errors import GatewayError, invalid
-
-if TYPE_CHECKING:
-    from gateway.surfaces import Surface
 
 # how a refusal names what a model does not serve (ground.engines.CAPABILITIES; gateway/surfaces.py says which
 # each API needs)
@@ -59,7 +56,16 @@ def needs(capability: str, items: str | None, body: dict[str, Any]) -> list[str]
     return wanted
 
 
-def check_capabilities(model: str, capabilities: frozenset[str], surface: Surface, body: dict[str, Any]) -> None:
+class Asks(Protocol):
+    """What an API's surface says of what a model must serve (gateway/surfaces.py's Surface, which sits above)."""
+
+    @property
+    def capability(self) -> str: ...
+    @property
+    def items(self) -> str | None: ...
+
+
+def check_capabilities(model: str, capabilities: frozenset[str], surface: Asks, body: dict[str, Any]) -> None:
     """Refuse what the model cannot serve: the API (`surface`, gateway/surfaces.py), images, audio."""
     for capability in needs(surface.capability, surface.items, body):
         if capability in capabilities:
