@@ -16,12 +16,26 @@ from __future__ import annotations
 import bisect
 import time
 from collections import defaultdict
+from typing import TypedDict
+
+from redis import Redis as SyncRedis
+from redis.asyncio import Redis
 
 from gateway.metrics import BUCKETS
 
 TRAFFIC = "llmgw:traffic:"  # + the minute (Unix time // 60): a hash of requests, errors, tokens
 TRAFFIC_KEEP = 2 * 3600
 FIRST_CHUNK_FIELD = "ttft:"  # + the bucket's index in BUCKETS (len(BUCKETS): above the last), in a traffic hash
+
+
+UsageRows = dict[tuple[int, int, str], list[int]]  # (hour, key id, model) -> [requests, prompt, completion tokens]
+
+
+class TrafficMinute(TypedDict):
+    minute: int  # Unix time // 60
+    requests: int
+    errors: int  # 5xx answers
+    tokens: int
 
 
 def _minute(now: float) -> int:
@@ -32,7 +46,7 @@ class Ledger:
     """This process's usage and last-use since the last flush."""
 
     def __init__(self) -> None:
-        self.usage: dict[tuple[int, int, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+        self.usage: UsageRows = defaultdict(lambda: [0, 0, 0])
         self.last_used: dict[int, float] = {}
         self.traffic: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
         self.first_chunks: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # minute -> bucket -> n
@@ -56,17 +70,17 @@ class Ledger:
         row[2] += completion
         self.last_used[key_id] = now
 
-    def take_usage(self) -> tuple[dict[tuple[int, int, str], list[int]], dict[int, float]]:
+    def take_usage(self) -> tuple[UsageRows, dict[int, float]]:
         """The usage and last use counted since the last take, for the database (gateway/usage.py)."""
         usage, self.usage = dict(self.usage), defaultdict(lambda: [0, 0, 0])
         last_used, self.last_used = self.last_used, {}
         return usage, last_used
 
-    def keep_usage(self, usage, last_used) -> None:
+    def keep_usage(self, usage: UsageRows, last_used: dict[int, float]) -> None:
         """A write that failed: what it took waits for the next one, with what came since."""
         self._keep(usage, last_used)
 
-    async def flush_traffic(self, redis) -> None:
+    async def flush_traffic(self, redis: Redis) -> None:
         if not self.traffic and not self.first_chunks:
             return
         traffic, self.traffic = self.traffic, defaultdict(lambda: [0, 0, 0])
@@ -87,7 +101,8 @@ class Ledger:
             self._keep({}, {}, traffic, first_chunks)
             raise
 
-    def _keep(self, usage, last_used, traffic=None, first_chunks=None) -> None:
+    def _keep(self, usage: UsageRows, last_used: dict[int, float], traffic: dict[int, list[int]] | None = None,
+              first_chunks: dict[int, dict[int, int]] | None = None) -> None:
         for minute, buckets in (first_chunks or {}).items():
             for bucket, n in buckets.items():
                 self.first_chunks[minute][bucket] += n
@@ -103,7 +118,7 @@ class Ledger:
             self.last_used[key_id] = max(when, self.last_used.get(key_id, 0.0))
 
 
-def traffic(redis, minutes: int = 60, now: float | None = None) -> list[dict]:
+def traffic(redis: SyncRedis, minutes: int = 60, now: float | None = None) -> list[TrafficMinute]:
     """The last `minutes` whole minutes of traffic, oldest first, from a synchronous Redis client:
     [{"minute": Unix minute, "requests": n, "errors": n, "tokens": n}, ...] (zeros where nothing came)."""
     last = _minute(now or time.time()) - 1  # the current minute is not over yet
@@ -112,7 +127,7 @@ def traffic(redis, minutes: int = 60, now: float | None = None) -> list[dict]:
         for minute in wanted:
             pipe.hgetall(TRAFFIC + str(minute))
         rows = pipe.execute()
-    out = []
+    out: list[TrafficMinute] = []
     for minute, row in zip(wanted, rows):
         values = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in (row or {}).items()}
         out.append({"minute": minute, "requests": values.get("requests", 0), "errors": values.get("errors", 0),
@@ -120,7 +135,8 @@ def traffic(redis, minutes: int = 60, now: float | None = None) -> list[dict]:
     return out
 
 
-def first_chunk_percentiles(redis, quantiles=(0.5, 0.95), minutes: int = 60, now: float | None = None) -> dict:
+def first_chunk_percentiles(redis: SyncRedis, quantiles: tuple[float, ...] = (0.5, 0.95), minutes: int = 60,
+                            now: float | None = None) -> dict[str | float, float | None]:
     """Streamed requests' time to first chunk over the last `minutes` whole minutes, every web process together:
     {"count": n, 0.5: seconds, 0.95: seconds} (None where nothing streamed), each quantile read off the buckets as
     Prometheus' histogram_quantile does: linear within the bucket it falls in."""
@@ -138,7 +154,7 @@ def first_chunk_percentiles(redis, quantiles=(0.5, 0.95), minutes: int = 60, now
                 if 0 <= index < len(counts):
                     counts[index] += int(n)
     total = sum(counts)
-    out: dict = {"count": total}
+    out: dict[str | float, float | None] = {"count": total}
     for q in quantiles:
         out[q] = _quantile(counts, total, q) if total else None
     return out

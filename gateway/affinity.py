@@ -19,6 +19,7 @@ import bisect
 import hashlib
 import math
 from collections.abc import Callable, Collection, Iterable, Iterator
+from typing import Any
 
 POINTS = 160  # points per replica on the ring: each replica's share of the keys within a few per cent
 # a replica takes a request while its in-flight count stays within this × the mean (LLMGW_ROUTING_LOAD_FACTOR).
@@ -36,7 +37,7 @@ def _hash(data: bytes) -> int:
 MAX_DEPTH = 32  # of content walked: a prompt nested deeper (which the gateway refuses first) adds nothing more
 
 
-def _text(value, depth: int = 0) -> str:
+def _text(value: object, depth: int = 0) -> str:
     """A message's content, a prompt or an input as text: a string as it is; parts (text, image URLs, token
     ids) joined in order."""
     if isinstance(value, str):
@@ -55,7 +56,7 @@ def _text(value, depth: int = 0) -> str:
     return "" if value is None else str(value)
 
 
-def chat_opening(messages) -> str:
+def chat_opening(messages: object) -> str:
     """Every message up to and including the first user message: the system prompt and the opening request,
     which every later turn of the conversation repeats unchanged. A shared instruction at the start of every
     first message (a template) is no problem: the whole message is the key, the document after it included."""
@@ -72,7 +73,7 @@ def chat_opening(messages) -> str:
     return "\x1d".join(parts)
 
 
-def responses_opening(body: dict) -> str:
+def responses_opening(body: dict[str, Any]) -> str:
     """The Responses API's opening: its `instructions`, and its input up to and including the first user item
     (a string input is the user's message itself)."""
     items = body.get("input")
@@ -81,28 +82,28 @@ def responses_opening(body: dict) -> str:
     return f"instructions\x1f{_text(body.get('instructions'))}\x1d{chat_opening(items)}"
 
 
-def chat_key_text(body: dict) -> str:
+def chat_key_text(body: dict[str, Any]) -> str:
     """Chat completions: its opening (`chat_opening`)."""
     return chat_opening(body.get("messages"))
 
 
-def messages_key_text(body: dict) -> str:
+def messages_key_text(body: dict[str, Any]) -> str:
     """Anthropic's Messages (and its token count): its `system` prompt, then its opening."""
     return f"system\x1f{_text(body.get('system'))}\x1d{chat_opening(body.get('messages'))}"
 
 
-def completion_key_text(body: dict) -> str:
+def completion_key_text(body: dict[str, Any]) -> str:
     """Completions: the first COMPLETION_CHARS characters of the prompt (a prompt grows turn by turn, and nothing
     marks where its opening ends)."""
     return _text(body.get("prompt"))[:COMPLETION_CHARS]
 
 
-def rerank_key_text(body: dict) -> str:
+def rerank_key_text(body: dict[str, Any]) -> str:
     """Rerank: its query and documents."""
     return f"{_text(body.get('query'))}\x1d{_text(body.get('documents'))}"
 
 
-def input_key_text(body: dict) -> str:
+def input_key_text(body: dict[str, Any]) -> str:
     """Embeddings: the whole input (the same text, the same replica)."""
     return _text(body.get("input"))
 

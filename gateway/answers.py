@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import AsyncGenerator, Callable
 
 from gateway import metrics
 from gateway.call import Call
@@ -47,7 +48,7 @@ async def once(gw: Gateway, call: Call, surface: Surface, payload: bytes) -> Ans
             response.release()  # read to the end: back to the pool; else closed
             done(gw, call, upstream)
     if status == 200:
-        gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
+        gw.ledger.add(call.key_id, call.model, call.prompt, call.completion)
         await call.settle()  # before the answer: the key's next request sees what this one used
     call.finish(status)
     return Answer(content, status, response.content_type)
@@ -75,10 +76,10 @@ def _pass_on(gw: Gateway, call: Call, upstream: Upstream, response: EngineAnswer
             call.prompt = call.prompt_about
             call.completion = max(0, call.reserved - call.prompt_about)  # with a tpm limit: what it may have used
         done(gw, call, upstream)
-        gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
+        gw.ledger.add(call.key_id, call.model, call.prompt, call.completion)
         call.finish(status)
 
-    async def chunks():
+    async def chunks() -> AsyncGenerator[bytes, None]:
         tail = head[-USAGE_TAIL:]
         status = 499
         try:
@@ -150,10 +151,10 @@ async def stream(gw: Gateway, call: Call, surface: Surface, payload: bytes, want
         call.count_cut_short()
         if call.completion and not call.prompt:  # its prompt's count never came (a Messages stream without its start)
             call.prompt = call.prompt_about
-        gw.ledger.add(call.key.id, call.model, call.prompt, call.completion)
+        gw.ledger.add(call.key_id, call.model, call.prompt, call.completion)
         call.finish(status)
 
-    async def events():
+    async def events() -> AsyncGenerator[bytes, None]:
         buffer = b""
         status = 499  # unless it ends otherwise: the client went away, and closing the upstream cancels the work
         try:
@@ -191,7 +192,7 @@ async def stream(gw: Gateway, call: Call, surface: Surface, payload: bytes, want
     return Streamed(events(), settle)
 
 
-def _ending(surface, complete, exc: GatewayError) -> bytes:
+def _ending(surface: Surface, complete: Callable[[bytes], bytes] | None, exc: GatewayError) -> bytes:
     """The error that ends a stream the engine broke off, completed as the stream's other events were."""
     event = surface.error_event(exc)
     return complete(event[:-2]) + b"\n\n" if complete is not None else event

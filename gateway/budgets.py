@@ -10,13 +10,29 @@ and a period that changes begins from the usage of the new period, not the old o
 from __future__ import annotations
 
 import datetime as dt
+from typing import TYPE_CHECKING, TypedDict
 
 from ground.units import BUDGET_PERIODS as PERIODS
 from ground.units import about
 from ground.units import parse_budget as parse
 from ground.units import shown_tokens as shown
 
-__all__ = ["PERIODS", "about", "parse", "period_end", "period_start", "shown", "spent", "status", "with_spent"]
+if TYPE_CHECKING:
+    from django.db.models import QuerySet
+
+    from gateway.models import ApiKey
+
+__all__ = ["PERIODS", "Status", "about", "parse", "period_end", "period_start", "shown", "spent", "status",
+           "with_spent"]
+
+
+class Status(TypedDict):
+    """A key's budget as the API and the dashboard show it."""
+
+    tokens: int
+    period: str  # day, week or month
+    spent: int  # in this period, as the database has it
+    resets_at: dt.datetime
 
 
 def period_start(period: str, now: dt.datetime) -> dt.datetime:
@@ -53,7 +69,7 @@ def spent(key_id: int, period: str, now: dt.datetime) -> int:
     return (total["p"] or 0) + (total["c"] or 0)
 
 
-def with_spent(keys, now: dt.datetime):
+def with_spent(keys: QuerySet[ApiKey], now: dt.datetime) -> QuerySet[ApiKey]:
     """Keys (a queryset) with what each spent in its period as `budget_spent`, in the query that lists them:
     status() takes it from there instead of a query per key."""
     from django.db.models import BigIntegerField, Case, DateTimeField, F, OuterRef, Subquery, Sum, Value, When
@@ -69,7 +85,7 @@ def with_spent(keys, now: dt.datetime):
         budget_spent=Coalesce(Subquery(used), Value(0), output_field=BigIntegerField()))
 
 
-def status(key, now: dt.datetime) -> dict | None:
+def status(key: ApiKey, now: dt.datetime) -> Status | None:
     """A key's budget as the API and the dashboard show it (None: it has none): tokens, period, spent in this
     period (as the database has it: the gateways' counts reach it within a minute), and when it resets."""
     if not key.budget_tokens or key.budget_period not in PERIODS:

@@ -66,6 +66,12 @@ class Call:
         otherwise grow the series, and the web process with them, a name at a time)."""
         return self.model if self.known else metrics.UNKNOWN_MODEL
 
+    @property
+    def key_id(self) -> int:
+        """Its key's id, once the views checked its key (a request without one goes no further than them)."""
+        assert self.key is not None
+        return self.key.id
+
     def count_cut_short(self) -> None:
         """A stream that ended before the engine said what it used (the client closed it, say) still used what the
         engine produced: the tokens passed on, and its prompt as estimated when anything was passed."""
@@ -76,6 +82,7 @@ class Call:
         """Count what it used against its key's tpm limit in place of what it reserved (never raises: an answer
         given is never replaced for it)."""
         if self.reserved_minute is not None:
+            assert self.gw is not None and self.key is not None  # a key's reservation, made in the gateway
             minute, self.reserved_minute = self.reserved_minute, None
             await self.gw.limits.settle(self.key, self.prompt + self.completion, self.reserved, minute)
 

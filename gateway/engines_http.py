@@ -30,8 +30,12 @@ import contextlib
 import os
 import socket
 import time
+from collections.abc import AsyncGenerator
+from typing import TypeVar, cast
 
 import httptools
+
+T = TypeVar("T")
 
 # a connection whose sent bytes (the request) go unacknowledged this long is given up (`Unreachable`): its node is
 # cut off, and nothing of an answer has come, so another replica takes the request. No keepalive probes: during
@@ -81,7 +85,7 @@ class EngineAnswer:
         self._size = 0
         self.complete = False
         self._error: UpstreamError | None = None
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._done = False  # released or closed
 
     @property
@@ -152,7 +156,7 @@ class EngineAnswer:
             if not self._parts:
                 await self._wait()
 
-    async def chunks(self):
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The body as it comes: whatever has arrived at each step, joined."""
         while True:
             if self._parts:
@@ -183,7 +187,7 @@ def _framed(headers: dict[str, str]) -> bool:
     return "content-length" in headers or "transfer-encoding" in headers
 
 
-def _time_out(waiter: asyncio.Future) -> None:
+def _time_out(waiter: asyncio.Future[T]) -> None:
     if not waiter.done():
         waiter.set_exception(ReadTimeout("the engine sent nothing in time"))
 
@@ -196,7 +200,7 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.answer: EngineAnswer | None = None
-        self.head: asyncio.Future | None = None
+        self.head: asyncio.Future[EngineAnswer] | None = None
         self.lost = False
         self.keep_alive = False
         self.idle_since = 0.0
@@ -204,8 +208,8 @@ class Connection(asyncio.Protocol):
 
     # asyncio
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # create_connection's: a stream's
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -222,10 +226,10 @@ class Connection(asyncio.Protocol):
             self._failed(Broken(f"the engine's answer could not be read ({exc})", self.head is not None))
             self._drop()
 
-    def eof_received(self):
+    def eof_received(self) -> bool:
         return False  # close
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         answer = self.answer
         if answer is not None and not answer.complete:
@@ -249,11 +253,15 @@ class Connection(asyncio.Protocol):
 
     # httptools
 
+    # the parser is fed only while an answer is awaited (data_received): `answer` is set in these
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.answer is not None
         self.answer.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         answer = self.answer
+        assert answer is not None
         answer.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()
         head, self.head = self.head, None
@@ -261,16 +269,19 @@ class Connection(asyncio.Protocol):
             head.set_result(answer)
 
     def on_body(self, body: bytes) -> None:
+        assert self.answer is not None
         self.answer._feed(body)
 
     def on_message_complete(self) -> None:
+        assert self.answer is not None
         self.answer._end()
 
     # the gateway
 
-    def send(self, data: bytes) -> asyncio.Future:
+    def send(self, data: bytes) -> asyncio.Future[EngineAnswer]:
         self.answer = EngineAnswer(self)
         self.head = self.loop.create_future()
+        assert self.transport is not None  # connected: the pool hands out only connections it made
         self.transport.write(data)
         return self.head
 

@@ -1,6 +1,7 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "code"}}. Never a 500, never an HTML page."""
 
 import json
+from typing import TypedDict
 
 from gateway.http import Answer, json_answer
 
@@ -18,7 +19,19 @@ TYPES = {
 }
 
 
+class ErrorFields(TypedDict):
+    message: str
+    type: str
+    code: str
+
+
+class ErrorBody(TypedDict):
+    error: ErrorFields
+
+
 class GatewayError(Exception):
+    exhausted_until: int | None = None  # a budget's refusal: when the budget it used up resets (gateway/spend.py)
+
     def __init__(self, status: int, code: str, message: str, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
@@ -31,7 +44,7 @@ class GatewayError(Exception):
         return f"data: {json.dumps(_body(self.status, self.code, self.message))}\n\n".encode()
 
 
-def _body(status: int, code: str, message: str) -> dict:
+def _body(status: int, code: str, message: str) -> ErrorBody:
     return {"error": {"message": message, "type": TYPES.get(status, "api_error"), "code": code}}
 
 

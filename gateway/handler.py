@@ -19,15 +19,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
+from typing import Any
 
 from django.conf import settings
 
 from gateway.errors import GatewayError
-from gateway.http import HungUp, Request
+from gateway.http import Answer, ASGIApp, HungUp, Receive, Request, Scope, Send, Streamed
 
 GATEWAY_PREFIXES = ("/v1", "/metrics")  # and whatever follows (/v1x, /metrics/): a JSON 404, never a page
 
-View = Callable[..., Awaitable]
+View = Callable[..., Awaitable[Answer | Streamed]]  # a request, and its arguments from the path
 
 
 class BodyTooLarge(Exception):
@@ -35,10 +36,10 @@ class BodyTooLarge(Exception):
 
 
 class GatewayHandler:
-    def __init__(self, resolve: Callable[[str], tuple[View, dict]]):
+    def __init__(self, resolve: Callable[[str], tuple[View, dict[str, str]]]):
         self.resolve = resolve
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             raise ValueError(f"the gateway serves HTTP only, not {scope['type']}")
         view, kwargs = self.resolve(scope.get("path", ""))
@@ -82,11 +83,13 @@ class Watch:
 
     WATCH_AFTER = 0.05
 
-    def __init__(self, receive):
+    def __init__(self, receive: Receive):
         self.receive = receive
-        self.task = asyncio.current_task()
+        task = asyncio.current_task()
+        assert task is not None  # the ASGI server runs each request in a task of its own
+        self.task: asyncio.Task[Any] = task
         self.hung_up = False
-        self.watcher: asyncio.Task | None = None
+        self.watcher: asyncio.Task[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
 
     def arm(self) -> None:
@@ -112,12 +115,12 @@ class Watch:
             self.watcher.cancel()
 
 
-async def read_body(receive) -> bytes:
+async def read_body(receive: Receive) -> bytes:
     limit = settings.LLMGW_MAX_BODY_BYTES
     message = await receive()
     if message["type"] == "http.disconnect":
         raise HungUp()
-    body = message.get("body", b"")
+    body: bytes = message.get("body", b"")
     if not message.get("more_body", False):
         if len(body) > limit:
             raise BodyTooLarge()
@@ -137,7 +140,7 @@ async def read_body(receive) -> bytes:
             return b"".join(parts)
 
 
-async def send_answer(answer, send) -> None:
+async def send_answer(answer: Answer | Streamed, send: Send) -> None:
     try:
         await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
         if answer.streaming:
@@ -152,8 +155,8 @@ async def send_answer(answer, send) -> None:
             answer.settle(499)  # its upstream and in-flight count, however the stream ended
 
 
-def http_router(django_app, gateway_app):
-    async def route(scope, receive, send):
+def http_router(django_app: ASGIApp, gateway_app: ASGIApp) -> ASGIApp:
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         app = gateway_app if path.startswith(GATEWAY_PREFIXES) else django_app
         return await app(scope, receive, send)

@@ -9,7 +9,17 @@ address and the body it has already read; an answer is its status, headers and b
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from typing import Any, ClassVar, Literal
+
+# ASGI's scope and messages as the server hands them over, typed as Django's ASGIHandler takes them: dicts whose
+# keys the ASGI spec lists, some of them optional (asgiref.typing's TypedDicts make every key required, which a
+# message the gateway sends omits)
+Scope = dict[str, Any]
+Message = Mapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class HungUp(Exception):
@@ -32,7 +42,8 @@ class Request:
         self._read = read
 
     @classmethod
-    def from_scope(cls, scope, body: bytes | None = None, read: Callable[[], Awaitable[bytes]] | None = None) -> Request:
+    def from_scope(cls, scope: Scope, body: bytes | None = None,
+                   read: Callable[[], Awaitable[bytes]] | None = None) -> Request:
         headers: dict[str, str] = {}
         for name, value in scope.get("headers") or ():
             key = name.decode("latin-1").lower()
@@ -59,7 +70,7 @@ def _header(name: str, value: str) -> tuple[bytes, bytes]:
 class Answer:
     """A whole answer: status, headers, body."""
 
-    streaming = False
+    streaming: ClassVar[Literal[False]] = False
     __slots__ = ("status", "body", "headers")
 
     def __init__(self, body: bytes, status: int = 200, content_type: str = "application/json"):
@@ -81,10 +92,10 @@ class Streamed:
     first byte, when the generator never ran and so ran no `finally`). The handler calls `settle` once the answer is
     out or abandoned; it is a no-op when the stream already ended its own way."""
 
-    streaming = True
+    streaming: ClassVar[Literal[True]] = True
     __slots__ = ("status", "chunks", "headers", "settle")
 
-    def __init__(self, chunks: AsyncIterator[bytes], settle: Callable[[int], None], content_type: str = ""):
+    def __init__(self, chunks: AsyncGenerator[bytes, None], settle: Callable[[int], None], content_type: str = ""):
         self.status = 200
         self.chunks = chunks
         self.settle = settle
@@ -98,5 +109,5 @@ class Streamed:
         self.headers.append(_header(name, value))
 
 
-def json_answer(data, status: int = 200) -> Answer:
+def json_answer(data: object, status: int = 200) -> Answer:
     return Answer(json.dumps(data).encode(), status)

@@ -16,10 +16,16 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from redis.asyncio import Redis
 
 from gateway import scripts
 from gateway.errors import GatewayError
 from gateway.redis_reach import Reach, RedisAway
+
+if TYPE_CHECKING:
+    from gateway.table import KeyInfo
 
 
 def prefix(key_id: int) -> str:
@@ -29,12 +35,12 @@ def prefix(key_id: int) -> str:
 class Limits:
     """One web process's side of the keys' rate limits."""
 
-    def __init__(self, redis, reach: Reach):
+    def __init__(self, redis: Redis, reach: Reach):
         self.reach = reach
         self._script = scripts.register(redis, "limits")
         self.here: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])  # (key, minute) -> counts
 
-    async def check(self, key, reserve: int = 0) -> int | None:
+    async def check(self, key: KeyInfo, reserve: int = 0) -> int | None:
         """Admit a request under its key's rpm and tpm limits, or refuse it (429 with the seconds to the next
         minute). With a tpm limit, `reserve` tokens (what the request may use at most, as far as the gateway can
         tell) are counted at once, so that requests arriving together cannot all pass a limit none of them has
@@ -53,13 +59,13 @@ class Limits:
         return int(count) if key.tpm else None
 
     @staticmethod
-    def _refuse(key, refused: int, retry: int) -> None:
+    def _refuse(key: KeyInfo, refused: int, retry: int) -> None:
         if refused == 1:
             raise GatewayError(429, "rate_limited", f"key {key.name} is limited to {key.rpm} requests per minute", retry)
         if refused == 2:
             raise GatewayError(429, "rate_limited", f"key {key.name} is limited to {key.tpm} tokens per minute", retry)
 
-    def _check_here(self, key, reserve: int) -> int | None:
+    def _check_here(self, key: KeyInfo, reserve: int) -> int | None:
         """The same in this process alone, by its clock (Redis away): the minute is returned negated, to settle
         here too."""
         now = time.time()
@@ -77,7 +83,7 @@ class Limits:
             return -minute
         return None
 
-    async def settle(self, key, used: int, reserved: int, minute: int | None) -> None:
+    async def settle(self, key: KeyInfo, used: int, reserved: int, minute: int | None) -> None:
         """Count the tokens a request used against its key's tpm limit, in place of what it reserved, in the minute
         it was admitted in (a reservation is never left standing: a request that failed used what it used, maybe
         0). Never raises: a settle Redis did not take leaves the minute's count as reserved."""

@@ -45,9 +45,9 @@ class ModelMetrics:
         self.inflight = INFLIGHT.labels(model)
         self.prompt = TOKENS.labels(model, "prompt")
         self.completion = TOKENS.labels(model, "completion")
-        self._requests: dict[int, object] = {}
+        self._requests: dict[int, Counter] = {}
 
-    def requests(self, status: int):
+    def requests(self, status: int) -> Counter:
         series = self._requests.get(status)
         if series is None:
             series = self._requests[status] = REQUESTS.labels(self.model, str(status))

@@ -8,7 +8,7 @@ from django.conf import settings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.errors import error_response
-from gateway.http import Answer
+from gateway.http import Answer, Request
 
 
 def _token_ok(token: str) -> bool:
@@ -19,7 +19,7 @@ def _token_ok(token: str) -> bool:
     return Token.objects.filter(key=token, user__is_active=True).exists()
 
 
-async def metrics_view(request):
+async def metrics_view(request: Request) -> Answer:
     header = request.header("authorization")
     token = header[7:].strip() if header.lower().startswith("bearer ") else ""
     if not token or not await database_sync_to_async(_token_ok)(token):

@@ -33,7 +33,7 @@ class ApiKey(models.Model):
     class Meta:
         ordering = ["name"]
 
-    def __str__(self):
+    def __str__(self) -> str:
         return f"{self.name} ({self.prefix}…)"
 
     @staticmethod

@@ -17,6 +17,7 @@ process). Two figures are enough:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.errors import GatewayError, invalid
 
@@ -45,7 +46,7 @@ class Size:
         return self.token_ids + TEMPLATE_TOKENS * self.items + -(-self.text_bytes // BYTES_PER_TOKEN)
 
 
-def _walk(value, depth: int = 0) -> tuple[int, int]:
+def _walk(value: object, depth: int = 0) -> tuple[int, int]:
     """(text bytes, token ids) of a prompt, an input or a message's content."""
     if depth > MAX_DEPTH:
         raise invalid("the prompt is nested too deeply")
@@ -67,7 +68,7 @@ def _walk(value, depth: int = 0) -> tuple[int, int]:
     return 0, 0
 
 
-def _messages(messages, text: int = 0, items: int = 0) -> tuple[int, int]:
+def _messages(messages: object, text: int = 0, items: int = 0) -> tuple[int, int]:
     """(text bytes, items) of a list of chat or Messages messages, or of Responses input items."""
     for message in messages if isinstance(messages, list) else ():
         items += 1
@@ -85,42 +86,42 @@ def _messages(messages, text: int = 0, items: int = 0) -> tuple[int, int]:
     return text, items
 
 
-def chat_size(body: dict) -> Size:
+def chat_size(body: dict[str, Any]) -> Size:
     """Chat completions: its messages."""
     return Size(*_shape(_messages(body.get("messages"))))
 
 
-def messages_size(body: dict) -> Size:
+def messages_size(body: dict[str, Any]) -> Size:
     """Anthropic's Messages (and its token count): its `system` prompt and its messages."""
     text, items = _messages(body.get("messages"))
     return Size(text + _walk(body.get("system"))[0], 0, items)
 
 
-def responses_size(body: dict) -> Size:
+def responses_size(body: dict[str, Any]) -> Size:
     """Responses: its `instructions` and its input (a string, or items)."""
     value = body.get("input")
     text, items = _messages(value) if isinstance(value, list) else (_walk(value)[0], 1)
     return Size(text + _walk(body.get("instructions"))[0], 0, items)
 
 
-def rerank_size(body: dict) -> Size:
+def rerank_size(body: dict[str, Any]) -> Size:
     """Rerank: its query and documents."""
     documents = body.get("documents")
     return Size(_walk(body.get("query"))[0] + _walk(documents)[0], 0,
                 1 + (len(documents) if isinstance(documents, list) else 0))
 
 
-def completion_size(body: dict) -> Size:
+def completion_size(body: dict[str, Any]) -> Size:
     """Completions: its prompt (text, token ids, or a list of either)."""
     return _prompt_size(body.get("prompt"))
 
 
-def input_size(body: dict) -> Size:
+def input_size(body: dict[str, Any]) -> Size:
     """Embeddings: its input (text, token ids, or a list of either)."""
     return _prompt_size(body.get("input"))
 
 
-def _prompt_size(value) -> Size:
+def _prompt_size(value: object) -> Size:
     text, ids = _walk(value)
     return Size(text, ids, len(value) if isinstance(value, list) and value and not isinstance(value[0], int) else 0)
 
@@ -138,7 +139,7 @@ def check_context(model: str, context: int | None, measured: Size) -> None:
                            f"({context} tokens)")
 
 
-def _count(body: dict, field: str) -> int | None:
+def _count(body: dict[str, Any], field: str) -> int | None:
     value = body.get(field)
     if value is None or value is False:
         return None
@@ -149,7 +150,7 @@ def _count(body: dict, field: str) -> int | None:
     return value
 
 
-def check_caps(model: str, body: dict, max_logprobs: int | None, max_choices: int | None) -> None:
+def check_caps(model: str, body: dict[str, Any], max_logprobs: int | None, max_choices: int | None) -> None:
     """Refuse what would multiply an answer past the model's caps (its `max_logprobs`, `max_choices`; None: no cap):
     top log-probabilities per token, choices per request."""
     for fields, cap, setting in ((LOGPROB_FIELDS, max_logprobs, "max-logprobs"), (CHOICE_FIELDS, max_choices, "max-choices")):
@@ -159,7 +160,7 @@ def check_caps(model: str, body: dict, max_logprobs: int | None, max_choices: in
                 raise invalid(f"`{field}` may be at most {cap} for model {model} (its {setting})")
 
 
-def completion_at_most(body: dict, fields: tuple[str, ...], context: int | None) -> int:
+def completion_at_most(body: dict[str, Any], fields: tuple[str, ...], context: int | None) -> int:
     """The most tokens the answer may have, as the (capped) request says; else the context. Times its choices."""
     asked = [v for f in fields if isinstance(v := body.get(f), int) and not isinstance(v, bool) and v >= 0]
     choices = max((v for f in CHOICE_FIELDS if isinstance(v := body.get(f), int) and not isinstance(v, bool)), default=1)

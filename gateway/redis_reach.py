@@ -13,9 +13,10 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 log = logging.getLogger("llmgw.gateway")
@@ -31,13 +32,14 @@ class RedisAway(Exception):
 
 
 class Reach:
-    def __init__(self, redis, wait: float = WAIT):
+    def __init__(self, redis: Redis, wait: float = WAIT):
         self.redis = redis
         self.wait = wait
         self.away_since: float | None = None  # monotonic; None: reachable
         self.without = 0  # requests that went on without Redis in this spell
-        self._probe: asyncio.Task | None = None
-        self.on_back: list = []  # called (no arguments) once Redis answers again: what it may have lost, said again
+        self._probe: asyncio.Task[None] | None = None
+        # called once Redis answers again: what it may have lost, said again
+        self.on_back: list[Callable[[], None]] = []
 
     @property
     def away(self) -> bool:

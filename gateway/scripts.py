@@ -7,6 +7,9 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+
 HERE = Path(__file__).with_name("lua")
 
 
@@ -15,6 +18,6 @@ def source(name: str) -> str:
     return (HERE / f"{name}.lua").read_text()
 
 
-def register(redis, name: str):
+def register(redis: Redis, name: str) -> AsyncScript:
     """`name`'s script on this client: awaitable (or callable) as `script(keys=[...], args=[...])`."""
     return redis.register_script(source(name))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 from gateway import metrics, slots
 from gateway.call import Call
@@ -52,7 +53,7 @@ async def choose(gw: Gateway, call: Call, tried: set[str], last_error: GatewayEr
                 # as demand; the replica ready, the queue's own wait bound follows the load's
                 call.lease_asked, call.asked_until = True, now + NO_ROOM_RECHECK
                 upstream = await slots.admit(gw, call, route, tried, None, max_wait=deadline - now + route.max_wait,
-                                             check=lambda deadline=deadline: _still_coming(gw, call, deadline))
+                                             check=partial(_still_coming, gw, call, deadline))
                 if upstream is not None:
                     return upstream
                 continue  # granted a replica gone since, or Redis out of reach: as without admission
@@ -93,6 +94,7 @@ def _none_coming(call: Call, route: ModelRoute, now: float, deadline: float, ask
 def _still_coming(gw: Gateway, call: Call, deadline: float) -> None:
     """For a request waiting in its model's queue for a replica on its way: raises what ends its wait (the system
     stopped, the model gone, none coming any more, the load's wait over); with a replica ready, nothing."""
+    assert gw.table is not None  # loaded: the request found its model's route in it
     route = _route(gw.table, call)
     if not route.ready and (refusal := _none_coming(call, route, time.monotonic(), deadline, asked=True)) is not None:
         raise refusal

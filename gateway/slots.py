@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from channels.db import database_sync_to_async
 from redis.exceptions import RedisError
@@ -15,6 +17,11 @@ from gateway.errors import GatewayError
 from gateway.redis_reach import RedisAway
 from gateway.runtime import PREFIX
 
+if TYPE_CHECKING:
+    from gateway.call import Call
+    from gateway.runtime import Gateway
+    from gateway.table import KeyInfo, ModelRoute, Upstream
+
 log = logging.getLogger("llmgw.gateway")
 
 
@@ -23,28 +30,32 @@ REFUSALS = ("queue_full", "queue_timeout", "concurrency_limit", "budget_exceeded
 REFUSED_NOTED = "llmgw:refused:"  # + key id, reason and minute: set once the minute's Event is written
 
 
-def refused_for_key(gw, call, exc: GatewayError) -> None:
+def refused_for_key(gw: Gateway, call: Call, exc: GatewayError) -> None:
+    """Count a refusal of a request with a key (the views ask only for one that has its key), and note it for
+    the key's operator."""
+    assert call.key is not None
     if exc.code in ("concurrency_limit", "budget_exceeded"):  # the queue's are counted where they happen
         metrics.REJECTED.labels(call.model if call.known else metrics.UNKNOWN_MODEL, admission.CLASSES[call.rank],
                                 exc.code).inc()
     gw.spawn(_note_refusal(gw, call.key, call.model, exc))
 
 
-async def _note_refusal(gw, key, model: str, exc: GatewayError) -> None:
+async def _note_refusal(gw: Gateway, key: KeyInfo, model: str, exc: GatewayError) -> None:
     try:
         minute = int(time.time() // 60)
         if await gw.redis.set(f"{REFUSED_NOTED}{key.id}:{exc.code}:{minute}", 1, nx=True, ex=120):
             await database_sync_to_async(record)(
                 "key.refused", "gateway", f"key {key.name}: requests for {model} refused ({exc.code}): {exc.message}",
                 subject=key.name, reason=exc.code, model=model)
-        until = getattr(exc, "exhausted_until", None)
+        until = exc.exhausted_until
         if until and await gw.redis.set(f"{REFUSED_NOTED}{key.id}:budget:{until}", 1, nx=True, exat=until + 60):
             await database_sync_to_async(record)("key.budget_reached", "gateway", exc.message, subject=key.name)
     except Exception as exc:  # an Event missed is not worth a request
         log.warning("could not record a refusal for key %s (%s)", key.name, exc)
 
 
-async def admit(gw, call, route, tried, chosen, max_wait: float | None = None, check=None):
+async def admit(gw: Gateway, call: Call, route: ModelRoute, tried: set[str], chosen: Upstream | None,
+                max_wait: float | None = None, check: Callable[[], None] | None = None) -> Upstream | None:
     """A slot on a ready replica of the route, waiting for one in the model's queue (gateway/admission.py) at most
     `max_wait` seconds (the model's own by default; `check()` raises what ends the wait sooner); the upstream it
     is on (None: that replica is gone from the table since). With Redis away (gateway/redis_reach.py), the replica
@@ -67,7 +78,7 @@ async def admit(gw, call, route, tried, chosen, max_wait: float | None = None, c
     began = time.monotonic()
     try:
         call.lease = await gw.admission.admit(
-            call.model, lambda: gw.slots_of(call.model), key=str(call.key.id),
+            call.model, lambda: gw.slots_of(call.model), key=str(call.key_id),
             rank=admission.RANK["interactive"] if tried else call.rank, cost=admission.service(call.prompt_about, 0),
             prefs=prefs, queue_limit=route.queue_limit, max_wait=route.max_wait if max_wait is None else max_wait,
             on_wait=waits, check=check, movable=call.prompt_about < admission.SHORT_PROMPT, exclude=tried,
@@ -86,6 +97,7 @@ async def admit(gw, call, route, tried, chosen, max_wait: float | None = None, c
             gw.wait_end(call.model)
     metrics.ADMITTED.labels(call.model, priority).inc()
     metrics.QUEUE_WAIT.labels(call.model, priority).observe(time.monotonic() - began)
+    assert gw.table is not None  # loaded: the request found its route in it
     now = gw.table.find(call.model)
     upstream = next((u for u in (now.ready if now else ()) if u.replica == call.lease.replica), None)
     if upstream is None:
@@ -93,7 +105,7 @@ async def admit(gw, call, route, tried, chosen, max_wait: float | None = None, c
     return upstream
 
 
-def release(gw, call) -> None:
+def release(gw: Gateway, call: Call) -> None:
     """The request's slot back, with the service it had (its tokens, as far as they are known)."""
     if call.lease is not None:
         lease, call.lease = call.lease, None

@@ -24,12 +24,17 @@ import datetime as dt
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from channels.db import database_sync_to_async
+from redis.asyncio import Redis
 
 from gateway import budgets, scripts
 from gateway.errors import GatewayError
 from gateway.redis_reach import Reach, RedisAway
+
+if TYPE_CHECKING:
+    from gateway.table import KeyInfo
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -61,7 +66,7 @@ class Hold:
 class Budgets:
     """One web process's side of the keys' budgets: its part of each, said to Redis."""
 
-    def __init__(self, redis, reach: Reach, process: str):
+    def __init__(self, redis: Redis, reach: Reach, process: str):
         self.reach = reach
         self.process = process
         self._script = scripts.register(redis, "budget")
@@ -70,7 +75,7 @@ class Budgets:
         self.writing: dict[Bucket, int] = defaultdict(int)  # on its way to the database
         self.others: dict[Bucket, int] = {}  # what Redis last said the database and the other processes hold
         self._changed: set[Bucket] = set()  # to say, in the task saying them
-        self._saying: asyncio.Task | None = None
+        self._saying: asyncio.Task[None] | None = None
         reach.on_back.append(self.say_everything)
 
     def part(self, bucket: Bucket) -> int:
@@ -84,7 +89,7 @@ class Budgets:
             self.others[bucket] = int(held)
         return int(status), int(held)
 
-    async def reserve(self, key, reserve: int, now: dt.datetime) -> Hold | None:
+    async def reserve(self, key: KeyInfo, reserve: int, now: dt.datetime) -> Hold | None:
         """Reserve `reserve` tokens of the key's budget for a request, or refuse it: 429 `budget_exceeded` naming
         the budget and when it resets. None: the key has no budget."""
         if not key.budget_tokens or key.budget_period not in budgets.PERIODS:
@@ -108,23 +113,24 @@ class Budgets:
                         self.others[bucket] = held
         except RedisAway:
             self.reach.went_without()
-            held = self.others.get(bucket)
-            if held is None:
-                held = self.others[bucket] = await self._spent(bucket)
+            if bucket not in self.others:
+                self.others[bucket] = await self._spent(bucket)
+            held = self.others[bucket]
             status = 1 if held + self.part(bucket) + reserve > key.budget_tokens else 0
         if status == 1:
-            raise self._refusal(key, bucket, held + self.part(bucket), reserve, now)
+            raise self._refusal(key, key.budget_tokens, bucket, held + self.part(bucket), reserve, now)
         self.reserved[bucket] += reserve
         return Hold(bucket, reserve)
 
     @staticmethod
     async def _spent(bucket: Bucket) -> int:
-        return await database_sync_to_async(budgets.spent)(bucket.key_id, bucket.period, bucket.start)
+        spent: int = await database_sync_to_async(budgets.spent)(bucket.key_id, bucket.period, bucket.start)
+        return spent
 
     @staticmethod
-    def _refusal(key, bucket: Bucket, used: int, reserve: int, now: dt.datetime) -> GatewayError:
-        budget = f"{budgets.shown(key.budget_tokens)} tokens per {key.budget_period}"
-        left = max(0, key.budget_tokens - used)
+    def _refusal(key: KeyInfo, tokens: int, bucket: Bucket, used: int, reserve: int, now: dt.datetime) -> GatewayError:
+        budget = f"{budgets.shown(tokens)} tokens per {key.budget_period}"
+        left = max(0, tokens - used)
         retry = max(1, int((bucket.end - now).total_seconds()))
         why = (f"key {key.name} has used its budget of {budget}" if left <= 0 else
                f"key {key.name} has {left} tokens left of its budget of {budget}, and this request may use up to "

@@ -17,6 +17,7 @@ from cluster.models import ClusterSettings, Demand, Model, Replica
 from gateway.affinity import Ring
 from gateway.models import ApiKey
 from ground.engines import CAPABILITIES
+from ground.protocol import Facts
 
 FREED_RECENTLY = 30  # seconds a replaced replica's stop counts as room freed for its unplaced replacement
 WAITING_STATES = (Replica.State.PENDING, Replica.State.DOWNLOADING, Replica.State.STARTING)
@@ -31,7 +32,7 @@ class Upstream:
     port: int = field(init=False)
     authorization: str = field(init=False, repr=False)  # the header the engine wants
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         host, port = self.base_url[len("http://"):].rsplit(":", 1)
         object.__setattr__(self, "host", host)
         object.__setattr__(self, "port", int(port))
@@ -93,8 +94,8 @@ class Table:
         return route
 
 
-def _host(node_address: str, facts: dict) -> str:
-    host = (facts or {}).get("advertise_address") or node_address or "127.0.0.1"
+def _host(node_address: str, facts: Facts | None) -> str:
+    host = (facts.get("advertise_address") if facts else None) or node_address or "127.0.0.1"
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
@@ -120,7 +121,7 @@ def load() -> Table:
         if state == Replica.State.READY or state in WAITING_STATES:
             present[model] = present.get(model, 0) + 1
         if state == Replica.State.READY and port:
-            key = keys_by_fingerprint.get((snapshot or {}).get("engine_key"), cluster.engine_key)
+            key = keys_by_fingerprint.get((snapshot or {}).get("engine_key", ""), cluster.engine_key)
             ready.setdefault(model, []).append(Upstream(name, f"http://{_host(address, facts)}:{port}", key))
         elif state in (Replica.State.DRAINING, Replica.State.STOPPING, Replica.State.STOPPED):
             making_room.add(model)
@@ -144,7 +145,7 @@ def load() -> Table:
     for m in Model.objects.filter(removing=False).select_related("engine", "profile"):
         name, wanted = m.name, m.replicas
         if m.autoscaled:  # what its autoscaler wants now
-            wanted = demanded.get(m.id, m.min_replicas)
+            wanted = demanded.get(m.id, m.min_replicas or 0)  # autoscaled: min_replicas is set
         # Replicas the model wants that do not exist yet: the reconciler's next run creates them (a model just
         # added, scaled up, or serving just started again). Worth waiting for; once the reconciler finds no room
         # it creates them unplaced, and they no longer count here.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any, Protocol
 
 from gateway.errors import GatewayError, invalid
 
@@ -39,23 +40,32 @@ def scrub(text: str) -> str:
     return line if len(line) <= MESSAGE_CHARS else line[: MESSAGE_CHARS - 1] + "…"
 
 
-def needs(capability: str, items, body: dict) -> list[str]:
+def needs(capability: str, items: str | None, body: dict[str, Any]) -> list[str]:
     """The capabilities a request needs: its API's, and images or audio for such content parts of `items` (the
     field of the body that holds its messages, or None)."""
     wanted = [capability]
-    items = body.get(items) if items else None
-    for message in items if isinstance(items, list) else ():
+    messages = body.get(items) if items else None
+    for message in messages if isinstance(messages, list) else ():
         parts = message.get("content") if isinstance(message, dict) else None
         if not isinstance(parts, list):
             continue
         for part in parts:
-            kind = PART_CAPABILITY.get(part.get("type")) if isinstance(part, dict) else None
+            kind = PART_CAPABILITY.get(part.get("type", "")) if isinstance(part, dict) else None
             if kind and kind not in wanted:
                 wanted.append(kind)
     return wanted
 
 
-def check_capabilities(model: str, capabilities: frozenset[str], surface, body: dict) -> None:
+class Asks(Protocol):
+    """What an API's surface says of what a model must serve (gateway/surfaces.py's Surface, which sits above)."""
+
+    @property
+    def capability(self) -> str: ...
+    @property
+    def items(self) -> str | None: ...
+
+
+def check_capabilities(model: str, capabilities: frozenset[str], surface: Asks, body: dict[str, Any]) -> None:
     """Refuse what the model cannot serve: the API (`surface`, gateway/surfaces.py), images, audio."""
     for capability in needs(surface.capability, surface.items, body):
         if capability in capabilities:
@@ -65,7 +75,7 @@ def check_capabilities(model: str, capabilities: frozenset[str], surface, body: 
         raise GatewayError(400, "not_supported", f"model {model} does not serve {SERVES[capability]}{_serving(capabilities)}")
 
 
-def _serving(capabilities) -> str:
+def _serving(capabilities: frozenset[str]) -> str:
     served = [words for capability, words in SERVES.items() if capability in capabilities]
     return f" (it serves {', '.join(served)})" if served else ""
 
@@ -74,7 +84,7 @@ def _serving(capabilities) -> str:
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
 
 
-def cap_tokens(body: dict, caps: tuple[int | None, ...], fields: tuple[str, ...] = TOKEN_FIELDS) -> bool:
+def cap_tokens(body: dict[str, Any], caps: tuple[int | None, ...], fields: tuple[str, ...] = TOKEN_FIELDS) -> bool:
     """Hold a completion to the smallest of the caps (the model's, the key's): set `max_tokens` when the client
     asks for none, lower what it asks for above the cap (a negative number is llama.cpp's "no limit"). Whether
     the body changed."""
@@ -98,7 +108,7 @@ def cap_tokens(body: dict, caps: tuple[int | None, ...], fields: tuple[str, ...]
     return changed
 
 
-def _engine_error(content: bytes) -> dict:
+def _engine_error(content: bytes) -> dict[str, Any]:
     try:
         body = json.loads(content)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -113,7 +123,7 @@ def _engine_error(content: bytes) -> dict:
     return {}
 
 
-def _number(value) -> int | None:
+def _number(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 

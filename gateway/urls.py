@@ -1,11 +1,11 @@
 """Where each /v1/ and /metrics path goes, and the gateway's ASGI application built on it."""
 
 from gateway import views
-from gateway.handler import GatewayHandler
+from gateway.handler import GatewayHandler, View
 from gateway.metrics_view import metrics_view
 from gateway.surfaces import SURFACES
 
-EXACT = {
+EXACT: dict[str, View] = {
     **{f"/v1/{path}": views.surface_view(path) for path in SURFACES},  # each API (gateway/surfaces.py)
     "/v1/models": views.models_list,
     "/metrics": metrics_view,
@@ -13,7 +13,7 @@ EXACT = {
 MODEL_DETAIL = "/v1/models/"
 
 
-def resolve(path: str):
+def resolve(path: str) -> tuple[View, dict[str, str]]:
     """The view for a path and its arguments; anything else under /v1 or /metrics (/v1x, /v1/nope, /metrics/) is
     the gateway's JSON 404."""
     view = EXACT.get(path)

@@ -8,6 +8,7 @@ writing, the spend of each budget the write touched is read back in the same tra
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import UTC, datetime
 
 from django.db import transaction
@@ -18,7 +19,7 @@ from gateway.models import ApiKey, Usage
 
 
 def record(rows: dict[tuple[int, int, str], list[int]], last_used: dict[int, float],
-           spends=()) -> dict[tuple[int, str, datetime], int]:
+           spends: Iterable[tuple[int, str, datetime]] = ()) -> dict[tuple[int, str, datetime], int]:
     """Add `rows` ((hour, key id, model) -> [requests, prompt tokens, completion tokens]) to the usage, set each
     key's last use, and read back what each of `spends` ((key id, period, start)) has spent. A deleted key's
     usage is dropped."""
