@@ -17,6 +17,7 @@ import psutil
 from agents.agent.replicas import Replica, ReplicaFailed, write_json
 from ground.engines import driver_for, engine_host
 from ground.ports import port_free
+from ground.protocol import DesiredReplica
 
 log = logging.getLogger("llmgw.agent")
 
@@ -36,9 +37,11 @@ def exit_reason(code: int | None) -> str:
     return f"engine exited with code {code}"
 
 
-def start(replica: Replica, model_path: str, state_dir: Path, log_path: Path, record_path: Path) -> None:
-    """Spawns the replica's engine, its output appended to log_path, and records it for a later agent to adopt."""
-    spec = replica.spec
+def start(
+    replica: Replica, spec: DesiredReplica, model_path: str, state_dir: Path, log_path: Path, record_path: Path
+) -> None:
+    """Spawns the replica's engine (as `spec` says), its output appended to log_path, and records it for a later
+    agent to adopt."""
     driver = driver_for(spec["engine"]["kind"])
     port = spec["port"]
     if not port_free(port, engine_host()):

@@ -7,8 +7,10 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -72,7 +74,7 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def spec_problem(spec: dict) -> str:
+def spec_problem(spec: Mapping[str, Any]) -> str:
     """Why a desired entry cannot be run, or ""."""
     try:
         driver_for(str((spec.get("engine") or {}).get("kind", "")))
