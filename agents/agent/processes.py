@@ -11,9 +11,11 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import psutil
 
+from agents.agent.records import EngineRecord
 from agents.agent.replicas import Replica, ReplicaFailed, write_json
 from ground.engines import driver_for, engine_host
 from ground.ports import port_free
@@ -75,23 +77,29 @@ def start(
         create_time = psutil.Process(popen.pid).create_time()
     except psutil.Error:
         create_time = 0.0
-    write_json(
-        record_path,
-        {
-            "name": replica.name,
-            "pid": popen.pid,
-            "create_time": create_time,
-            "port": port,
-            "sha256": (spec.get("file") or {}).get("sha256", ""),
-            "argv": argv,
-            "started_at": time.time(),
-            "spec": spec,
-        },
-    )
+    record: EngineRecord = {
+        "name": replica.name,
+        "pid": popen.pid,
+        "create_time": create_time,
+        "port": port,
+        "sha256": (spec.get("file") or {}).get("sha256", ""),
+        "argv": argv,
+        "started_at": time.time(),
+        "spec": spec,
+    }
+    write_json(record_path, record)
     log.info("%s: started %s", replica.name, shown)
 
 
-def _engine_user(state_dir: Path, env: dict, model_path: str) -> dict:
+class RunAs(TypedDict, total=False):
+    """Popen's arguments that run a process as another user."""
+
+    user: int
+    group: int
+    extra_groups: list[int]
+
+
+def _engine_user(state_dir: Path, env: dict[str, str], model_path: str) -> RunAs:
     """Popen arguments to run the engine as ENGINE_USER when the agent is root and that user exists."""
     if os.geteuid() != 0:
         return {}
