@@ -129,7 +129,7 @@ class Child:
         name: str,
         argv: list[str],
         log_path: Path | None,
-        env: dict | None = None,
+        env: dict[str, str] | None = None,
         cwd: Path | str | None = None,
         pass_fds: tuple[int, ...] = (),
         cpus: set[int] | None = None,
@@ -189,14 +189,14 @@ class Child:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
-    def send(self, sig) -> None:
+    def send(self, sig: signal.Signals) -> None:
         if self.popen is not None:
             try:
                 os.killpg(self.popen.pid, sig)  # the group made for it: it and whatever it started
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def stop(self, sig=signal.SIGTERM, timeout: float = 15.0) -> None:
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 15.0) -> None:
         """`sig` to the group, then SIGKILL to it once the leader has not exited within `timeout`; returns
         when the leader has exited and the group is gone (or after a few seconds more of stragglers). A child
         stopped on purpose is not started again."""
