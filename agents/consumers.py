@@ -17,6 +17,7 @@ from django.db import DatabaseError
 from cluster import notify, reports
 from cluster.clients import allowed_host, header, page_scheme
 from cluster.models import Node
+from ground.protocol import Desired
 
 log = logging.getLogger("llmgw.agents")
 REFUSED = 4003
@@ -228,10 +229,12 @@ class AgentConsumer(notify.EndsWhenTheLayerIsAway, notify.StopsCleanly, AsyncJso
 
     async def on_hello(self, message):
         facts, replicas, base = message["facts"], list(message.get("replicas") or []), self.mirror_base()
+        node_pk = self.node_pk
+        assert node_pk is not None  # messages are handled only on a stream whose node connected
 
-        def hello() -> dict:  # one trip to the database threads: hundreds of agents say hello at once
-            reports.hello(self.node_pk, facts, replicas, self.stream)
-            return reports.desired(self.node_pk, base)
+        def hello() -> Desired:  # one trip to the database threads: hundreds of agents say hello at once
+            reports.hello(node_pk, facts, replicas, self.stream)
+            return reports.desired(node_pk, base)
 
         await self.send_json(await database_sync_to_async(hello)())
 

@@ -16,7 +16,7 @@ import shutil
 import string
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 DRIVERS: dict[str, type[EngineDriver]] = {}
@@ -127,11 +127,11 @@ class EngineDriver:
         return args.get("context_size") or None
 
     @classmethod
-    def command(cls, spec: dict[str, Any], model_path: str, port: int) -> list[str]:
+    def command(cls, spec: Mapping[str, Any], model_path: str, port: int) -> list[str]:
         raise NotImplementedError
 
     @classmethod
-    def env(cls, spec: dict[str, Any]) -> dict[str, str]:
+    def env(cls, spec: Mapping[str, Any]) -> dict[str, str]:
         """Environment added to the agent's own for the engine process: the engine key, the GPU it may use."""
         env = {KEY_ENV: spec["engine_key"]}
         if spec.get("gpu_index") is not None:
@@ -153,15 +153,15 @@ class EngineDriver:
         return {"Authorization": f"Bearer {engine_key}"}
 
 
-def _args(spec: dict[str, Any]) -> dict[str, Any]:
+def _args(spec: Mapping[str, Any]) -> dict[str, Any]:
     return spec.get("args") or {}
 
 
-def _binary(spec: dict[str, Any], default: str) -> str:
+def _binary(spec: Mapping[str, Any], default: str) -> str:
     return ((spec.get("engine") or {}).get("binary") or "").strip() or default
 
 
-def _extra(spec: dict[str, Any]) -> list[str]:
+def _extra(spec: Mapping[str, Any]) -> list[str]:
     extra = _args(spec).get("extra_args") or []
     if isinstance(extra, str):
         return shlex.split(extra)
@@ -193,7 +193,7 @@ def _llama_capabilities(embeddings: bool, multimodal: bool, rerank: bool = False
     return tuple(c for c in CAPABILITIES if c in wanted)
 
 
-def _small_batch(spec: dict[str, Any], args: dict[str, Any]) -> bool:
+def _small_batch(spec: Mapping[str, Any], args: dict[str, Any]) -> bool:
     """Whether a llama.cpp replica is started with DEFAULT_BATCH: its profile sets no batch size, it neither embeds
     nor reranks, and it runs on the CPU (not a GPU engine's, placed on a GPU, nor offloading layers to one)."""
     on_gpu = ((spec.get("engine") or {}).get("device") == "gpu" or spec.get("gpu_index") is not None
@@ -247,7 +247,7 @@ class LlamaCpp(EngineDriver):
         return _llama_capabilities(_has_flag(args, "--embeddings", "--embedding"), multimodal, _reranks(args))
 
     @classmethod
-    def command(cls, spec: dict[str, Any], model_path: str, port: int) -> list[str]:
+    def command(cls, spec: Mapping[str, Any], model_path: str, port: int) -> list[str]:
         args = _args(spec)
         argv = [_binary(spec, cls.default_binary()), "-m", model_path, "--host", engine_host(), "--port", str(port)]
         if spec.get("model"):
@@ -267,7 +267,7 @@ class LlamaCpp(EngineDriver):
         return argv + _extra(spec)
 
     @classmethod
-    def env(cls, spec: dict[str, Any]) -> dict[str, str]:
+    def env(cls, spec: Mapping[str, Any]) -> dict[str, str]:
         # llama.cpp common/arg.cpp: --api-key is `.set_env("LLAMA_API_KEY")`.
         return {**super().env(spec), "LLAMA_API_KEY": spec["engine_key"]}
 
@@ -294,7 +294,7 @@ class XLlamaCpp(EngineDriver):
         return _llama_capabilities(embedding, _has_flag(args, "--mmproj", "-mm"), _reranks(args))
 
     @classmethod
-    def command(cls, spec: dict[str, Any], model_path: str, port: int) -> list[str]:
+    def command(cls, spec: Mapping[str, Any], model_path: str, port: int) -> list[str]:
         args = _args(spec)
         python = _binary(spec, sys.executable)
         argv = [python, "-m", "agents.xllamacpp_launcher", "--model", model_path, "--port", str(port)]
@@ -316,7 +316,7 @@ class XLlamaCpp(EngineDriver):
         return argv + _extra(spec)
 
     @classmethod
-    def env(cls, spec: dict[str, Any]) -> dict[str, str]:
+    def env(cls, spec: Mapping[str, Any]) -> dict[str, str]:
         # `-m agents.xllamacpp_launcher` must import whatever the agent's working directory is.
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
@@ -351,7 +351,7 @@ class Vllm(EngineDriver):
         return match.group(1) if match else ""
 
     @classmethod
-    def command(cls, spec: dict[str, Any], model_path: str, port: int) -> list[str]:
+    def command(cls, spec: Mapping[str, Any], model_path: str, port: int) -> list[str]:
         args = _args(spec)
         argv = [_binary(spec, "vllm"), "serve", model_path, "--host", engine_host(), "--port", str(port)]
         argv += ["--served-model-name", str(spec.get("model") or spec["name"])]
@@ -360,7 +360,7 @@ class Vllm(EngineDriver):
         return argv + _extra(spec)
 
     @classmethod
-    def env(cls, spec: dict[str, Any]) -> dict[str, str]:
+    def env(cls, spec: Mapping[str, Any]) -> dict[str, str]:
         return {**super().env(spec), "VLLM_API_KEY": spec["engine_key"]}
 
 
@@ -428,7 +428,7 @@ class Command(EngineDriver):
         return words
 
     @classmethod
-    def command(cls, spec: dict[str, Any], model_path: str, port: int) -> list[str]:
+    def command(cls, spec: Mapping[str, Any], model_path: str, port: int) -> list[str]:
         words = cls.check_template((spec.get("engine") or {}).get("command") or "")
         args = _args(spec)
         values = {

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from io import BufferedWriter, FileIO
 from pathlib import Path
 
 CLEAN_RESTART_DELAY = 0.5  # seconds before a child that exited cleanly (told to restart, say) starts again
@@ -45,17 +46,18 @@ class RotatingLog:
             raise ValueError(f"a log file must hold at least a byte, not {limit.max_bytes}")
         self.path, self.limit = Path(path), limit
         self._lock = threading.Lock()
-        self._file = None
+        self._file: FileIO | None = None
         self._size = 0
         self._dropped = False
 
-    def _open(self) -> None:
+    def _open(self) -> FileIO:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "ab", buffering=0)
-        self._size = os.fstat(self._file.fileno()).st_size
+        self._file = file = open(self.path, "ab", buffering=0)
+        self._size = os.fstat(file.fileno()).st_size
+        return file
 
-    def _rotate(self) -> None:
-        self._file.close()
+    def _rotate(self, file: FileIO) -> FileIO:
+        file.close()
         self._file = None
         for i in range(self.limit.backups - 1, 0, -1):
             older = self.path.with_name(f"{self.path.name}.{i}")
@@ -65,26 +67,25 @@ class RotatingLog:
             os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
         else:
             self.path.unlink(missing_ok=True)
-        self._open()
+        return self._open()
 
     def write(self, data: bytes) -> None:
         with self._lock:
             try:
-                if self._file is None:
-                    self._open()
+                file = self._file if self._file is not None else self._open()
                 while data:
                     room = self.limit.max_bytes - self._size
                     if len(data) <= room:
-                        self._file.write(data)
+                        file.write(data)
                         self._size += len(data)
                         break
                     cut = data.rfind(b"\n", 0, room) + 1 if room > 0 else 0  # the file ends at a line's end
                     if cut == 0 and self._size == 0:
                         cut = room  # a line longer than a whole file: cut where the file is full
                     if cut:
-                        self._file.write(data[:cut])
+                        file.write(data[:cut])
                         data = data[cut:]
-                    self._rotate()
+                    file = self._rotate(file)
             except OSError as exc:  # the disk is full or gone: drop these bytes, keep the child's pipe flowing
                 if not self._dropped:
                     self._dropped = True
@@ -128,7 +129,7 @@ class Child:
         name: str,
         argv: list[str],
         log_path: Path | None,
-        env: dict | None = None,
+        env: dict[str, str] | None = None,
         cwd: Path | str | None = None,
         pass_fds: tuple[int, ...] = (),
         cpus: set[int] | None = None,
@@ -139,7 +140,7 @@ class Child:
         self.log_path = Path(log_path) if log_path is not None else None
         self.pass_fds, self.cpus = pass_fds, cpus
         # a log limit: the child writes to a pipe, and this process into files of a bounded size (RotatingLog)
-        self.log = RotatingLog(self.log_path, log_limit) if log_limit is not None and log_path is not None else None
+        self.log = RotatingLog(self.log_path, log_limit) if log_limit is not None and self.log_path is not None else None
         self._copier: threading.Thread | None = None
         self.popen: subprocess.Popen | None = None
         self.restarts = 0
@@ -150,7 +151,8 @@ class Child:
 
     def start(self) -> Child:
         cpus = self.cpus
-        log = read = None
+        read: int | None = None
+        log: int | BufferedWriter | None = None  # the pipe's writing end, or the log file
         if self.log is not None:
             read, log = os.pipe()
         elif self.log_path is not None:
@@ -172,7 +174,7 @@ class Child:
                 os.close(log)  # the child's copy remains: the pipe ends when it (and what it started) is gone
             elif log is not None:
                 log.close()
-        if read is not None:
+        if self.log is not None and read is not None:
             self._copier = self.log.follow(read, self.name)
         return self
 
@@ -187,14 +189,14 @@ class Child:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
-    def send(self, sig) -> None:
+    def send(self, sig: signal.Signals) -> None:
         if self.popen is not None:
             try:
                 os.killpg(self.popen.pid, sig)  # the group made for it: it and whatever it started
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def stop(self, sig=signal.SIGTERM, timeout: float = 15.0) -> None:
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 15.0) -> None:
         """`sig` to the group, then SIGKILL to it once the leader has not exited within `timeout`; returns
         when the leader has exited and the group is gone (or after a few seconds more of stragglers). A child
         stopped on purpose is not started again."""
@@ -216,7 +218,7 @@ class Child:
             self.send(signal.SIGKILL)
         if self._copier is not None:  # its last words into the log (a straggler outside the group may hold the
             self._copier.join(2.0)  # pipe open: its reader then goes on alone, a daemon thread)
-            if not self._copier.is_alive():
+            if not self._copier.is_alive() and self.log is not None:
                 self.log.close()
 
     def tail(self, lines: int = 40) -> str:

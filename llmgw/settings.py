@@ -4,6 +4,7 @@ import ipaddress
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -164,7 +165,7 @@ TEMPLATES = [
 WEB_PROCESS = "llmgw.asgi" in sys.modules  # settings loaded as the ASGI application is (uvicorn, daphne)
 
 
-def database(url: str) -> dict:
+def database(url: str) -> dj_database_url.DBConfig:
     """Django's DATABASES entry for a URL. A PostgreSQL URL may name several hosts, as libpq's own URIs do
     (`postgres://u@db1:5432,db2:5432/llmgw?target_session_attrs=read-write`): libpq tries them in order and, with
     `target_session_attrs=read-write`, takes the one that is the primary, so after a standby is promoted every new
@@ -236,7 +237,7 @@ LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard:overview"
 LOGOUT_REDIRECT_URL = "login"
 
-CHANNEL_LAYERS = {
+CHANNEL_LAYERS: dict[str, dict[str, Any]] = {  # channels' own shape: a backend and its CONFIG
     "default": {
         "BACKEND": "llmgw.channel_layer.RedisChannelLayer",  # channels_redis's, with a pool that waits
         # redis-py 8 reads with a 5 s socket timeout by default; the layer blocks 5 s in BZPOPMIN, so give it room.
@@ -308,7 +309,7 @@ CELERY_BROKER_CONNECTION_TIMEOUT = 3
 # kombu's Redis transport: a PING before a connection idle this long is used (and its own check of the worker's
 # BRPOP connection), TCP keepalive (kombu passes none by default); a task sent on a dead connection is sent
 # again on a new one (Celery's task_publish_retry, on by default).
-CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 3, "socket_timeout": 10, "socket_keepalive": True,
+CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {"socket_connect_timeout": 3, "socket_timeout": 10, "socket_keepalive": True,
                                    "health_check_interval": 25}
 if LLMGW_REDIS_SENTINELS:  # kombu's own Sentinel transport: a sentinel:// URL for each, the master by name
     CELERY_BROKER_URL = sentinel_broker_url(REDIS_URL, LLMGW_REDIS_SENTINELS)

@@ -147,7 +147,8 @@ class _Refused(asyncio.Protocol):
 
     def __init__(self, refusals: _Refusals, server_state, loop):
         self.refusals, self.server_state, self.loop = refusals, server_state, loop
-        self.transport = self.timer = None
+        self.transport: asyncio.Transport  # set by connection_made, the first call a protocol gets
+        self.timer: asyncio.TimerHandle | None = None
         self.held = False
         self.until = self.last_read = 0.0
 
@@ -197,6 +198,7 @@ def protocol(limits: Limits):
     refusals = _Refusals(limits.max_connections)
 
     class Limited(HttpToolsProtocol):
+        flow: _Flow
         _timer: asyncio.TimerHandle | None = None
         _body_pending = False  # a request's headers are in, its body is not all in
         _request_bytes = False  # bytes of a request whose headers are not all in yet

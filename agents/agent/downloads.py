@@ -8,12 +8,14 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from agents.agent.replicas import Replica, ReplicaFailed
+from ground.protocol import DesiredReplica, FileSpec
 
 log = logging.getLogger("llmgw.agent")
 
@@ -43,14 +45,16 @@ class ModelDownloads:
     cache: Path
     token: str
     on_progress: Callable[[str, int, int], None]
-    _downloads: dict[str, asyncio.Task]
+    _downloads: dict[str, asyncio.Task[None]]
     _download_waiters: dict[str, set[str]]
     _last_progress: dict[str, float]
     _download_client: httpx.AsyncClient | None
+    _set: Callable[[Replica, str], None]
+    _spawn_task: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]
 
-    async def _model_file(self, replica: Replica) -> str:
+    async def _model_file(self, replica: Replica, spec: DesiredReplica) -> str:
         """The model file's path in the cache, downloading it first (once per sha256) when missing."""
-        file = replica.spec.get("file")
+        file = spec.get("file")
         if not file:
             return ""
         sha256, size = file["sha256"], int(file.get("size") or 0)
@@ -76,14 +80,14 @@ class ModelDownloads:
                 task.cancel()  # nobody needs it any more; the partial file stays for a later resume
         return str(path)
 
-    def _download_done(self, task: asyncio.Task) -> None:
+    def _download_done(self, task: asyncio.Task[None]) -> None:
         for sha256, running in list(self._downloads.items()):
             if running is task:
                 del self._downloads[sha256]
         if not task.cancelled():
             task.exception()  # retrieved: the replicas that waited for it report it
 
-    async def _download(self, file: dict) -> None:
+    async def _download(self, file: FileSpec) -> None:
         sha256 = file["sha256"]
         for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
             try:
@@ -96,7 +100,7 @@ class ModelDownloads:
                 log.warning("download of %s broke (%s); retry %d of %d", sha256[:12], exc, attempt, retries)
                 await asyncio.sleep(min(2.0 ** (attempt - 1), 30.0))
 
-    async def _fetch(self, file: dict) -> None:
+    async def _fetch(self, file: FileSpec) -> None:
         sha256, url, size = file["sha256"], file["url"], int(file.get("size") or 0)
         part, final = self.cache / f"{sha256}.part", self.cache / sha256
         have = part.stat().st_size if part.exists() else 0

@@ -11,12 +11,15 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import psutil
 
+from agents.agent.records import EngineRecord
 from agents.agent.replicas import Replica, ReplicaFailed, write_json
 from ground.engines import driver_for, engine_host
 from ground.ports import port_free
+from ground.protocol import DesiredReplica
 
 log = logging.getLogger("llmgw.agent")
 
@@ -36,9 +39,11 @@ def exit_reason(code: int | None) -> str:
     return f"engine exited with code {code}"
 
 
-def start(replica: Replica, model_path: str, state_dir: Path, log_path: Path, record_path: Path) -> None:
-    """Spawns the replica's engine, its output appended to log_path, and records it for a later agent to adopt."""
-    spec = replica.spec
+def start(
+    replica: Replica, spec: DesiredReplica, model_path: str, state_dir: Path, log_path: Path, record_path: Path
+) -> None:
+    """Spawns the replica's engine (as `spec` says), its output appended to log_path, and records it for a later
+    agent to adopt."""
     driver = driver_for(spec["engine"]["kind"])
     port = spec["port"]
     if not port_free(port, engine_host()):
@@ -72,23 +77,29 @@ def start(replica: Replica, model_path: str, state_dir: Path, log_path: Path, re
         create_time = psutil.Process(popen.pid).create_time()
     except psutil.Error:
         create_time = 0.0
-    write_json(
-        record_path,
-        {
-            "name": replica.name,
-            "pid": popen.pid,
-            "create_time": create_time,
-            "port": port,
-            "sha256": (spec.get("file") or {}).get("sha256", ""),
-            "argv": argv,
-            "started_at": time.time(),
-            "spec": spec,
-        },
-    )
+    record: EngineRecord = {
+        "name": replica.name,
+        "pid": popen.pid,
+        "create_time": create_time,
+        "port": port,
+        "sha256": (spec.get("file") or {}).get("sha256", ""),
+        "argv": argv,
+        "started_at": time.time(),
+        "spec": spec,
+    }
+    write_json(record_path, record)
     log.info("%s: started %s", replica.name, shown)
 
 
-def _engine_user(state_dir: Path, env: dict, model_path: str) -> dict:
+class RunAs(TypedDict, total=False):
+    """Popen's arguments that run a process as another user."""
+
+    user: int
+    group: int
+    extra_groups: list[int]
+
+
+def _engine_user(state_dir: Path, env: dict[str, str], model_path: str) -> RunAs:
     """Popen arguments to run the engine as ENGINE_USER when the agent is root and that user exists."""
     if os.geteuid() != 0:
         return {}

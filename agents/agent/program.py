@@ -9,19 +9,24 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from agents.agent.stream import Agent, agent_urls
 from ground import facts as node_facts
 from ground.protocol import is_address
+from ground.units import parse_size
 
 log = logging.getLogger("llmgw.agent")
 ADDRESS_ENV = "LLMGW_AGENT_ADDRESS"
+T = TypeVar("T")
 
 
 async def _serve(agent: Agent) -> str:
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
+    assert task is not None  # asyncio.run runs it as a task
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, task.cancel)
@@ -96,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
     token = os.environ.get("LLMGW_AGENT_TOKEN", "")
     p.add_argument("--token", default=token, help="the node token (or LLMGW_AGENT_TOKEN, which keeps it out of ps)")
     p.add_argument("--state-dir", type=Path, default=Path(".llmgw/agent"), help="engine records, logs, model cache")
-    p.add_argument("--memory", type=_arg(node_facts.parse_size), help="offer at most this much RAM, e.g. 8GiB")
+    p.add_argument("--memory", type=_arg(parse_size), help="offer at most this much RAM, e.g. 8GiB")
     p.add_argument("--cpus", type=_arg(node_facts.parse_cpus), help="offer at most this many CPU cores, e.g. 2")
     p.add_argument("--gpus", type=_arg(node_facts.parse_gpus), help="simulated GPUs' memory, e.g. 24GiB,24GiB, or none")
     p.add_argument("--port-range", type=_arg(node_facts.parse_port_range), default=(20000, 20999), help="LOW-HIGH")
@@ -110,8 +115,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _arg(parse):
-    def convert(text: str):
+def _arg(parse: Callable[[str], T]) -> Callable[[str], T]:
+    def convert(text: str) -> T:
         try:
             return parse(text)
         except ValueError as exc:

@@ -15,10 +15,29 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import NotRequired, TypedDict, cast
 
 import psutil
 
+from ground.protocol import DesiredReplica
+
 START_TIME_SLACK = 0.5  # seconds: psutil's start time of the same process, read twice, differs by less
+
+
+class EngineRecord(TypedDict):
+    """An engine as the agent that started it records it (agents.agent.processes.start); one stopped on purpose
+    has `stopped_at` and `reason` too. read() checks only `name` and `pid`: the rest is read with care."""
+
+    name: str
+    pid: int
+    create_time: float  # psutil's, to tell the engine from a later process given its pid
+    port: int
+    sha256: str  # of its model file ("" when it has none)
+    argv: list[str]
+    started_at: float
+    spec: DesiredReplica
+    stopped_at: NotRequired[float]
+    reason: NotRequired[str]
 
 
 def engines_dir(state_dir: Path) -> Path:
@@ -29,16 +48,16 @@ def stopped_dir(state_dir: Path) -> Path:
     return Path(state_dir) / "stopped"
 
 
-def read(path: Path) -> dict:
+def read(path: Path) -> EngineRecord:
     """A record; ValueError (or OSError) when it cannot be read or lacks what every record has."""
     record = json.loads(Path(path).read_text())
     if not isinstance(record, dict) or not isinstance(record.get("name"), str):
         raise ValueError(f"{path.name}: not an engine record")
     int(record["pid"])
-    return record
+    return cast(EngineRecord, record)  # JSON an agent wrote: its name and pid checked, the rest read with care
 
 
-def running(record: dict) -> psutil.Process | None:
+def running(record: EngineRecord) -> psutil.Process | None:
     """The recorded engine's process, if it still runs (same pid, same start time, not a zombie)."""
     try:
         process = psutil.Process(int(record["pid"]))
@@ -52,7 +71,7 @@ def running(record: dict) -> psutil.Process | None:
 def stop_recorded_engines(state_dir: Path, timeout: float = 10.0, why: str = "stopped on purpose") -> list[str]:
     """Stop every recorded engine that still runs (SIGTERM to its process group, SIGKILL after `timeout`), and
     keep its record in `stopped/` with `why`, for the next agent to report. Returns the replicas it stopped."""
-    stopped = []
+    stopped: list[str] = []
     for path in sorted(engines_dir(state_dir).glob("*.json")):
         try:
             record = read(path)

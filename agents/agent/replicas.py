@@ -7,8 +7,10 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -33,9 +35,9 @@ class Replica:
     pid: int | None = None
     reason: str = ""
     log_tail: str = ""
-    popen: subprocess.Popen | None = None  # spawned by this agent: reaped with poll()
+    popen: subprocess.Popen[bytes] | None = None  # spawned by this agent: reaped with poll()
     process: psutil.Process | None = None  # adopted: watched with psutil
-    task: asyncio.Task | None = None
+    task: asyncio.Task[None] | None = None
     stopping: bool = False
     on_purpose: bool = False  # stopped on purpose on this node (not asked by the server, not a crash)
 
@@ -61,7 +63,7 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 
 
-def write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: Mapping[str, object]) -> None:
     """Atomically, readable by the agent's user only (records hold the engine key)."""
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -72,7 +74,7 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def spec_problem(spec: dict) -> str:
+def spec_problem(spec: Mapping[str, Any]) -> str:
     """Why a desired entry cannot be run, or ""."""
     try:
         driver_for(str((spec.get("engine") or {}).get("kind", "")))

@@ -9,11 +9,11 @@ import random
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from agents.agent.supervisor import EngineSupervisor
-from ground.protocol import Facts
+from ground.protocol import AgentMessage, Facts, Report
 
 log = logging.getLogger("llmgw.agent")
 
@@ -76,9 +76,9 @@ class Agent:
             on_change=self._changed,
             on_progress=self._progress,
         )
-        self._ws = None
-        self._dirty: asyncio.Event | None = None
-        self._sends: set[asyncio.Task] = set()
+        self._ws: ClientConnection | None = None
+        self._dirty = asyncio.Event()  # made again by run(), in the event loop that waits for it
+        self._sends: set[asyncio.Task[bool]] = set()
 
     async def run(self) -> str:
         """Serves the stream until the server says restart_agent ("restart"); reconnects forever otherwise."""
@@ -143,7 +143,7 @@ class Agent:
             await asyncio.sleep(delay * random.uniform(0.75, 1.25))
             delay = min(delay * 2, MAX_DELAY)
 
-    async def _session(self, ws) -> str:
+    async def _session(self, ws: ClientConnection) -> str:
         self._dirty.clear()  # the hello says it all
         await ws.send(json.dumps({"type": "hello", "facts": self.facts, "replicas": self.engines.statuses()}))
         self._ws = ws
@@ -160,7 +160,7 @@ class Agent:
             reporter.cancel()
             await asyncio.wait([reporter])
 
-    def _handle(self, raw) -> str | None:
+    def _handle(self, raw: str | bytes) -> str | None:
         try:
             message = json.loads(raw)
         except ValueError as exc:
@@ -190,10 +190,10 @@ class Agent:
             except TimeoutError:
                 pass
             self._dirty.clear()
-            report = {"type": "report", "full": True, "replicas": self.engines.statuses(consume_stopped=True)}
+            report: Report = {"type": "report", "full": True, "replicas": self.engines.statuses(consume_stopped=True)}
             await self._send(report)
 
-    async def _send(self, message: dict) -> bool:
+    async def _send(self, message: AgentMessage) -> bool:
         ws = self._ws
         if ws is None:
             return False
@@ -204,8 +204,7 @@ class Agent:
         return True
 
     def _changed(self) -> None:
-        if self._dirty is not None:
-            self._dirty.set()
+        self._dirty.set()
 
     def _progress(self, replica: str, done: int, total: int) -> None:
         task = asyncio.get_running_loop().create_task(

@@ -9,15 +9,16 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from agents.agent import processes, records
 from agents.agent.downloads import ModelDownloads
 from agents.agent.replicas import NAME_RE, Replica, ReplicaFailed, log_tail, spec_problem, write_json
-from ground.engines import driver_for
+from ground.engines import EngineDriver, driver_for
 from ground.protocol import DesiredReplica, ReplicaStatus
 
 log = logging.getLogger("llmgw.agent")
@@ -66,10 +67,10 @@ class EngineSupervisor(ModelDownloads):
         for path, mode in ((self.records, 0o700), (self.failed_dir, 0o700), (self.logs, 0o750), (self.cache, 0o755)):
             path.mkdir(exist_ok=True)
             os.chmod(path, mode)
-        self._downloads: dict[str, asyncio.Task] = {}
+        self._downloads: dict[str, asyncio.Task[None]] = {}
         self._download_waiters: dict[str, set[str]] = {}
         self._last_progress: dict[str, float] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._health_client: httpx.AsyncClient | None = None
         self._download_client: httpx.AsyncClient | None = None
 
@@ -106,9 +107,10 @@ class EngineSupervisor(ModelDownloads):
                 record = records.read(path)
             except (OSError, ValueError, KeyError) as exc:
                 log.warning("deleting unreadable engine record %s: %s", path.name, exc)
-                record = None
+                path.unlink(missing_ok=True)
+                continue
             path.unlink(missing_ok=True)
-            if record is not None and record["name"] not in self.replicas:
+            if record["name"] not in self.replicas:
                 reason = str(record.get("reason") or "stopped on purpose")
                 self.replicas[record["name"]] = Replica(name=record["name"], spec=None, state="stopped",
                                                         port=record.get("port"), reason=reason, on_purpose=True)
@@ -224,7 +226,7 @@ class EngineSupervisor(ModelDownloads):
 
     # One replica's life
 
-    def _spawn_task(self, coro) -> asyncio.Task:
+    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -248,12 +250,14 @@ class EngineSupervisor(ModelDownloads):
     async def _run(self, replica: Replica) -> None:
         try:
             if replica.popen is None and replica.process is None:
-                problem = spec_problem(replica.spec or {})
-                if problem:
+                spec = replica.spec
+                problem = spec_problem(spec or {})
+                if problem or spec is None:  # no spec at all: spec_problem has said why
                     raise ReplicaFailed(problem)
-                model_path = await self._model_file(replica)
+                model_path = await self._model_file(replica, spec)
                 processes.start(
                     replica,
+                    spec,
                     model_path,
                     self.state_dir,
                     log_path=self.logs / f"{replica.name}.log",
@@ -304,17 +308,26 @@ class EngineSupervisor(ModelDownloads):
                     next_check = loop.time() + STARTING_POLL
             await asyncio.sleep(max(0.0, min(WATCH_TICK, next_check - loop.time())))
 
+    def _health_target(self, replica: Replica) -> tuple[type[EngineDriver], str]:
+        """The replica's engine driver and the URL its engine answers health checks on; KeyError, TypeError or
+        ValueError when its spec or port cannot say."""
+        spec: Mapping[str, Any] = replica.spec or {}
+        driver = driver_for(spec["engine"]["kind"])
+        if replica.port is None:
+            raise ValueError("the replica has no port")
+        return driver, driver.health_url(replica.port)
+
+    def _health_http(self) -> httpx.AsyncClient:
+        if self._health_client is None:
+            self._health_client = httpx.AsyncClient(trust_env=False)
+        return self._health_client
+
     async def _probe(self, replica: Replica, timeout: float) -> tuple[bool, str]:
-        spec = replica.spec or {}
+        spec: Mapping[str, Any] = replica.spec or {}
         try:
-            driver = driver_for(spec["engine"]["kind"])
-            if self._health_client is None:
-                self._health_client = httpx.AsyncClient(trust_env=False)
-            response = await self._health_client.get(
-                driver.health_url(replica.port),
-                headers=driver.health_headers(spec["engine_key"]),
-                timeout=timeout,
-            )
+            driver, url = self._health_target(replica)
+            headers = driver.health_headers(spec["engine_key"])
+            response = await self._health_http().get(url, headers=headers, timeout=timeout)
         except (httpx.HTTPError, OSError, KeyError, TypeError, ValueError) as exc:
             return False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if response.status_code == 200:
@@ -323,9 +336,9 @@ class EngineSupervisor(ModelDownloads):
 
     async def _open_without_key(self, replica: Replica) -> str:
         """Why the engine must not serve: it answers without the engine key; "" when it refuses as it should."""
-        url = driver_for(replica.spec["engine"]["kind"]).health_url(replica.port)
+        _, url = self._health_target(replica)
         try:
-            response = await self._health_client.get(url, timeout=5.0)
+            response = await self._health_http().get(url, timeout=5.0)
         except httpx.HTTPError as exc:  # it just answered with the key; a hiccup here is no proof either way
             log.warning("%s: could not check that the engine requires its key: %r", replica.name, exc)
             return ""

@@ -16,6 +16,7 @@ from agents import agent as agent_program
 from agents.agent.program import ADDRESS_ENV
 from agents.agent.records import stop_recorded_engines
 from ground import facts
+from ground.units import parse_size
 from llmgw.home import home
 
 TOKEN_ENV = "LLMGW_AGENT_TOKEN"
@@ -62,7 +63,7 @@ def agent(o: dict, out) -> None:
         raise AgentError("the agent needs the control plane's URL: --server URL")
     token = _token(o)
     try:
-        memory = facts.parse_size(o["memory"]) if o.get("memory") else None
+        memory = parse_size(o["memory"]) if o.get("memory") else None
         cpus = facts.parse_cpus(o["cpus"]) if o.get("cpus") else None
         gpus = facts.parse_gpus(o["gpus"]) if o.get("gpus") else None
         port_range = facts.parse_port_range(o.get("port_range") or "20000-20999")

@@ -31,7 +31,7 @@ class Api:
     """/api/v1/ of one llmgw server. `local`: the API in this process (the control plane's host)."""
 
     def __init__(self, base_url: str, token: str | None = None, *, transport: httpx.BaseTransport | None = None,
-                 local: bool = False, verify: bool | str = True):
+                 local: bool = False, verify: ssl.SSLContext | bool | str = True):
         self.base_url = base_url.rstrip("/")
         self.local = local
         headers = {"Accept": "application/json", "User-Agent": "llmgw-cli"}

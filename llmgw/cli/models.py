@@ -34,7 +34,8 @@ def models_list(o, out):
 def _queue_columns(queue: dict | None) -> tuple[str, str]:
     """WAITING and LONGEST WAIT: the requests waiting for a slot (`-`: none; `?`: unknown, Redis away) and the
     oldest's wait, e.g. 4.2s."""
-    waiting = (queue or {}).get("waiting")
+    queue = queue or {}
+    waiting = queue.get("waiting")
     if waiting is None:
         return "?", "-"
     if not waiting:
