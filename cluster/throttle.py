@@ -122,7 +122,7 @@ class Door:
         """The same with an asyncio Redis client; the Event is written on a thread."""
         from asgiref.sync import sync_to_async
 
-        script = CLUSTER.register(redis, "throttle")
+        script = CLUSTER.aregister(redis, "throttle")
         for subject in found:
             try:
                 n, delay = await script(keys=self._keys(subject), args=self._args(subject))
