@@ -130,6 +130,16 @@ def _nodes(request) -> dict:
     return {"rows": rows, "server": server, "build_wheel": BUILD_WHEEL, "install_wheel": INSTALL_WHEEL}
 
 
+@dataclass
+class ModelShown:
+    """A model's card: the model, its replicas not over, and its scaling and queue as every door shows them."""
+
+    model: Model
+    live: list[Replica]
+    scaling: dict[str, Any]
+    queue: dict[str, Any]
+
+
 def _models(request) -> dict:
     models = list(queries.models_with_counts())
     replicas: dict[int, list[Replica]] = {}
@@ -137,13 +147,10 @@ def _models(request) -> dict:
         replicas.setdefault(r.model_id, []).append(r)
     asked = queries.last_requests()
     waiting, cluster = queries.queues([m.name for m in models]), queries.read_settings()
-    for m in models:
-        m.live = replicas.get(m.pk, [])
-        m.scaling = queries.scaling_shown(m, asked)
-        m.queue = queries.queue_shown(m, waiting, cluster)
     return {
         "cluster": cluster,
-        "models": models,
+        "models": [ModelShown(m, replicas.get(m.pk, []), queries.scaling_shown(m, asked),
+                              queries.queue_shown(m, waiting, cluster)) for m in models],
         "files": ModelFile.objects.order_by("name"),
         "engines": EngineVersion.objects.order_by("name"),
         "default_engine": getattr(queries.default_engine(), "name", None),
@@ -152,17 +159,19 @@ def _models(request) -> dict:
     }
 
 
+@dataclass
+class ReplicaShown:
+    replica: Replica
+    stale: str | None  # why it no longer matches what it would start with now
+
+
 def _replicas(request) -> dict:
     show_over = request.GET.get("over") == "1"
     rows = queries.replicas_listed(include_over=show_over).order_by("model__name", "name")
     cluster = ClusterSettings.load()
-    now = timezone.now()
-    out = []
-    for r in rows:
-        r.stale = operations.staleness(r, r.model, cluster)
-        r.age = now - r.created_at
-        out.append(r)
-    return {"replicas": out, "show_over": show_over, "any_stale": any(r.stale for r in out if r.state not in Replica.TERMINAL)}
+    out = [ReplicaShown(r, operations.staleness(r, r.model, cluster)) for r in rows]
+    return {"replicas": out, "show_over": show_over,
+            "any_stale": any(row.stale for row in out if row.replica.state not in Replica.TERMINAL)}
 
 
 def _profiles(request) -> dict:

@@ -75,7 +75,7 @@ class NodeSerializer(serializers.ModelSerializer):
     @extend_schema_field(
         serializers.ChoiceField(choices=["draining", "blocked", "drained"], allow_null=True),
     )
-    def get_drain(self, node: Node) -> str | None:
+    def get_drain(self, node: queries.NodeWithCount) -> str | None:
         return node.drain_state(node.replica_count) or None
 
     def _memory(self, node: Node):
