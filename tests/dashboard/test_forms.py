@@ -257,3 +257,13 @@ def test_a_refused_form_is_an_error_message_and_changes_nothing(db, url, fields,
     body = client.post(url, fields, **HTMX).content.decode().replace("&#x27;", "'")
     assert "msg error" in body and said in body, body
     assert row_counts() == before
+
+
+def test_a_number_inputs_range_is_its_form_fields(db):
+    """The browser refuses what the form would: each number input's min and max are its field's bounds."""
+    client = session_for("operator")
+    assert 'name="gpu_layers" type="number" min="-1" max="100000"' in client.get("/profiles/").content.decode()
+    assert 'name="expires_days" type="number" min="1" max="36500"' in client.get("/keys/").content.decode()
+    models = client.get("/models/").content.decode()
+    assert 'name="max_replicas" type="number" min="1" max="1000"' in models
+    assert 'name="reconcile_interval_seconds" type="number" min="1" max="3600"' in client.get("/settings/").content.decode()
