@@ -133,7 +133,7 @@ class Name(forms.CharField):
             raise _refused(exc) from None
 
 
-class Names(forms.CharField):
+class Names(forms.Field):
     """Names separated by commas or spaces, each checked as a name of `kind`; blank: none. A word in `every`
     (`all`) stands for none named: every one."""
 
@@ -141,7 +141,7 @@ class Names(forms.CharField):
         super().__init__(required=False)
         self.kind, self.every = kind, every
 
-    def to_python(self, value: Any) -> list[str]:  # type: ignore[override]  # a list, where CharField's is text
+    def to_python(self, value: Any) -> list[str]:
         raw = str(value or "").strip()
         if raw.lower() in self.every:
             return []
@@ -155,13 +155,13 @@ class Names(forms.CharField):
                 raise _refused(exc) from None
 
 
-class Aliases(forms.CharField):
+class Aliases(forms.Field):
     """A model's aliases, comma-separated; blank or `none`: none. Each is checked by the operation (set_model)."""
 
     def __init__(self) -> None:
         super().__init__(required=False)
 
-    def to_python(self, value: Any) -> list[str]:  # type: ignore[override]  # a list, where CharField's is text
+    def to_python(self, value: Any) -> list[str]:
         raw = str(value or "").strip()
         return [] if raw.lower() in NONE else [a for a in (x.strip() for x in raw.split(",")) if a]
 
@@ -196,10 +196,10 @@ class Listed(forms.Field):
         return [str(v) for v in value or []]
 
 
-class Budget(forms.CharField):
+class Budget(forms.Field):
     """A key's budget as TOKENS/PERIOD (2M/day), as the operations take it: `none`, no budget."""
 
-    def to_python(self, value: Any) -> dict[str, int | str]:  # type: ignore[override]  # the operation's arguments
+    def to_python(self, value: Any) -> dict[str, int | str]:  # the operation's arguments
         raw = str(value or "").strip()
         if not raw:
             return {}
@@ -212,13 +212,13 @@ class Budget(forms.CharField):
         return {"budget_tokens": tokens, "budget_period": period}
 
 
-class ShellWords(forms.CharField):
+class ShellWords(forms.Field):
     """Words as a shell splits them ('--flash-attn on --jinja')."""
 
     def __init__(self, label: str):
-        super().__init__(label=label, required=False, strip=False)
+        super().__init__(label=label, required=False)
 
-    def to_python(self, value: Any) -> list[str]:  # type: ignore[override]  # the words, where CharField's is text
+    def to_python(self, value: Any) -> list[str]:
         try:
             return shlex.split(str(value or ""))
         except ValueError as exc:
