@@ -1,7 +1,8 @@
 """The browser dashboard: every page renders whole on a normal request and only its partial on an htmx one.
 
-Every button is a POST (with CSRF) that calls the same function in `cluster/operations.py` as the CLI and the
-REST API, then answers with the page's updated partial and a message (htmx), or redirects back to the page
+Every button is a POST (with CSRF) whose input its form reads and checks (dashboard/forms.py: an invalid one is
+its errors as the message, nothing changed) and that calls the same function in `cluster/operations.py` as the CLI
+and the REST API, then answers with the page's updated partial and a message (htmx), or redirects back to the page
 with the message (no JavaScript). A viewer sees no button that would be refused, and a forged POST from one
 is refused with 403 and changes nothing.
 """
