@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from cluster.errors import OperationError
 from cluster.models import EngineVersion, Model
-from cluster.operations import PROFILE_BOUNDS, check_password, user_name
+from cluster.operations import PROFILE_BOUNDS, check_alias, check_password, user_name
 from cluster.operations.validation import (
     DRAIN_GRACE,
     MAX_CHOICES,
@@ -156,7 +156,8 @@ class Names(forms.Field):
 
 
 class Aliases(forms.Field):
-    """A model's aliases, comma-separated; blank or `none`: none. Each is checked by the operation (set_model)."""
+    """A model's aliases, comma-separated, each checked as the operation and the API check it; blank or `none`:
+    none."""
 
     def __init__(self) -> None:
         super().__init__(required=False)
@@ -164,6 +165,13 @@ class Aliases(forms.Field):
     def to_python(self, value: Any) -> list[str]:
         raw = str(value or "").strip()
         return [] if raw.lower() in NONE else [a for a in (x.strip() for x in raw.split(",")) if a]
+
+    def validate(self, value: Any) -> None:
+        for alias in value:
+            try:
+                check_alias(alias)
+            except OperationError as exc:
+                raise _refused(exc) from None
 
 
 class Choice(forms.ChoiceField):

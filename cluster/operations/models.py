@@ -46,13 +46,18 @@ ROUTINGS = tuple(Model.Routing.values)  # how the gateway picks among a model's 
 MAX_ALIASES = 32  # per model: a client's vendor names, not a catalogue
 
 
+def check_alias(alias: str) -> None:
+    """Another name a model answers to, as clients send it (ALIAS_PATTERN, whole)."""
+    if not re.fullmatch(ALIAS_PATTERN, alias):
+        raise OperationError(f"invalid alias {alias[:140]!r}: use {ALIAS_HINT}")
+
+
 def _aliases(aliases) -> list[str]:
     """The other names a model answers to, each as clients send it, duplicates folded, sorted."""
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         raise OperationError("aliases must be a list of names")
     for alias in aliases:
-        if not re.fullmatch(ALIAS_PATTERN, alias):
-            raise OperationError(f"invalid alias {alias[:140]!r}: use {ALIAS_HINT}")
+        check_alias(alias)
     folded = sorted(set(aliases))
     if len(folded) > MAX_ALIASES:
         raise OperationError(f"a model has at most {MAX_ALIASES} aliases, not {len(folded)}")

@@ -267,3 +267,8 @@ def test_a_number_inputs_range_is_its_form_fields(db):
     models = client.get("/models/").content.decode()
     assert 'name="max_replicas" type="number" min="1" max="1000"' in models
     assert 'name="reconcile_interval_seconds" type="number" min="1" max="3600"' in client.get("/settings/").content.decode()
+
+
+def test_a_bad_alias_is_refused_in_the_words_of_the_operation_and_the_api():
+    said = refusal(ModelSetForm(sent(aliases="gpt-5, -bad")))
+    assert said.startswith("invalid alias '-bad': use letters, digits")
