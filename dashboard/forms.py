@@ -237,9 +237,9 @@ class ShellWords(forms.Field):
 
 
 class ButtonForm(forms.Form):
-    """A button's form. `given()` is what it changes: the cleaned value of each field filled in, and of each field
-    in `sent_blank` sent at all (its blank means something: no nodes, the cluster's default), by the operation's
-    name for it (`renamed`); the fields in `apart` the view reads itself."""
+    """A button's form (or a page's filters). `given()` is what it changes: the cleaned value of each field filled
+    in, and of each field in `sent_blank` sent at all (its blank means something: no nodes, the cluster's default),
+    by the operation's name for it (`renamed`); the fields in `apart` the view reads itself."""
 
     renamed: ClassVar[dict[str, str]] = {}
     sent_blank: ClassVar[frozenset[str]] = frozenset()
@@ -267,6 +267,13 @@ def valid(form: Form) -> Form:
     if not form.is_valid():
         raise FormError(form.problem())
     return form
+
+
+class EventsFilterForm(ButtonForm):
+    """The Events page's filters: the kinds beginning so, the subjects containing that."""
+
+    kind = forms.CharField(required=False)
+    subject = forms.CharField(required=False)
 
 
 class ForceForm(ButtonForm):

@@ -31,6 +31,7 @@ from cluster.roles import ROLES, WRITE_ROLES, can_change, role_of
 from dashboard.forms import (
     EngineAddForm,
     EngineSetForm,
+    EventsFilterForm,
     ForceForm,
     FormError,
     KeyCreateForm,
@@ -227,8 +228,10 @@ def _users(request) -> dict:
 
 
 def _events(request) -> dict:
-    kind = request.GET.get("kind", "").strip()
-    subject = request.GET.get("subject", "").strip()
+    form = EventsFilterForm(request.GET)
+    if not form.is_valid():  # a NUL, which no database column holds: that filter is dropped, and said so
+        messages.error(request, form.problem())
+    kind, subject = form.cleaned_data.get("kind", ""), form.cleaned_data.get("subject", "")
     rows = Event.objects.order_by("-created_at", "-id")
     if kind:
         rows = rows.filter(kind__startswith=kind)

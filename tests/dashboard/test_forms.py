@@ -272,3 +272,11 @@ def test_a_number_inputs_range_is_its_form_fields(db):
 def test_a_bad_alias_is_refused_in_the_words_of_the_operation_and_the_api():
     said = refusal(ModelSetForm(sent(aliases="gpt-5, -bad")))
     assert said.startswith("invalid alias '-bad': use letters, digits")
+
+
+def test_the_events_filters_are_a_form_and_a_nul_in_one_is_said_not_a_500(db):
+    client = session_for("operator")
+    body = client.get("/events/?kind=node.&subject=%20gpu%20").content.decode()
+    assert 'name="kind" value="node."' in body and 'name="subject" value="gpu"' in body
+    response = client.get("/events/?subject=a%00b")
+    assert response.status_code == 200 and "msg error" in response.content.decode()
