@@ -7,6 +7,7 @@ import logging
 import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, TypedDict
 
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
@@ -18,7 +19,17 @@ from cluster.planner.capacity import HOLDS_MEMORY, MemoryInUse
 log = logging.getLogger("llmgw.queries")
 
 
-def nodes_with_counts() -> QuerySet[Node]:
+class ReplicaCount(TypedDict):
+    replica_count: int
+
+
+if TYPE_CHECKING:  # at run time django_stubs_ext's alias takes the model alone; the stubs' take both
+    from django_stubs_ext import WithAnnotations
+
+    NodeWithCount = WithAnnotations[Node, ReplicaCount]
+
+
+def nodes_with_counts() -> QuerySet[NodeWithCount]:
     """Nodes by name, each with `replica_count`: its replicas that are not over (stopped or failed)."""
     over = Q(replicas__state__in=Replica.TERMINAL)
     return Node.objects.annotate(replica_count=Count("replicas", filter=~over)).order_by("name")

@@ -1,7 +1,8 @@
 """The browser dashboard: every page renders whole on a normal request and only its partial on an htmx one.
 
-Every button is a POST (with CSRF) that calls the same function in `cluster/operations.py` as the CLI and the
-REST API, then answers with the page's updated partial and a message (htmx), or redirects back to the page
+Every button is a POST (with CSRF) whose input its form reads and checks (dashboard/forms.py: an invalid one is
+its errors as the message, nothing changed) and that calls the same function in `cluster/operations.py` as the CLI
+and the REST API, then answers with the page's updated partial and a message (htmx), or redirects back to the page
 with the message (no JavaScript). A viewer sees no button that would be refused, and a forged POST from one
 is refused with 403 and changes nothing.
 """
@@ -11,11 +12,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.db.models import Count
-from django.http import HttpResponse, HttpResponseForbidden
+from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils import timezone
@@ -26,12 +28,31 @@ from cluster.clients import agents_url
 from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Profile, Replica
 from cluster.operations import OperationError
 from cluster.roles import ROLES, WRITE_ROLES, can_change, role_of
+from dashboard.forms import (
+    EngineAddForm,
+    EngineSetForm,
+    EventsFilterForm,
+    ForceForm,
+    FormError,
+    KeyCreateForm,
+    KeySetForm,
+    MirrorImportForm,
+    MirrorUploadForm,
+    ModelAddForm,
+    ModelSetForm,
+    NodeAddForm,
+    ProfileAddForm,
+    ProfileSetForm,
+    ReplicasRestartForm,
+    SettingsForm,
+    UserAddForm,
+    valid,
+)
 from gateway import budgets
 from gateway import operations as gateway_operations
 from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import ApiKey
-from ground.facts import BUILD_WHEEL, INSTALL_WHEEL, parse_size
-from ground.units import parse_duration
+from ground.facts import BUILD_WHEEL, INSTALL_WHEEL
 
 PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirror", "keys", "users", "events",
          "settings")
@@ -111,6 +132,16 @@ def _nodes(request) -> dict:
     return {"rows": rows, "server": server, "build_wheel": BUILD_WHEEL, "install_wheel": INSTALL_WHEEL}
 
 
+@dataclass
+class ModelShown:
+    """A model's card: the model, its replicas not over, and its scaling and queue as every door shows them."""
+
+    model: Model
+    live: list[Replica]
+    scaling: dict[str, Any]
+    queue: dict[str, Any]
+
+
 def _models(request) -> dict:
     models = list(queries.models_with_counts())
     replicas: dict[int, list[Replica]] = {}
@@ -118,13 +149,10 @@ def _models(request) -> dict:
         replicas.setdefault(r.model_id, []).append(r)
     asked = queries.last_requests()
     waiting, cluster = queries.queues([m.name for m in models]), queries.read_settings()
-    for m in models:
-        m.live = replicas.get(m.pk, [])
-        m.scaling = queries.scaling_shown(m, asked)
-        m.queue = queries.queue_shown(m, waiting, cluster)
     return {
         "cluster": cluster,
-        "models": models,
+        "models": [ModelShown(m, replicas.get(m.pk, []), queries.scaling_shown(m, asked),
+                              queries.queue_shown(m, waiting, cluster)) for m in models],
         "files": ModelFile.objects.order_by("name"),
         "engines": EngineVersion.objects.order_by("name"),
         "default_engine": getattr(queries.default_engine(), "name", None),
@@ -133,17 +161,19 @@ def _models(request) -> dict:
     }
 
 
+@dataclass
+class ReplicaShown:
+    replica: Replica
+    stale: str | None  # why it no longer matches what it would start with now
+
+
 def _replicas(request) -> dict:
     show_over = request.GET.get("over") == "1"
     rows = queries.replicas_listed(include_over=show_over).order_by("model__name", "name")
     cluster = ClusterSettings.load()
-    now = timezone.now()
-    out = []
-    for r in rows:
-        r.stale = operations.staleness(r, r.model, cluster)
-        r.age = now - r.created_at
-        out.append(r)
-    return {"replicas": out, "show_over": show_over, "any_stale": any(r.stale for r in out if r.state not in Replica.TERMINAL)}
+    out = [ReplicaShown(r, operations.staleness(r, r.model, cluster)) for r in rows]
+    return {"replicas": out, "show_over": show_over,
+            "any_stale": any(row.stale for row in out if row.replica.state not in Replica.TERMINAL)}
 
 
 def _profiles(request) -> dict:
@@ -198,8 +228,10 @@ def _users(request) -> dict:
 
 
 def _events(request) -> dict:
-    kind = request.GET.get("kind", "").strip()
-    subject = request.GET.get("subject", "").strip()
+    form = EventsFilterForm(request.GET)
+    if not form.is_valid():  # a NUL, which no database column holds: that filter is dropped, and said so
+        messages.error(request, form.problem())
+    kind, subject = form.cleaned_data.get("kind", ""), form.cleaned_data.get("subject", "")
     rows = Event.objects.order_by("-created_at", "-id")
     if kind:
         rows = rows.filter(kind__startswith=kind)
@@ -278,60 +310,21 @@ def action(page: str, admin: bool = False):
     return wrap
 
 
-class FormError(ValueError):
-    """A form field the operator got wrong: shown as the message; nothing changed."""
-
-
 class ConfirmFirst(FormError):
     """A change to confirm before it is made (ground.confirmation): nothing changed yet; the message comes with a
     button that sends the same form again, confirmed."""
 
-    def __init__(self, why: str, request):
+    def __init__(self, why: str, request: HttpRequest):
         super().__init__(f"{why}: confirm to go ahead")
+        # the form as it was sent, to send again
         values = [(k, v) for k, vs in request.POST.lists() if k not in ("csrfmiddlewaretoken", "confirm") for v in vs]
         self.form = {"url": request.path, "values": values}
 
 
-def _confirmed(request, name: str | None, values: dict) -> None:
+def _confirmed(request: HttpRequest, form: ModelSetForm, name: str | None, values: dict[str, Any]) -> None:
     why = operations.confirmation_needed(name, values)
-    if why and request.POST.get("confirm") != "yes":
+    if why and not form.confirmed:
         raise ConfirmFirst(why, request)
-
-
-def _int(request, field: str, label: str, default=None, blank_ok: bool = False):
-    raw = request.POST.get(field, "").strip()
-    if not raw:
-        if blank_ok or default is not None:
-            return default
-        raise FormError(f"{label}: required")
-    try:
-        return int(raw)
-    except ValueError:
-        raise FormError(f"{label}: {raw!r} is not a whole number") from None
-
-
-def _size(request, field: str, label: str):
-    raw = request.POST.get(field, "").strip()
-    if not raw:
-        return None
-    try:
-        return parse_size(raw)
-    except ValueError as exc:
-        raise FormError(f"{label}: {exc}") from None
-
-
-def _duration(request, field: str, label: str):
-    raw = request.POST.get(field, "").strip()
-    if not raw:
-        return None
-    try:
-        return parse_duration(raw)
-    except ValueError as exc:
-        raise FormError(f"{label}: {exc}") from None
-
-
-def _names(request, field: str) -> list[str]:
-    return [n for n in (x.strip() for x in request.POST.get(field, "").replace(",", " ").split()) if n]
 
 
 @action("overview")
@@ -356,7 +349,8 @@ def system_restart(request):
 
 @action("nodes")
 def node_add(request):
-    node, token = operations.add_node(request.POST.get("name", "").strip(), _actor(request))
+    form = valid(NodeAddForm(request.POST))
+    node, token = operations.add_node(form.cleaned_data["name"], _actor(request))
     server = agents_url(request)
     command = operations.agent_command(server, token)
     return (f"node {node.name} added; on that machine, install llmgw from the wheel built in the checkout "
@@ -374,13 +368,15 @@ def node_token(request, name: str):
 
 @action("nodes")
 def node_remove(request, name: str):
-    operations.remove_node(name, _actor(request), force=request.POST.get("force") == "1")
+    form = valid(ForceForm(request.POST))
+    operations.remove_node(name, _actor(request), force=form.cleaned_data["force"])
     return f"node {name} removed"
 
 
 @action("nodes")
 def node_drain(request, name: str):
-    node = operations.drain_node(name, _actor(request), force=request.POST.get("force") == "1")
+    form = valid(ForceForm(request.POST))
+    node = operations.drain_node(name, _actor(request), force=form.cleaned_data["force"])
     return f"node {node.name} draining: its replicas move elsewhere, one at a time per model"
 
 
@@ -390,57 +386,23 @@ def node_undrain(request, name: str):
     return f"node {name} takes new replicas again"
 
 
-def _model_fields(request) -> dict:
-    values = {}
-    for field, label in (("replicas", "replicas"), ("wait_seconds", "wait"), ("min_replicas", "min replicas"),
-                         ("max_replicas", "max replicas"), ("target_inflight", "target in flight")):
-        if request.POST.get(field, "").strip():
-            values[field] = _int(request, field, label)
-    for field, label in (("idle_after", "idle after"), ("scale_down_delay", "scale-down delay")):
-        if request.POST.get(field, "").strip():
-            values[f"{field}_seconds"] = _duration(request, field, label)
-    for field in ("engine", "profile"):
-        if request.POST.get(field, "").strip():
-            values[field] = request.POST[field].strip()
-    if request.POST.get("memory", "").strip():
-        values["memory_bytes"] = _size(request, "memory", "memory")
-    if "nodes" in request.POST:
-        values["nodes"] = _names(request, "nodes")
-    if "aliases" in request.POST:  # comma-separated; blank or none: no aliases
-        raw = request.POST["aliases"].strip()
-        values["aliases"] = [] if raw.lower() == "none" else [a for a in (x.strip() for x in raw.split(",")) if a]
-    for cap, label in (("max_tokens", "max tokens"), ("max_logprobs", "max logprobs"), ("max_choices", "max choices")):
-        raw = request.POST.get(cap, "").strip()
-        if raw:  # blank: as it is (a new model: the default); none: no cap
-            values[cap] = None if raw.lower() == "none" else _int(request, cap, label)
-    if request.POST.get("routing", "").strip():
-        values["routing"] = request.POST["routing"].strip()  # the operation refuses one it does not know
-    # blank or default: the cluster's default (the edit form shows the model's own value, blank when it has none)
-    if "queue_limit" in request.POST:
-        raw = request.POST["queue_limit"].strip()
-        values["queue_limit"] = None if raw.lower() in ("", "default") else _int(request, "queue_limit", "queue limit")
-    if "max_wait" in request.POST:
-        raw = request.POST["max_wait"].strip()
-        values["max_wait_seconds"] = None if raw.lower() in ("", "default") else _duration(request, "max_wait", "max wait")
-    return values
-
-
 @action("models")
 def model_add(request):
-    values = _model_fields(request)
-    name = request.POST.get("name", "").strip()
-    _confirmed(request, None, values)
-    model = operations.add_model(name, _actor(request), file=request.POST.get("file", "").strip(),
+    form = valid(ModelAddForm(request.POST))
+    values = form.given()
+    _confirmed(request, form, None, values)
+    model = operations.add_model(form.cleaned_data["name"], _actor(request), file=form.cleaned_data["file"],
                                  engine=values.pop("engine", ""), **values)
     return f"model {model.name} added: {model.scaling_text()}"
 
 
 @action("models")
 def model_set(request, name: str):
-    values = _model_fields(request)
+    form = valid(ModelSetForm(request.POST))
+    values = form.given()
     if not values:
         raise FormError("nothing to change")
-    _confirmed(request, name, values)
+    _confirmed(request, form, name, values)
     operations.set_model(name, _actor(request), **values)
     return f"model {name} changed"
 
@@ -451,7 +413,7 @@ def model_remove(request, name: str):
     return f"model {name} removing: its replicas drain and stop"
 
 
-def _queued(result) -> str:
+def _queued(result: operations.RestartQueued) -> str:
     said = f"{len(result)} replica(s) queued for restart"
     if result.skipped:
         said += "; " + "; ".join(f"{n}: {why}" for n, why in sorted(result.skipped.items()))
@@ -465,45 +427,31 @@ def model_restart(request, name: str):
 
 @action("replicas")
 def replicas_restart(request):
-    how = request.POST.get("how", "selected")
+    form = valid(ReplicasRestartForm(request.POST))
+    how = form.cleaned_data["how"]
     if how == "all":
         result = operations.restart_replicas(_actor(request), all=True)
     elif how == "stale":
         result = operations.restart_replicas(_actor(request), stale=True)
     else:
-        chosen = request.POST.getlist("replica")
+        chosen = form.cleaned_data["replica"]
         if not chosen:
             raise FormError("select one or more replicas to restart")
         result = operations.restart_replicas(_actor(request), replicas=chosen)
     return _queued(result)
 
 
-def _profile_fields(request) -> dict:
-    values = {}
-    for field, label in (("context_size", "context size"), ("threads", "threads"), ("gpu_layers", "GPU layers"),
-                         ("batch_size", "batch size"), ("parallel", "parallel")):
-        if request.POST.get(field, "").strip():
-            values[field] = _int(request, field, label)
-    if request.POST.get("extra_args", "").strip():
-        import shlex
-
-        try:
-            values["extra_args"] = shlex.split(request.POST["extra_args"])
-        except ValueError as exc:
-            raise FormError(f"extra arguments: {exc}") from None
-    return values
-
-
 @action("profiles")
 def profile_add(request):
-    profile = operations.add_profile(request.POST.get("name", "").strip(), _actor(request), **_profile_fields(request))
+    form = valid(ProfileAddForm(request.POST))
+    profile = operations.add_profile(form.cleaned_data["name"], _actor(request), **form.given())
     return f"profile {profile.name} added"
 
 
 @action("profiles")
 def profile_set(request):
-    name = request.POST.get("name", "").strip()
-    values = _profile_fields(request)
+    form = valid(ProfileSetForm(request.POST))
+    name, values = form.cleaned_data["name"], form.given()
     if not values:
         raise FormError("nothing to change")
     operations.set_profile(name, _actor(request), **values)
@@ -518,43 +466,41 @@ def profile_remove(request, name: str):
 
 @action("engines")
 def engine_add(request):
-    engine = operations.add_engine(
-        request.POST.get("name", "").strip(), request.POST.get("kind", "").strip(), _actor(request),
-        version=request.POST.get("version", "").strip(), device=request.POST.get("device", "cpu").strip(),
-        binary=request.POST.get("binary", "").strip(), command=request.POST.get("command", "").strip(),
-        serves=request.POST.getlist("serves"))
+    form = valid(EngineAddForm(request.POST))
+    given = form.cleaned_data
+    engine = operations.add_engine(given["name"], given["kind"], _actor(request), version=given["version"],
+                                   device=given["device"], binary=given["binary"], command=given["command"],
+                                   serves=given["serves"])
     return f"engine {engine.name} added"
 
 
 @action("engines")
 def engine_set(request):
-    name = request.POST.get("name", "").strip()
-    engine = operations.set_engine(name, _actor(request), serves=request.POST.getlist("serves"))
+    form = valid(EngineSetForm(request.POST))
+    engine = operations.set_engine(form.cleaned_data["name"], _actor(request), serves=form.cleaned_data["serves"])
     return f"engine {engine.name} serves {', '.join(engine.serves) or 'what a request asks (nothing declared)'}"
 
 
 @action("mirror")
 def mirror_import(request):
-    path = request.POST.get("path", "").strip()
-    if not path:
-        raise FormError("path: the model file's path on the control-plane machine")
-    model_file, created = operations.import_model_file(path, _actor(request), name=request.POST.get("name", "").strip() or None)
+    form = valid(MirrorImportForm(request.POST))
+    model_file, created = operations.import_model_file(form.cleaned_data["path"], _actor(request),
+                                                       name=form.cleaned_data["name"] or None)
     return f"{model_file.name} {'imported' if created else 'already in the mirror'}: sha256 {model_file.sha256}"
 
 
 @action("mirror")
 def mirror_upload(request):
-    uploaded = request.FILES.get("file")
-    if uploaded is None:
-        raise FormError("file: choose a model file to upload")
-    model_file, created = operations.import_uploaded_file(uploaded, _actor(request),
-                                                          name=request.POST.get("name", "").strip() or None)
+    form = valid(MirrorUploadForm(request.POST, request.FILES))
+    model_file, created = operations.import_uploaded_file(form.cleaned_data["file"], _actor(request),
+                                                          name=form.cleaned_data["name"] or None)
     return f"{model_file.name} {'uploaded' if created else 'already in the mirror'}: sha256 {model_file.sha256}"
 
 
 @action("mirror", admin=True)
 def control_plane_remove(request, name: str):
-    removal = operations.remove_control_plane(name, _actor(request), force=request.POST.get("force") == "1")
+    form = valid(ForceForm(request.POST))
+    removal = operations.remove_control_plane(name, _actor(request), force=form.cleaned_data["force"])
     orphaned = f"; on no control plane now: {', '.join(removal.orphaned)}" if removal.orphaned else ""
     return f"control plane {name} removed: its token no longer opens /mirror{orphaned}"
 
@@ -566,72 +512,22 @@ def control_plane_token(request, name: str):
     return f"control plane {name} makes itself a new token at its worker's next heartbeat; its old one works until then"
 
 
-def _expires_in(request):
-    """`expires_days` as a moment: None when blank."""
-    if not request.POST.get("expires_days", "").strip():
-        return None
-    days = _int(request, "expires_days", "expires in days")
-    if not 1 <= days <= 36500:
-        raise FormError("expires in days: from 1 to 36500")
-    return timezone.now() + timedelta(days=days)
-
-
-def _budget(request) -> dict:
-    """The Budget field (2M/day) as the operations take it: blank, nothing; `none`: no budget."""
-    raw = request.POST.get("budget", "").strip()
-    if not raw:
-        return {}
-    if raw.lower() == "none":
-        return {"budget_tokens": 0}
-    try:
-        tokens, period = budgets.parse(raw)
-    except ValueError as exc:
-        raise FormError(f"budget: {exc}") from None
-    return {"budget_tokens": tokens, "budget_period": period}
-
-
 @action("keys")
 def key_create(request):
-    key, secret = gateway_operations.create_key(
-        request.POST.get("name", "").strip(), _actor(request), models=_names(request, "models"),
-        rpm=_int(request, "rpm", "requests per minute", blank_ok=True),
-        tpm=_int(request, "tpm", "tokens per minute", blank_ok=True), expires_at=_expires_in(request),
-        max_tokens=_int(request, "max_tokens", "max tokens per completion", blank_ok=True),
-        priority=request.POST.get("priority", "").strip() or DEFAULT_CLASS,  # the operation refuses an unknown one
-        max_concurrency=_int(request, "max_concurrency", "max concurrency", blank_ok=True), **_budget(request))
+    form = valid(KeyCreateForm(request.POST))
+    key, secret = gateway_operations.create_key(form.cleaned_data["name"], _actor(request), **form.changes())
     return f"key {key.name} created; copy it now, it is not shown again", {
         "once": {"label": f"key {key.name}", "value": secret}}
 
 
-def _key_fields(request) -> dict:
-    """What the Change a key form gives: a blank field stays as it is; `none` clears a limit or the budget,
-    `never` the expiry, `all` the models."""
-    values = {}
-    if request.POST.get("priority", "").strip():
-        values["priority"] = request.POST["priority"].strip()
-    if request.POST.get("models", "").strip():
-        values["models"] = [] if request.POST["models"].strip().lower() == "all" else _names(request, "models")
-    for field, label in (("rpm", "requests per minute"), ("tpm", "tokens per minute"),
-                         ("max_tokens", "max tokens per completion"), ("max_concurrency", "max concurrency")):
-        raw = request.POST.get(field, "").strip()
-        if raw:
-            values[field] = None if raw.lower() == "none" else _int(request, field, label)
-    if request.POST.get("expires_days", "").strip().lower() == "never":
-        values["expires_at"] = None
-    elif request.POST.get("expires_days", "").strip():
-        values["expires_at"] = _expires_in(request)
-    values.update(_budget(request))
-    return values
-
-
 @action("keys")
 def key_set(request):
-    name = request.POST.get("name", "").strip()
-    values = _key_fields(request)
+    form = valid(KeySetForm(request.POST))
+    values = form.changes()
     if not values:
         raise FormError("nothing to change: fill in what to change")
-    gateway_operations.set_key(name, _actor(request), **values)
-    return f"key {name} changed"
+    gateway_operations.set_key(form.cleaned_data["name"], _actor(request), **values)
+    return f"key {form.cleaned_data['name']} changed"
 
 
 @action("keys")
@@ -642,9 +538,10 @@ def key_revoke(request, name: str):
 
 @action("users", admin=True)
 def user_add(request):
-    password = request.POST.get("password", "")
-    user, token = operations.add_user(request.POST.get("name", "").strip(), request.POST.get("role", "").strip(),
-                                      _actor(request), password=password or None)
+    form = valid(UserAddForm(request.POST))
+    password = form.cleaned_data["password"]
+    user, token = operations.add_user(form.cleaned_data["name"], form.cleaned_data["role"], _actor(request),
+                                      password=password)
     said = f"user {user.username} added as {role_of(user)}; copy its API token now, it is not shown again"
     if not password:
         said += " (no password: it may use the API, not log in here)"
@@ -667,11 +564,6 @@ def engine_key_show(request):
 
 @action("settings")
 def settings_set(request):
-    operations.set_settings(
-        _actor(request),
-        drain_grace_seconds=_int(request, "drain_grace_seconds", "drain grace", blank_ok=True),
-        reconcile_interval_seconds=_int(request, "reconcile_interval_seconds", "reconcile interval", blank_ok=True),
-        min_resident_seconds=_int(request, "min_resident_seconds", "minimum residency", blank_ok=True),
-        queue_limit=_int(request, "queue_limit", "queue limit", blank_ok=True),
-        max_wait_seconds=_int(request, "max_wait_seconds", "max wait", blank_ok=True))
+    form = valid(SettingsForm(request.POST))
+    operations.set_settings(_actor(request), **form.cleaned_data)
     return "settings saved"

@@ -18,12 +18,13 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from cluster.api.base import INT_MAX, NamedViewSet, NameField, StrictSerializer, datetime_param, text_param
+from cluster.api.base import NamedViewSet, NameField, StrictSerializer, datetime_param, text_param
 from cluster.api.errors import refused
 from cluster.api.schema import UNKNOWN_FILTER
 from gateway import budgets, operations
 from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import ApiKey
+from gateway.operations import BUDGET_TOKENS, CONCURRENCY, KEY_LIMIT
 
 KEY_STATES = ["active", "revoked", "expired"]
 PRIORITY_HELP = ("its requests' class when they wait for a slot: interactive first, then standard, then batch "
@@ -32,7 +33,6 @@ BUDGET_TOKENS_HELP = ("tokens (prompt and completion) it may use per budget peri
                       "budget_period)")
 BUDGET_PERIOD_HELP = "the budget's period, a calendar day, week (from Monday) or month in UTC; \"\": no budget"
 CONCURRENCY_HELP = "most of its requests in flight or waiting at once, refused with a 429 past it; null: no limit"
-MAX_BUDGET = 10**15  # gateway.operations' bound
 
 
 class KeyBudgetSerializer(serializers.Serializer[Mapping[str, object]]):
@@ -101,23 +101,23 @@ class ApiKeyCreateSerializer(StrictSerializer):
     name = NameField()
     models = serializers.ListField(child=NameField(), default=list, help_text="model names; empty: all")
     rpm = serializers.IntegerField(
-        min_value=1, max_value=INT_MAX, allow_null=True, default=None, help_text="requests per minute; null: no limit"
+        **KEY_LIMIT.limits, allow_null=True, default=None, help_text="requests per minute; null: no limit"
     )
     tpm = serializers.IntegerField(
-        min_value=1, max_value=INT_MAX, allow_null=True, default=None, help_text="tokens per minute; null: no limit"
+        **KEY_LIMIT.limits, allow_null=True, default=None, help_text="tokens per minute; null: no limit"
     )
     expires_at = serializers.DateTimeField(allow_null=True, default=None, help_text="null: never")
     max_tokens = serializers.IntegerField(
-        min_value=1, max_value=INT_MAX, allow_null=True, default=None,
+        **KEY_LIMIT.limits, allow_null=True, default=None,
         help_text="most tokens a completion may generate with this key, below the model's own cap; null: the model's",
     )
     priority = serializers.ChoiceField(choices=CLASSES, default=DEFAULT_CLASS, help_text=PRIORITY_HELP)
     budget_tokens = serializers.IntegerField(
-        min_value=1, max_value=MAX_BUDGET, allow_null=True, default=None, help_text=BUDGET_TOKENS_HELP)
+        **BUDGET_TOKENS.limits, allow_null=True, default=None, help_text=BUDGET_TOKENS_HELP)
     budget_period = serializers.ChoiceField(choices=budgets.PERIODS, allow_blank=True, default="",
                                             help_text=BUDGET_PERIOD_HELP)
     max_concurrency = serializers.IntegerField(
-        min_value=1, max_value=100_000, allow_null=True, default=None, help_text=CONCURRENCY_HELP)
+        **CONCURRENCY.limits, allow_null=True, default=None, help_text=CONCURRENCY_HELP)
 
 
 class ApiKeyUpdateSerializer(StrictSerializer):
@@ -126,23 +126,23 @@ class ApiKeyUpdateSerializer(StrictSerializer):
     priority = serializers.ChoiceField(choices=CLASSES, required=False, help_text=PRIORITY_HELP)
     models = serializers.ListField(child=NameField(), required=False, help_text="model names; empty: all")
     rpm = serializers.IntegerField(
-        min_value=1, max_value=INT_MAX, allow_null=True, required=False, help_text="requests per minute; null: no limit"
+        **KEY_LIMIT.limits, allow_null=True, required=False, help_text="requests per minute; null: no limit"
     )
     tpm = serializers.IntegerField(
-        min_value=1, max_value=INT_MAX, allow_null=True, required=False, help_text="tokens per minute; null: no limit"
+        **KEY_LIMIT.limits, allow_null=True, required=False, help_text="tokens per minute; null: no limit"
     )
     max_tokens = serializers.IntegerField(
-        min_value=1, max_value=INT_MAX, allow_null=True, required=False,
+        **KEY_LIMIT.limits, allow_null=True, required=False,
         help_text="most tokens a completion may generate with this key, below the model's own cap; null: the model's",
     )
     expires_at = serializers.DateTimeField(allow_null=True, required=False, help_text="null: never")
     budget_tokens = serializers.IntegerField(
-        min_value=1, max_value=MAX_BUDGET, allow_null=True, required=False,
+        **BUDGET_TOKENS.limits, allow_null=True, required=False,
         help_text=BUDGET_TOKENS_HELP + "; alone, the period stays")
     budget_period = serializers.ChoiceField(choices=budgets.PERIODS, allow_blank=True, required=False,
                                             help_text=BUDGET_PERIOD_HELP + "; alone, the tokens stay")
     max_concurrency = serializers.IntegerField(
-        min_value=1, max_value=100_000, allow_null=True, required=False, help_text=CONCURRENCY_HELP)
+        **CONCURRENCY.limits, allow_null=True, required=False, help_text=CONCURRENCY_HELP)
 
 
 class UsageSerializer(serializers.Serializer[operations.UsageRow]):

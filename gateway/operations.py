@@ -16,7 +16,7 @@ from cluster import notify
 from cluster.errors import Conflict, NotFound, OperationError
 from cluster.events import record
 from cluster.models import Model
-from cluster.operations.validation import check_count, check_name, created, get_named
+from cluster.operations.validation import Bounds, check_name, created, get_named
 from gateway import budgets
 from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import ApiKey, Usage
@@ -27,6 +27,10 @@ KEY_SETTINGS = ("priority", "rpm", "tpm", "max_tokens", "models", "expires_at", 
 # the settings counted alike, with their names in a refusal
 COUNTS: tuple[tuple[Literal["rpm", "tpm", "max_tokens"], str], ...] = (
     ("rpm", "rpm"), ("tpm", "tpm"), ("max_tokens", "max tokens"))
+# a key's limits: requests and tokens per minute, a completion's tokens; requests at once; budget tokens
+KEY_LIMIT = Bounds(1)
+CONCURRENCY = Bounds(1, 100_000)
+BUDGET_TOKENS = Bounds(1, 10**15)
 
 
 class KeyFields(TypedDict, total=False):
@@ -63,7 +67,7 @@ def _check_budget(tokens: int | str | None, period: str | None, had_period: str 
         raise OperationError(f"a budget's period is one of {', '.join(budgets.PERIODS)}, not {str(period)[:20]!r}")
     clean: KeyFields = {"budget_period": period}
     if tokens is not None:
-        clean["budget_tokens"] = check_count("budget tokens", tokens, 1, 10**15)
+        clean["budget_tokens"] = BUDGET_TOKENS.check("budget tokens", tokens)
     return clean
 
 
@@ -111,18 +115,18 @@ def create_key(
     check_name("key", name)
     models = _check_models(models or [])
     if rpm is not None:
-        check_count("rpm", rpm, 1)
+        KEY_LIMIT.check("rpm", rpm)
     if tpm is not None:
-        check_count("tpm", tpm, 1)
+        KEY_LIMIT.check("tpm", tpm)
     if max_tokens is not None:
-        check_count("max tokens", max_tokens, 1)
+        KEY_LIMIT.check("max tokens", max_tokens)
     _check_priority(priority)
     _check_expiry(expires_at)
     budget = _check_budget(budget_tokens, budget_period)
     if budget.get("budget_period") and not budget.get("budget_tokens"):
         raise OperationError("a budget needs its tokens, e.g. 2M/day")
     if max_concurrency is not None:
-        check_count("max concurrency", max_concurrency, 1, 100_000)
+        CONCURRENCY.check("max concurrency", max_concurrency)
     secret = ApiKey.new_secret()
     with transaction.atomic():
         if ApiKey.objects.filter(name=name).exists():
@@ -172,14 +176,14 @@ def set_key(name: str, actor: str, **values: Any) -> ApiKey:
         clean["priority"] = _check_priority(values["priority"])
     for count, label in COUNTS:
         if count in values:
-            clean[count] = None if values[count] is None else check_count(label, values[count], 1)
+            clean[count] = None if values[count] is None else KEY_LIMIT.check(label, values[count])
     if "models" in values:
         clean["allowed_models"] = _check_models(values["models"] or [])
     if "expires_at" in values:
         clean["expires_at"] = _check_expiry(values["expires_at"])
     if "max_concurrency" in values:
         n = values["max_concurrency"]
-        clean["max_concurrency"] = None if n is None else check_count("max concurrency", n, 1, 100_000)
+        clean["max_concurrency"] = None if n is None else CONCURRENCY.check("max concurrency", n)
     with transaction.atomic():
         key: ApiKey = get_named(ApiKey.objects.select_for_update(), "key", name)
         if key.revoked_at is not None:

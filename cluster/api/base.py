@@ -14,7 +14,8 @@ from rest_framework import exceptions, serializers, status, viewsets
 from rest_framework.response import Response
 
 from cluster.clients import CLI_ACTOR, IN_PROCESS
-from cluster.models import ALIAS_HINT, ALIAS_PATTERN, NAME_HINT, NAME_RE, USER_NAME_HINT, USER_NAME_PATTERN
+from cluster.models import ALIAS_PATTERN, NAME_HINT, NAME_RE, USER_NAME_HINT, USER_NAME_PATTERN
+from cluster.operations import OperationError, check_alias
 
 INT_MAX = 2**31 - 1  # PostgreSQL's integer: a bigger number must be a 400 here, not a database error
 BIGINT_MAX = 2**63 - 1
@@ -54,18 +55,17 @@ class UserNameField(NameField):
 
 @extend_schema_field({"type": "string", "pattern": rf"^{ALIAS_PATTERN}$", "maxLength": 128})
 class AliasField(NameField):
-    """Another name a model answers to on /v1/, as clients send it (cluster.models.ALIAS_PATTERN)."""
-
-    pattern = ALIAS_PATTERN
-    message = f"use {ALIAS_HINT}"
+    """Another name a model answers to on /v1/, as clients send it: the operation's check_alias (ALIAS_PATTERN)."""
 
     def __init__(self, **kwargs):
         super().__init__(max_length=128, **kwargs)
 
     def to_internal_value(self, data):
         value = serializers.CharField.to_internal_value(self, data)
-        if not re.fullmatch(self.pattern, value):  # which one, as the operation says it: a list has many
-            raise serializers.ValidationError(f"invalid alias {value[:140]!r}: {self.message}")
+        try:  # which one, as the operation says it: a list has many
+            check_alias(value)
+        except OperationError as exc:
+            raise serializers.ValidationError(str(exc)) from None
         return value
 
 

@@ -8,20 +8,23 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from cluster import queries
-from cluster.api.base import INT_MAX, AliasField, NameField, StrictSerializer
+from cluster.api.base import AliasField, NameField, StrictSerializer
 from cluster.models import Model, ModelFile, Replica
-from cluster.operations import (
-    DEFAULT_MAX_CHOICES,
-    DEFAULT_MAX_LOGPROBS,
-    DEFAULT_MAX_TOKENS,
-    MAX_ALIASES,
-    MAX_MEMORY,
-    MAX_QUEUE_LIMIT,
-    MAX_REPLICAS,
-    MAX_WAIT_SECONDS,
+from cluster.operations import DEFAULT_MAX_CHOICES, DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_TOKENS, MAX_ALIASES
+from cluster.operations.validation import (
+    MAX_CHOICES,
+    MAX_LOGPROBS,
+    MAX_TOKENS,
+    MAX_WAIT,
+    MEMORY,
+    MOST_REPLICAS,
+    QUEUE_LIMIT,
+    REPLICAS,
+    SCALING_SECONDS,
+    TARGET_INFLIGHT,
+    WAIT_SECONDS,
 )
 from ground.engines import CAPABILITIES, SURFACES
-from ground.units import MAX_DURATION
 
 
 class ModelFileRefSerializer(serializers.ModelSerializer):
@@ -205,18 +208,18 @@ class ScalingFields(StrictSerializer):
     """A model's replicas: fixed (`replicas`) or autoscaled (`min_replicas` to `max_replicas`, and the knobs)."""
 
     min_replicas = serializers.IntegerField(
-        required=False, min_value=0, max_value=MAX_REPLICAS, allow_null=True,
+        required=False, **REPLICAS.limits, allow_null=True,
         help_text="autoscale from this many (0: on demand, loaded when a request asks for it); with max_replicas, "
         "never with replicas")
-    max_replicas = serializers.IntegerField(required=False, min_value=1, max_value=MAX_REPLICAS, allow_null=True,
+    max_replicas = serializers.IntegerField(required=False, **MOST_REPLICAS.limits, allow_null=True,
                                             help_text="autoscale up to this many")
-    target_inflight = serializers.IntegerField(required=False, min_value=1, max_value=10_000, allow_null=True,
+    target_inflight = serializers.IntegerField(required=False, **TARGET_INFLIGHT.limits, allow_null=True,
                                                help_text="requests in flight per replica the autoscaler aims at")
     idle_after_seconds = serializers.IntegerField(
-        required=False, min_value=0, max_value=MAX_DURATION, allow_null=True,
+        required=False, **SCALING_SECONDS.limits, allow_null=True,
         help_text="min_replicas 0: with no request this long the model goes to zero replicas")
     scale_down_delay_seconds = serializers.IntegerField(
-        required=False, min_value=0, max_value=MAX_DURATION, allow_null=True,
+        required=False, **SCALING_SECONDS.limits, allow_null=True,
         help_text="below the target this long, one replica fewer")
 
 
@@ -226,26 +229,26 @@ class ServedModelUpdateSerializer(ScalingFields):
     )
     engine = serializers.CharField(required=False, help_text="engine name, e.g. llama.cpp")
     profile = serializers.CharField(required=False)
-    replicas = serializers.IntegerField(required=False, min_value=0, max_value=MAX_REPLICAS)
+    replicas = serializers.IntegerField(required=False, **REPLICAS.limits)
     memory_bytes = serializers.IntegerField(
-        required=False, min_value=0, max_value=MAX_MEMORY, allow_null=True, help_text="per replica; null or 0: estimate"
+        required=False, **MEMORY.limits, allow_null=True, help_text="per replica; null or 0: estimate"
     )
     nodes = serializers.ListField(required=False, child=NameField(), help_text="node names allowed; empty: any")
     aliases = serializers.ListField(required=False, child=AliasField(), max_length=MAX_ALIASES,
                                     help_text=ALIASES_HELP + "; empty: none")
-    wait_seconds = serializers.IntegerField(required=False, min_value=0, max_value=3600)
+    wait_seconds = serializers.IntegerField(required=False, **WAIT_SECONDS.limits)
     max_tokens = serializers.IntegerField(
-        required=False, min_value=1, max_value=INT_MAX, allow_null=True,
+        required=False, **MAX_TOKENS.limits, allow_null=True,
         help_text="most tokens a completion may generate; null: no cap of llmgw's",
     )
-    max_logprobs = serializers.IntegerField(required=False, min_value=0, max_value=INT_MAX, allow_null=True,
+    max_logprobs = serializers.IntegerField(required=False, **MAX_LOGPROBS.limits, allow_null=True,
                                             help_text=MAX_LOGPROBS_HELP)
-    max_choices = serializers.IntegerField(required=False, min_value=1, max_value=INT_MAX, allow_null=True,
+    max_choices = serializers.IntegerField(required=False, **MAX_CHOICES.limits, allow_null=True,
                                            help_text=MAX_CHOICES_HELP)
     routing = serializers.ChoiceField(choices=Model.Routing.choices, required=False, help_text=ROUTING_HELP)
-    queue_limit = serializers.IntegerField(required=False, min_value=1, max_value=MAX_QUEUE_LIMIT, allow_null=True,
+    queue_limit = serializers.IntegerField(required=False, **QUEUE_LIMIT.limits, allow_null=True,
                                            help_text=QUEUE_LIMIT_HELP)
-    max_wait_seconds = serializers.IntegerField(required=False, min_value=1, max_value=MAX_WAIT_SECONDS,
+    max_wait_seconds = serializers.IntegerField(required=False, **MAX_WAIT.limits,
                                                 allow_null=True, help_text=MAX_WAIT_HELP)
 
 
@@ -254,25 +257,25 @@ class ServedModelCreateSerializer(ScalingFields):
     file = serializers.CharField(help_text="a sha256 (or 8+ hex digits of one), a file name in the mirror, or a path")
     engine = serializers.CharField(help_text="engine name, e.g. llama.cpp")
     profile = serializers.CharField(default="default")
-    replicas = serializers.IntegerField(min_value=0, max_value=MAX_REPLICAS, allow_null=True, default=None,
+    replicas = serializers.IntegerField(**REPLICAS.limits, allow_null=True, default=None,
                                         help_text="a fixed number of replicas (1 when neither this nor a range is given)")
     memory_bytes = serializers.IntegerField(
-        min_value=0, max_value=MAX_MEMORY, allow_null=True, default=None, help_text="per replica; null or 0: estimate"
+        **MEMORY.limits, allow_null=True, default=None, help_text="per replica; null or 0: estimate"
     )
     nodes = serializers.ListField(child=NameField(), default=list, help_text="node names; empty: any")
     aliases = serializers.ListField(child=AliasField(), default=list, max_length=MAX_ALIASES, help_text=ALIASES_HELP)
-    wait_seconds = serializers.IntegerField(min_value=0, max_value=3600, allow_null=True, default=None)
+    wait_seconds = serializers.IntegerField(**WAIT_SECONDS.limits, allow_null=True, default=None)
     max_tokens = serializers.IntegerField(
-        min_value=1, max_value=INT_MAX, allow_null=True, default=DEFAULT_MAX_TOKENS,
+        **MAX_TOKENS.limits, allow_null=True, default=DEFAULT_MAX_TOKENS,
         help_text="most tokens a completion may generate, set when a client asks for none and lowered when it asks"
         " for more; null: no cap of llmgw's",
     )
-    max_logprobs = serializers.IntegerField(min_value=0, max_value=INT_MAX, allow_null=True,
+    max_logprobs = serializers.IntegerField(**MAX_LOGPROBS.limits, allow_null=True,
                                             default=DEFAULT_MAX_LOGPROBS, help_text=MAX_LOGPROBS_HELP)
-    max_choices = serializers.IntegerField(min_value=1, max_value=INT_MAX, allow_null=True,
+    max_choices = serializers.IntegerField(**MAX_CHOICES.limits, allow_null=True,
                                            default=DEFAULT_MAX_CHOICES, help_text=MAX_CHOICES_HELP)
     routing = serializers.ChoiceField(choices=Model.Routing.choices, default=Model.Routing.PREFIX, help_text=ROUTING_HELP)
-    queue_limit = serializers.IntegerField(min_value=1, max_value=MAX_QUEUE_LIMIT, allow_null=True, default=None,
+    queue_limit = serializers.IntegerField(**QUEUE_LIMIT.limits, allow_null=True, default=None,
                                            help_text=QUEUE_LIMIT_HELP)
-    max_wait_seconds = serializers.IntegerField(min_value=1, max_value=MAX_WAIT_SECONDS, allow_null=True,
+    max_wait_seconds = serializers.IntegerField(**MAX_WAIT.limits, allow_null=True,
                                                 default=None, help_text=MAX_WAIT_HELP)

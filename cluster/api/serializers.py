@@ -11,7 +11,8 @@ from rest_framework import serializers
 from cluster import peers, queries
 from cluster.api.base import NameField, StrictSerializer, UserNameField
 from cluster.models import ControlPlane, EngineVersion, Event, FileCopy, ModelFile, Node, Profile, Replica
-from cluster.operations import MAX_QUEUE_LIMIT, MAX_WAIT_SECONDS, PROFILE_MAXIMA
+from cluster.operations import MIN_PASSWORD, PROFILE_BOUNDS
+from cluster.operations.validation import DRAIN_GRACE, MAX_WAIT, MIN_RESIDENT, QUEUE_LIMIT, RECONCILE_INTERVAL
 from cluster.roles import ROLES
 from ground.engines import CAPABILITIES, DRIVERS
 
@@ -74,7 +75,7 @@ class NodeSerializer(serializers.ModelSerializer):
     @extend_schema_field(
         serializers.ChoiceField(choices=["draining", "blocked", "drained"], allow_null=True),
     )
-    def get_drain(self, node: Node) -> str | None:
+    def get_drain(self, node: queries.NodeWithCount) -> str | None:
         return node.drain_state(node.replica_count) or None
 
     def _memory(self, node: Node):
@@ -206,17 +207,12 @@ class ProfileSerializer(serializers.ModelSerializer):
 
 
 class ProfileUpdateSerializer(StrictSerializer):
-    context_size = serializers.IntegerField(required=False, min_value=1, max_value=PROFILE_MAXIMA["context_size"])
-    threads = serializers.IntegerField(
-        required=False, min_value=1, max_value=PROFILE_MAXIMA["threads"], allow_null=True
-    )
-    gpu_layers = serializers.IntegerField(
-        required=False, min_value=-1, max_value=100_000, allow_null=True, help_text="-1: all"
-    )
-    batch_size = serializers.IntegerField(
-        required=False, min_value=1, max_value=PROFILE_MAXIMA["batch_size"], allow_null=True
-    )
-    parallel = serializers.IntegerField(required=False, min_value=1, max_value=PROFILE_MAXIMA["parallel"])
+    context_size = serializers.IntegerField(required=False, **PROFILE_BOUNDS["context_size"].limits)
+    threads = serializers.IntegerField(required=False, allow_null=True, **PROFILE_BOUNDS["threads"].limits)
+    gpu_layers = serializers.IntegerField(required=False, allow_null=True, help_text="-1: all",
+                                         **PROFILE_BOUNDS["gpu_layers"].limits)
+    batch_size = serializers.IntegerField(required=False, allow_null=True, **PROFILE_BOUNDS["batch_size"].limits)
+    parallel = serializers.IntegerField(required=False, **PROFILE_BOUNDS["parallel"].limits)
     extra_args = serializers.ListField(
         required=False,
         child=serializers.CharField(trim_whitespace=False),
@@ -412,8 +408,8 @@ class UserCreateSerializer(StrictSerializer):
     name = UserNameField()
     role = serializers.ChoiceField(choices=ROLES)
     password = serializers.CharField(
-        required=False, write_only=True, min_length=8, help_text="for the dashboard (8 characters or more); none: API"
-        " token only",
+        required=False, write_only=True, min_length=MIN_PASSWORD,
+        help_text=f"for the dashboard ({MIN_PASSWORD} characters or more); none: API token only",
     )
 
 
@@ -482,11 +478,11 @@ class ClusterSettingsSerializer(serializers.Serializer):
 class ClusterSettingsUpdateSerializer(StrictSerializer):
     """At least one of them (the schema's minProperties)."""
 
-    drain_grace_seconds = serializers.IntegerField(required=False, min_value=0, max_value=86400)
-    reconcile_interval_seconds = serializers.IntegerField(required=False, min_value=1, max_value=3600)
-    min_resident_seconds = serializers.IntegerField(required=False, min_value=0, max_value=86400)
-    queue_limit = serializers.IntegerField(required=False, min_value=1, max_value=MAX_QUEUE_LIMIT)
-    max_wait_seconds = serializers.IntegerField(required=False, min_value=1, max_value=MAX_WAIT_SECONDS)
+    drain_grace_seconds = serializers.IntegerField(required=False, **DRAIN_GRACE.limits)
+    reconcile_interval_seconds = serializers.IntegerField(required=False, **RECONCILE_INTERVAL.limits)
+    min_resident_seconds = serializers.IntegerField(required=False, **MIN_RESIDENT.limits)
+    queue_limit = serializers.IntegerField(required=False, **QUEUE_LIMIT.limits)
+    max_wait_seconds = serializers.IntegerField(required=False, **MAX_WAIT.limits)
 
     def validate(self, attrs):
         attrs = super().validate(attrs)

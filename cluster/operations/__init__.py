@@ -17,6 +17,7 @@ from cluster.operations.models import (
     MAX_ALIASES,
     ROUTINGS,
     add_model,
+    check_alias,
     confirmation_needed,
     remove_model,
     set_model,
@@ -24,6 +25,7 @@ from cluster.operations.models import (
 from cluster.operations.nodes import add_node, agent_command, remove_node, replicas_stopped_on_purpose, reset_node_token
 from cluster.operations.profiles import (
     DEFAULT_PROFILE,
+    PROFILE_BOUNDS,
     PROFILE_FIELDS,
     PROFILE_MAXIMA,
     add_profile,
@@ -32,7 +34,7 @@ from cluster.operations.profiles import (
 )
 from cluster.operations.restart import RestartQueued, drain_node, restart_replicas, staleness, undrain_node
 from cluster.operations.serving import rotate_engine_key, set_settings, start_serving, stop_serving
-from cluster.operations.users import add_user, api_token
+from cluster.operations.users import MIN_PASSWORD, add_user, api_token, check_password, user_name
 from cluster.operations.validation import MAX_MEMORY, MAX_QUEUE_LIMIT, MAX_REPLICAS, MAX_WAIT_SECONDS
 from cluster.roles import ROLES
 
@@ -47,6 +49,8 @@ __all__ = [
     "MAX_QUEUE_LIMIT",
     "MAX_REPLICAS",
     "MAX_WAIT_SECONDS",
+    "MIN_PASSWORD",
+    "PROFILE_BOUNDS",
     "PROFILE_FIELDS",
     "PROFILE_MAXIMA",
     "ROLES",
@@ -66,6 +70,8 @@ __all__ = [
     "add_profile",
     "add_user",
     "api_token",
+    "check_alias",
+    "check_password",
     "drain_node",
     "import_model_file",
     "import_uploaded_file",
@@ -87,4 +93,5 @@ __all__ = [
     "start_serving",
     "stop_serving",
     "undrain_node",
+    "user_name",
 ]

@@ -25,17 +25,21 @@ from cluster.models import (
 from cluster.operations.files import resolve_file
 from cluster.operations.profiles import DEFAULT_PROFILE
 from cluster.operations.validation import (
-    MAX_MEMORY,
-    MAX_QUEUE_LIMIT,
-    MAX_REPLICAS,
-    MAX_WAIT_SECONDS,
-    check_count,
+    MAX_CHOICES,
+    MAX_LOGPROBS,
+    MAX_TOKENS,
+    MAX_WAIT,
+    MEMORY,
+    QUEUE_LIMIT,
+    REPLICAS,
+    SCALING_SECONDS,
+    TARGET_INFLIGHT,
+    WAIT_SECONDS,
     check_name,
     created,
     get_named,
 )
 from ground.confirmation import needs_confirmation
-from ground.units import MAX_DURATION
 
 GGUF_ENGINES = ("llama.cpp", "xllamacpp")
 DEFAULT_MAX_TOKENS = 4096  # a completion's cap unless the operator sets another (or none)
@@ -43,13 +47,18 @@ ROUTINGS = tuple(Model.Routing.values)  # how the gateway picks among a model's 
 MAX_ALIASES = 32  # per model: a client's vendor names, not a catalogue
 
 
+def check_alias(alias: str) -> None:
+    """Another name a model answers to, as clients send it (ALIAS_PATTERN, whole)."""
+    if not re.fullmatch(ALIAS_PATTERN, alias):
+        raise OperationError(f"invalid alias {alias[:140]!r}: use {ALIAS_HINT}")
+
+
 def _aliases(aliases) -> list[str]:
     """The other names a model answers to, each as clients send it, duplicates folded, sorted."""
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         raise OperationError("aliases must be a list of names")
     for alias in aliases:
-        if not re.fullmatch(ALIAS_PATTERN, alias):
-            raise OperationError(f"invalid alias {alias[:140]!r}: use {ALIAS_HINT}")
+        check_alias(alias)
     folded = sorted(set(aliases))
     if len(folded) > MAX_ALIASES:
         raise OperationError(f"a model has at most {MAX_ALIASES} aliases, not {len(folded)}")
@@ -86,14 +95,14 @@ def _model_values(values: dict[str, Any], actor: str) -> dict[str, Any]:
     """The model's fields to set (Model's keywords), checked, from the values given (a front door's, as sent)."""
     clean: dict[str, Any] = {}
     if "replicas" in values and values["replicas"] is not None:
-        clean["replicas"] = check_count("replicas", values["replicas"], 0, MAX_REPLICAS)
+        clean["replicas"] = REPLICAS.check("replicas", values["replicas"])
     if values.get("engine") is not None:
         clean["engine"] = get_named(EngineVersion, "engine", values["engine"])
     if values.get("profile") is not None:
         clean["profile"] = get_named(Profile, "profile", values["profile"])
     if "memory_bytes" in values:
         memory = values["memory_bytes"]
-        clean["memory_bytes"] = None if memory in (None, 0) else check_count("memory", memory, 1, MAX_MEMORY)
+        clean["memory_bytes"] = None if memory in (None, 0) else MEMORY.check("memory", memory)
     if values.get("nodes") is not None:
         nodes = values["nodes"]
         if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
@@ -102,29 +111,30 @@ def _model_values(values: dict[str, Any], actor: str) -> dict[str, Any]:
             check_name("node", node_name)
         clean["nodes"] = sorted(set(nodes))
     if values.get("wait_seconds") is not None:
-        clean["wait_seconds"] = check_count("wait seconds", values["wait_seconds"], 0, 3600)
+        clean["wait_seconds"] = WAIT_SECONDS.check("wait seconds", values["wait_seconds"])
     if "max_tokens" in values:  # None: no cap of llmgw's (the engine's context is the limit)
         cap = values["max_tokens"]
-        clean["max_tokens"] = None if cap is None else check_count("max tokens", cap, 1)
+        clean["max_tokens"] = None if cap is None else MAX_TOKENS.check("max tokens", cap)
     # None: no cap; 0 log-probabilities: a request may ask for none at all
-    for field, label, least in (("max_logprobs", "max logprobs", 0), ("max_choices", "max choices", 1)):
+    for field, label, bounds in (("max_logprobs", "max logprobs", MAX_LOGPROBS),
+                                 ("max_choices", "max choices", MAX_CHOICES)):
         if field in values:
             cap = values[field]
-            clean[field] = None if cap is None else check_count(label, cap, least)
+            clean[field] = None if cap is None else bounds.check(label, cap)
     # None: the cluster's default (ClusterSettings), read by the gateway when it admits a request
-    for field, label, most in (("queue_limit", "queue limit", MAX_QUEUE_LIMIT),
-                               ("max_wait_seconds", "max wait (seconds)", MAX_WAIT_SECONDS)):
+    for field, label, bounds in (("queue_limit", "queue limit", QUEUE_LIMIT),
+                                 ("max_wait_seconds", "max wait (seconds)", MAX_WAIT)):
         if field in values:
             value = values[field]
-            clean[field] = None if value is None else check_count(label, value, 1, most)
+            clean[field] = None if value is None else bounds.check(label, value)
     for field, label in (("min_replicas", "min replicas"), ("max_replicas", "max replicas")):
         if values.get(field) is not None:
-            clean[field] = check_count(label, values[field], 0, MAX_REPLICAS)
+            clean[field] = REPLICAS.check(label, values[field])
     if values.get("target_inflight") is not None:
-        clean["target_inflight"] = check_count("target in flight", values["target_inflight"], 1, 10_000)
+        clean["target_inflight"] = TARGET_INFLIGHT.check("target in flight", values["target_inflight"])
     for field, label in (("idle_after_seconds", "idle after"), ("scale_down_delay_seconds", "scale-down delay")):
         if values.get(field) is not None:
-            clean[field] = check_count(f"{label} (seconds)", values[field], 0, MAX_DURATION)
+            clean[field] = SCALING_SECONDS.check(f"{label} (seconds)", values[field])
     if values.get("aliases") is not None:
         clean["aliases"] = _aliases(values["aliases"])
     if values.get("routing") is not None:

@@ -9,11 +9,13 @@ from django.db import transaction
 from cluster.errors import Conflict, OperationError
 from cluster.events import record
 from cluster.models import Profile
-from cluster.operations.validation import check_count, check_name, created, get_named
+from cluster.operations.validation import Bounds, check_name, created, get_named
 
 DEFAULT_PROFILE = "default"
 PROFILE_FIELDS = ("context_size", "threads", "gpu_layers", "batch_size", "parallel", "extra_args")
 PROFILE_MAXIMA = {"context_size": 10_000_000, "threads": 4096, "batch_size": 1_000_000, "parallel": 1024}
+PROFILE_BOUNDS = {**{field: Bounds(1, most) for field, most in PROFILE_MAXIMA.items()},
+                  "gpu_layers": Bounds(-1, 100_000)}  # -1: all
 
 
 def _profile_values(values: dict[str, Any]) -> dict[str, int | list[str] | None]:
@@ -28,11 +30,12 @@ def _profile_values(values: dict[str, Any]) -> dict[str, int | list[str] | None]
                 raise OperationError("extra_args must be a list of strings")
             clean[key] = value
         elif key == "gpu_layers":
-            if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value <= 100_000:
+            layers = PROFILE_BOUNDS[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not layers.low <= value <= layers.high:
                 raise OperationError(f"gpu_layers must be -1 (all) or a layer count, not {value!r}")
             clean[key] = value
         else:
-            clean[key] = check_count(key.replace("_", " "), value, 1, PROFILE_MAXIMA.get(key, 2**31 - 1))
+            clean[key] = PROFILE_BOUNDS[key].check(key.replace("_", " "), value)
     return clean
 
 

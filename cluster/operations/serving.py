@@ -7,7 +7,7 @@ from django.db import transaction
 from cluster.errors import Conflict, OperationError
 from cluster.events import kick_reconciler, record
 from cluster.models import ClusterSettings, Replica
-from cluster.operations.validation import MAX_QUEUE_LIMIT, MAX_WAIT_SECONDS, check_count
+from cluster.operations.validation import DRAIN_GRACE, MAX_WAIT, MIN_RESIDENT, QUEUE_LIMIT, RECONCILE_INTERVAL
 
 
 def stop_serving(actor: str) -> ClusterSettings:
@@ -44,15 +44,16 @@ def set_settings(actor: str, drain_grace_seconds: int | None = None, reconcile_i
     wait) for the models that set none of their own."""
     values = {}
     if drain_grace_seconds is not None:
-        values["drain_grace_seconds"] = check_count("drain grace (seconds)", drain_grace_seconds, 0, 86400)
+        values["drain_grace_seconds"] = DRAIN_GRACE.check("drain grace (seconds)", drain_grace_seconds)
     if reconcile_interval_seconds is not None:
-        values["reconcile_interval_seconds"] = check_count("reconcile interval (seconds)", reconcile_interval_seconds, 1, 3600)
+        values["reconcile_interval_seconds"] = RECONCILE_INTERVAL.check("reconcile interval (seconds)",
+                                                                          reconcile_interval_seconds)
     if min_resident_seconds is not None:
-        values["min_resident_seconds"] = check_count("minimum residency (seconds)", min_resident_seconds, 0, 86400)
+        values["min_resident_seconds"] = MIN_RESIDENT.check("minimum residency (seconds)", min_resident_seconds)
     if queue_limit is not None:
-        values["queue_limit"] = check_count("queue limit", queue_limit, 1, MAX_QUEUE_LIMIT)
+        values["queue_limit"] = QUEUE_LIMIT.check("queue limit", queue_limit)
     if max_wait_seconds is not None:
-        values["max_wait_seconds"] = check_count("max wait (seconds)", max_wait_seconds, 1, MAX_WAIT_SECONDS)
+        values["max_wait_seconds"] = MAX_WAIT.check("max wait (seconds)", max_wait_seconds)
     if not values:
         raise OperationError("name a setting to change: drain grace, reconcile interval, minimum residency, queue "
                              "limit or max wait")

@@ -16,17 +16,29 @@ from cluster.models import USER_NAME_HINT, USER_NAME_PATTERN
 from cluster.operations.validation import created
 from cluster.roles import ROLES
 
+MIN_PASSWORD = 8  # characters
 
-def add_user(name: str, role: str, actor: str, password: str | None = None) -> tuple[User, str]:
-    # look-alikes are one name: NFKC (full-width letters, ligatures), as the login form reads a name, and no two
-    # names that differ only in case
+
+def user_name(name: object) -> str:
+    """A user's name as it is kept, or OperationError. Look-alikes are one name: NFKC (full-width letters,
+    ligatures), as the login form reads a name (and no two names differ only in case: add_user)."""
     name = unicodedata.normalize("NFKC", name) if isinstance(name, str) else name
-    if role not in ROLES:
-        raise OperationError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
     if not isinstance(name, str) or not re.fullmatch(USER_NAME_PATTERN, name):
         raise OperationError(f"invalid user name {name!r}: use {USER_NAME_HINT}")
-    if password is not None and len(password) < 8:
-        raise OperationError("a password needs at least 8 characters")
+    return name
+
+
+def check_password(password: str) -> None:
+    if len(password) < MIN_PASSWORD:
+        raise OperationError(f"a password needs at least {MIN_PASSWORD} characters")
+
+
+def add_user(name: str, role: str, actor: str, password: str | None = None) -> tuple[User, str]:
+    if role not in ROLES:
+        raise OperationError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+    name = user_name(name)
+    if password is not None:
+        check_password(password)
     with transaction.atomic():
         taken = User.objects.filter(username__iexact=name).values_list("username", flat=True).first()
         if taken is not None:

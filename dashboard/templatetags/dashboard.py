@@ -1,9 +1,11 @@
-"""Small template filters for the dashboard: sizes and ages read as in the CLI (ground.units)."""
+"""Small template filters for the dashboard: sizes and ages read as in the CLI (ground.units), and a number
+input's range as its form checks it."""
 
 from django import template
 from django.utils import timezone
 from django.utils.html import format_html
 
+from dashboard.forms import Count, KeyCreateForm, ModelSetForm, ProfileSetForm, SettingsForm
 from ground.units import format_age, format_duration, format_size
 
 register = template.Library()
@@ -48,3 +50,16 @@ def name_input(placeholder: str = "", rule: str = "name"):
     pattern, hint = (USER_NAME_PATTERN, USER_NAME_HINT) if rule == "user" else (NAME_PATTERN, NAME_HINT)
     return format_html('<input name="name" required pattern="{}" title="{}" placeholder="{}" autocapitalize="off">'
                        '<small class="hint">{}</small>', pattern, hint, placeholder, hint)
+
+
+NUMBER_FORMS = {"model": ModelSetForm, "settings": SettingsForm, "profile": ProfileSetForm, "key": KeyCreateForm}
+
+
+@register.simple_tag
+def number_range(form: str, field: str) -> str:
+    """A number input's min and max: its form field's range (the domain's Bounds), so the browser refuses what
+    the server would."""
+    number = NUMBER_FORMS[form].base_fields[field]
+    if not isinstance(number, Count):
+        raise template.TemplateSyntaxError(f"{form}'s {field} is not a whole number")
+    return format_html('min="{}" max="{}"', number.bounds.low, number.bounds.high)

@@ -375,7 +375,7 @@ def test_add_model_with_everything(db):
         ({"file": "nope.gguf"}, NotFound, "no model file 'nope.gguf'"),
         ({"replicas": -1}, OperationError, "replicas must be a whole number from 0"),
         ({"replicas": "2"}, OperationError, "replicas must be a whole number"),
-        ({"memory_bytes": -5}, OperationError, "memory must be a whole number from 1"),
+        ({"memory_bytes": -5}, OperationError, "memory must be a whole number from 0"),
         ({"nodes": "gpu-1"}, OperationError, "nodes must be a list"),
         ({"wait_seconds": -1}, OperationError, "wait seconds must be"),
         ({"max_logprobs": -1}, OperationError, "max logprobs must be a whole number from 0"),

@@ -343,8 +343,8 @@ def test_a_key_with_a_bad_budget_is_not_created(op):
     ({"name": "nightly"}, "nothing to change"),
     ({"name": "nightly", "priority": "urgent"}, "priority is one of interactive, standard, batch"),
     ({"name": "nightly", "rpm": "lots"}, "requests per minute: &#x27;lots&#x27; is not a whole number"),
-    ({"name": "nightly", "tpm": "0"}, "tpm must be a whole number from 1"),
-    ({"name": "nightly", "expires_days": "0"}, "expires in days: from 1 to 36500"),
+    ({"name": "nightly", "tpm": "0"}, "tokens per minute must be a whole number from 1"),
+    ({"name": "nightly", "expires_days": "0"}, "expires in days must be a whole number from 1 to 36500, not 0"),
     ({"name": "nightly", "models": "nosuch", "priority": "batch"}, "no model named &#x27;nosuch&#x27;"),
     ({"name": "nope", "rpm": "5"}, "no key named &#x27;nope&#x27;"),
     ({"name": "gone", "rpm": "5"}, "key gone is revoked"),
@@ -596,7 +596,7 @@ def test_an_admin_lists_and_adds_users_on_the_users_page(db):
     # bad input: a message, nothing changed
     before = row_counts()
     for form, words in (({"name": "bad name", "role": "viewer"}, "invalid user name"),
-                        ({"name": "erin", "role": "owner"}, "role must be one of"),
+                        ({"name": "erin", "role": "owner"}, "role is one of admin, operator, viewer, not &#x27;owner&#x27;"),
                         ({"name": "erin", "role": "viewer", "password": "short"}, "at least 8 characters"),
                         ({"name": "Carol", "role": "viewer"}, "already exists")):
         answer = admin.post("/users/add/", form, **HTMX).content.decode()
