@@ -40,11 +40,12 @@ from datetime import datetime
 import httpx
 import openai
 from instance import Instance, gguf_path
+from openai.types.chat import ChatCompletionMessageParam
 
 from ground.engines import driver_for  # the checkout: bench/instance.py put it on the path
 from ground.ports import free_port
 
-MESSAGES = [{"role": "user", "content": "Say hello in five words."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello in five words."}]
 
 
 def when(event: dict) -> float:
@@ -136,6 +137,7 @@ def cold_starts(bench: Bench) -> None:
                             ("first token", first - ready), ("total", first - sent)):
             stages[name].append(value)
         print(f"  cold start {run}: {first - sent:.2f} s", flush=True)
+    assert snapshot is not None  # the first run took it
     direct = engine_load(bench, snapshot, o.cold_starts)
     med = {k: statistics.median(v) for k, v in stages.items()}
     print(f"\ncold start: an on-demand model at zero, asked for (median of {o.cold_starts}; file already on the node)")
