@@ -17,13 +17,14 @@ from contextlib import contextmanager
 import openai
 import pytest
 import redis
+from openai.types.chat import ChatCompletionMessageParam
 
 from cluster import control
 from tests.integration.harness import add_test_engine, start_nginx, start_web, wait_for
 
 pytestmark = pytest.mark.integration
 
-HELLO = [{"role": "user", "content": "Say hello please"}]
+HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello please"}]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ class Load:
         while not self._done.is_set():
             try:
                 if stream:
-                    text = "".join(c.choices[0].delta.content or "" for c in self.client.chat.completions.create(
+                    text: str | None = "".join(c.choices[0].delta.content or "" for c in self.client.chat.completions.create(
                         model=self.model, messages=HELLO, stream=True) if c.choices)
                 else:
                     text = self.client.chat.completions.create(model=self.model, messages=HELLO).choices[0].message.content
@@ -251,7 +252,7 @@ def test_profile_edit_shows_stale_and_restart_stale_makes_current(system, ops):
     system.cli("ctl", "profile", "remove", "op-prof")
 
 
-def test_a_worker_killed_mid_drain_leaves_nothing_stuck(system, ops):
+def test_a_worker_killed_mid_drain_leaves_nothing_stuck(system, ops) -> None:
     """A replica draining with a long request in flight; the Celery worker is killed with SIGKILL and a new one
     started: the drain still finishes (every step is decided afresh from the database)."""
     add_test_engine(system, name="op-slow", args="--load-seconds 1 --delay-ms 500")

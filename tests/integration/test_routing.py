@@ -29,12 +29,12 @@ def conversation(document: str):
         answer = yield list(messages)
 
 
-def ask(client: openai.OpenAI, model: str, messages, stream: bool = False) -> tuple[str, str]:
+def ask(client: openai.OpenAI, model: str, messages, stream: bool = False) -> tuple[str | None, str]:
     """The answer's text and the replica that gave it (X-Llmgw-Replica)."""
     raw = client.chat.completions.with_raw_response.create(model=model, messages=messages, stream=stream)
     replica = raw.headers["x-llmgw-replica"]
     parsed = raw.parse()
-    if stream:
+    if isinstance(parsed, openai.Stream):  # stream=True
         return "".join(c.choices[0].delta.content or "" for c in parsed if c.choices), replica
     return parsed.choices[0].message.content, replica
 
@@ -69,7 +69,7 @@ def trio(system):
              what="the routing test's models removed")
 
 
-def test_prefix_is_the_default_and_every_turn_stays_on_one_replica_through_either_gateway(system, trio):
+def test_prefix_is_the_default_and_every_turn_stays_on_one_replica_through_either_gateway(system, trio) -> None:
     shown = {m["name"]: m for m in system.cli_json("ctl", "models")}
     assert shown["rt-trio"]["routing"] == "prefix"
     assert "prefix" in system.cli("ctl", "models").stdout
