@@ -40,12 +40,11 @@ from datetime import datetime
 import httpx
 import openai
 from instance import Instance, gguf_path
-from openai.types.chat import ChatCompletionMessageParam
 
 from ground.engines import driver_for  # the checkout: bench/instance.py put it on the path
 from ground.ports import free_port
 
-MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello in five words."}]
+MESSAGES = [{"role": "user", "content": "Say hello in five words."}]
 
 
 def when(event: dict) -> float:

@@ -12,7 +12,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-from anthropic.types import MessageParam
 
 from tests.integration.harness import wait_for
 from tests.integration.test_gateway import (
@@ -29,7 +28,7 @@ from tests.integration.test_gateway import (
 pytestmark = pytest.mark.integration
 
 CHAT, RANKER, HUGE = "ag-smol", "ag-rank", "ag-huge"
-HELLO: list[MessageParam] = [{"role": "user", "content": "Say hello."}]
+HELLO = [{"role": "user", "content": "Say hello."}]
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +122,7 @@ def test_anthropic_errors_are_the_sdks_typed_exceptions(system, agents):
         once.messages.count_tokens(model=CHAT, messages=HELLO)
         with pytest.raises(anthropic.RateLimitError) as refused:
             once.messages.create(model=CHAT, max_tokens=4, messages=HELLO)
-        body = refused.value.body
-        assert isinstance(body, dict) and body["error"]["type"] == "rate_limit_error"
+        assert refused.value.body["error"]["type"] == "rate_limit_error"
         assert int(refused.value.response.headers["retry-after"]) >= 1
 
     in_one_minute(limited)

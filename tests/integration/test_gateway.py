@@ -21,7 +21,6 @@ import httpx
 import openai
 import pytest
 import redis
-from openai.types.chat import ChatCompletionMessageParam
 
 from tests.integration.harness import add_test_engine, start_web, wait_for
 
@@ -30,8 +29,7 @@ pytestmark = pytest.mark.integration
 ANSWER = "Hello from the test engine."
 SLOW_ANSWER = "one two three four five six seven eight nine ten"
 SLOW_SLOTS = 3  # a replica of the slow model's
-# three prompt tokens for the test engine
-HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello please"}]
+HELLO = [{"role": "user", "content": "Say hello please"}]  # three prompt tokens for the test engine
 ENDPOINTS = {
     "/v1/chat/completions": {"messages": HELLO},
     "/v1/completions": {"prompt": "Say hello"},

@@ -17,14 +17,13 @@ from contextlib import contextmanager
 import openai
 import pytest
 import redis
-from openai.types.chat import ChatCompletionMessageParam
 
 from cluster import control
 from tests.integration.harness import add_test_engine, start_nginx, start_web, wait_for
 
 pytestmark = pytest.mark.integration
 
-HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello please"}]
+HELLO = [{"role": "user", "content": "Say hello please"}]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +65,7 @@ class Load:
         while not self._done.is_set():
             try:
                 if stream:
-                    text: str | None = "".join(c.choices[0].delta.content or "" for c in self.client.chat.completions.create(
+                    text = "".join(c.choices[0].delta.content or "" for c in self.client.chat.completions.create(
                         model=self.model, messages=HELLO, stream=True) if c.choices)
                 else:
                     text = self.client.chat.completions.create(model=self.model, messages=HELLO).choices[0].message.content

@@ -29,12 +29,12 @@ def conversation(document: str):
         answer = yield list(messages)
 
 
-def ask(client: openai.OpenAI, model: str, messages, stream: bool = False) -> tuple[str | None, str]:
+def ask(client: openai.OpenAI, model: str, messages, stream: bool = False) -> tuple[str, str]:
     """The answer's text and the replica that gave it (X-Llmgw-Replica)."""
     raw = client.chat.completions.with_raw_response.create(model=model, messages=messages, stream=stream)
     replica = raw.headers["x-llmgw-replica"]
     parsed = raw.parse()
-    if isinstance(parsed, openai.Stream):  # stream=True
+    if stream:
         return "".join(c.choices[0].delta.content or "" for c in parsed if c.choices), replica
     return parsed.choices[0].message.content, replica
 

@@ -38,9 +38,8 @@ def sparse(cluster, sparse_engine):
 
 def openai_client(secret: str) -> openai.AsyncOpenAI:
     transport = httpx.ASGITransport(app=application(), client=("127.0.0.1", 40000))
-    http = httpx.AsyncClient(transport=transport)
     return openai.AsyncOpenAI(base_url="http://testserver/v1", api_key=secret, max_retries=0,
-                              http_client=http)  # type: ignore[arg-type]  # openai takes httpx's too; its stub: httpx2's
+                              http_client=httpx.AsyncClient(transport=transport))
 
 
 def anthropic_client(secret: str) -> anthropic.AsyncAnthropic:
