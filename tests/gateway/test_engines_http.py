@@ -66,7 +66,8 @@ def whole(body: bytes, status: str = "200 OK", extra: str = "") -> list:
 
 
 def chunked(*events: bytes, pause: float = 0.0) -> list:
-    out: list[bytes | float] = [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"]
+    out: list[bytes | float] = [
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"]
     for event in events:
         out += [f"{len(event):x}\r\n".encode() + event + b"\r\n", pause]
     return out + [b"0\r\n\r\n"]
