@@ -251,7 +251,7 @@ def main(argv=None) -> int:
           f"{'CPU ' + str(sorted(proxy_cpus)[0]) if proxy_cpus else 'no'}")
     header = ["conc", "target", "tokens/s", "x direct", "TTFT p50", "+p50", "TTFT p99", "+p99", "answer p50",
               "cpu ms/answer", "ok", "err"]
-    rows = []
+    rows: list[list[str] | None] = []  # None: a blank line between concurrencies
     for conc in concurrencies:
         d = best.get(("direct", conc))
         for target, _, _ in running:

@@ -44,7 +44,7 @@ def p99(values: list[float]) -> float:
 async def measure(url: str, queue: int, keys: int, slots: int, calls: int) -> dict[str, tuple[list[float], float]]:
     import redis.asyncio as aioredis
 
-    from gateway import admission
+    from gateway import admission, scripts
     from gateway.admission import RS, US, Admission
 
     client = aioredis.Redis.from_url(url)
@@ -56,7 +56,7 @@ async def measure(url: str, queue: int, keys: int, slots: int, calls: int) -> di
     a._limits[model] = queue + calls + 10
     held = [await a.admit(model, lambda: replicas, key="holder", rank=1, cost=10, prefs=[], queue_limit=10**7,
                           max_wait=5) for _ in range(slots)]
-    script = admission.scripts.register(client, "admission")
+    script = scripts.register(client, "admission")
     prefix = admission.model_prefix(model)
 
     async def run(news: str = "", releases: str = "", cancels: str = "", look: str = "") -> None:
@@ -101,6 +101,7 @@ async def measure(url: str, queue: int, keys: int, slots: int, calls: int) -> di
         await run(releases=f"{last[0]}{US}0")
         (ticket, value), = (await client.hgetall(grants)).items()
         await client.hdel(grants, ticket)
+        assert isinstance(value, bytes)  # the client does not decode: its answers are bytes
         last[0] = value.decode()
 
     await client.delete(grants)

@@ -261,7 +261,7 @@ class Pacer:
         while self.active or self.waiting:
             while self.waiting and len(self.active) < self.slots:
                 self.active.append(self.waiting.popleft())
-            still = []
+            still: list[Generation] = []
             for gen in self.active:
                 if gen.conn.transport is None:
                     continue
@@ -282,6 +282,7 @@ class Pacer:
             gen.sent += 1
             if gen.sent < self.chunks:
                 return True
+            assert gen.whole is not None  # a Generation without events carries its whole answer
             conn.reply(200, gen.whole, gen.close)
             conn.resume()
             return False
@@ -292,7 +293,9 @@ class Pacer:
             n = len(gen.events) - gen.sent
         else:
             n = 1
-        write = conn.transport.write
+        transport = conn.transport
+        assert transport is not None  # _run skips the connections gone
+        write = transport.write
         for event in gen.events[gen.sent:gen.sent + n]:
             write(b"%x\r\n%s\r\n" % (len(event), event))
         gen.sent += n
@@ -300,7 +303,7 @@ class Pacer:
             return True
         write(b"0\r\n\r\n")
         if gen.close:
-            conn.transport.close()
+            transport.close()
         conn.resume()
         return False
 
@@ -309,7 +312,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, engine: Engine, pacer: Pacer | None = None):
         self.engine = engine
         self.pacer = pacer
-        self.transport = None
+        self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.busy = False  # a paced request is under way: the next one on this connection waits for it
 
@@ -389,9 +392,11 @@ class Connection(asyncio.Protocol):
         if endpoint == "embeddings":
             return self.reply(200, engine.embeddings(data), close)
         if endpoint in ("messages", "responses"):
-            whole, events = (engine.message, engine.message_events) if endpoint == "messages" else (
+            make_whole, make_events = (engine.message, engine.message_events) if endpoint == "messages" else (
                 engine.response, engine.response_events)
-            return self.stream(events(data), close) if data.get("stream") else self.reply(200, whole(data), close)
+            if data.get("stream"):
+                return self.stream(make_events(data), close)
+            return self.reply(200, make_whole(data), close)
         chat = endpoint == "chat"
         if self.pacer is not None:  # at a GPU's pace: it waits for a slot, then a token a step
             self.busy = True
@@ -407,24 +412,29 @@ class Connection(asyncio.Protocol):
             f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(payload)}\r\n{'connection: close' if close else 'connection: keep-alive'}\r\n\r\n"
         ).encode()
-        self.transport.write(head + payload)
+        transport = self.transport
+        assert transport is not None  # answers go out on open connections only (data_received, Pacer._run)
+        transport.write(head + payload)
         if close:
-            self.transport.close()
+            transport.close()
 
     def stream_head(self, close: bool) -> None:
+        assert self.transport is not None  # as in reply
         self.transport.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
             b"transfer-encoding: chunked\r\n" + (b"connection: close" if close else b"connection: keep-alive") + b"\r\n\r\n"
         )
 
     def stream(self, events: list[bytes], close: bool) -> None:
-        write = self.transport.write
+        transport = self.transport
+        assert transport is not None  # as in reply
+        write = transport.write
         self.stream_head(close)
         for event in events:  # one write per event, as an engine sends token by token
             write(b"%x\r\n%s\r\n" % (len(event), event))
         write(b"0\r\n\r\n")
         if close:
-            self.transport.close()
+            transport.close()
 
 
 def _dechunk(buffer: bytearray, start: int) -> tuple[bytes, int] | None:

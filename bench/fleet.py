@@ -136,8 +136,10 @@ class Control(Instance):
 
         admin, name = self.dropdb
         with psycopg.connect(admin, autocommit=True) as conn:
-            return conn.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
-                                (name,)).fetchone()[0]
+            row = conn.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
+                               (name,)).fetchone()
+        assert row is not None  # the run's own database has its row
+        return row[0]
 
     def processes(self) -> dict[str, list[psutil.Process]]:
         roles: dict[str, list[psutil.Process]] = {"web": [], "worker": [], "beat": []}
@@ -248,7 +250,10 @@ async def measure(n: int, o) -> dict:
             elapsed = time.monotonic() - window
             reports = sim.reports - reports
             await asyncio.sleep(1.5)  # PostgreSQL flushes its counters within a second
-            transactions = control.transactions() - transactions if transactions is not None else None
+            if transactions is not None:
+                after = control.transactions()
+                assert after is not None  # on PostgreSQL both times
+                transactions = after - transactions
             cores = {role: (cpu_seconds(procs) - before[role]) / elapsed for role, procs in roles.items()}
             rss = sum(p.memory_info().rss for p in roles["web"] if p.is_running())
             sim.stop.set()

@@ -244,6 +244,7 @@ def main(argv=None) -> int:
             port = free_port()
             from llmgw.web import web_argv  # exactly what `llmgw up --server SERVER` runs
 
+            assert env is not None and client_key is not None  # llmgw's targets: set up above
             own = dict(env, LLMGW_ADMISSION="0" if target == "llmgw-noadm" else "1")
             tree = None
             if target == "llmgw-base":  # `python -m` puts the working directory first on the path: that tree's llmgw
@@ -287,6 +288,7 @@ def main(argv=None) -> int:
 
             listener = socket.create_server(("127.0.0.1", 0), backlog=4096)
             listeners.append(listener)
+            assert client_key is not None  # llmgw's targets: set up above
             port, fd = listener.getsockname()[1], listener.fileno()
             for i in (1, 2):
                 child = children.start(f"{target}-{i}", web_argv("127.0.0.1", port, server, fd=fd), env,
@@ -333,14 +335,14 @@ def main(argv=None) -> int:
                             names = ["fake-upstream"] if target == "direct" else [
                                 n for n in children if n == target or n.startswith(f"{target}-")]
                             pids = [children[n].pid for n in names]
-                            counts = target in ONE_PROCESS
-                            before = metrics_counts(port, metrics_token) if counts else None
+                            before = metrics_counts(port, metrics_token) if target in ONE_PROCESS else None
                             asyncio.run(run_cell(cell, port, request, count, warmup if round_ == 0 else 2 * conc,
                                                  o.time_limit, lambda pids=pids: sum(cpu_seconds(pid) for pid in pids)))
-                            if counts:
+                            if before is not None:
                                 time.sleep(0.05)  # a stream is counted as its generator ends, after the client has it
                                 after = metrics_counts(port, metrics_token)
-                                cell.counted = tuple(a - b for a, b in zip(after, before))
+                                answers, prompt, completion = (a - b for a, b in zip(after, before))
+                                cell.counted = (answers, prompt, completion)
                             say(f"{target:14s} {mode:6s} c={conc:<3d} {api:9s} round {round_ + 1}: {cell.rps:8.0f} "
                                 f"req/s  p50 {fmt(cell.p(0.5))} ms  ok {cell.ok}  errors {cell.errors}"
                                 + (" (time limit)" if cell.timed_out else ""))
@@ -354,8 +356,10 @@ def main(argv=None) -> int:
         for listener in listeners:
             listener.close()
         for name in [n for n in children if n.startswith("py-spy-")]:
+            popen = children[name].popen
+            assert popen is not None  # Children.start started it
             try:
-                children[name].popen.wait(30)  # py-spy writes its file when the process it records ends
+                popen.wait(30)  # py-spy writes its file when the process it records ends
             except subprocess.TimeoutExpired:
                 pass
         children.stop_all()

@@ -116,7 +116,7 @@ def many_messages(t: Target) -> str:
 def nested(t: Target) -> str:
     """Content nested 900 deep in messages[0].content."""
     key = t.key()
-    deep = "x"
+    deep: object = "x"
     for _ in range(900):
         deep = [deep]
     answer = t.post(key, "/v1/chat/completions", {"model": t.model, "messages": [{"role": "user", "content": deep}]})

@@ -136,6 +136,7 @@ def cold_starts(bench: Bench) -> None:
                             ("first token", first - ready), ("total", first - sent)):
             stages[name].append(value)
         print(f"  cold start {run}: {first - sent:.2f} s", flush=True)
+    assert snapshot is not None  # the first run took it
     direct = engine_load(bench, snapshot, o.cold_starts)
     med = {k: statistics.median(v) for k, v in stages.items()}
     print(f"\ncold start: an on-demand model at zero, asked for (median of {o.cold_starts}; file already on the node)")

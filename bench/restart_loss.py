@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TypedDict
 
 import httpx
 import redis
@@ -31,7 +32,22 @@ MESSAGES = [{"role": "user", "content": "Say hello in five words."}]
 FAKE = ROOT / "bench" / "fake_upstream.py"
 
 
+class Request(TypedDict, total=False):
+    """One client's request: when it went; once answered (or not), how and after how long."""
+
+    client: int
+    sent: float
+    status: int
+    replica: str
+    error: str
+    seconds: float
+
+
 class Run(Instance):
+    done: list[Request]  # answered or failed
+    outstanding: dict[int, Request]  # by id()
+    dumped: set[int]  # the outstanding ones shown as slow
+
     def __init__(self, o):
         super().__init__("restart-loss", agent_memory=o.agent_memory)
         self.o = o
@@ -49,16 +65,16 @@ class Run(Instance):
         self.redis = redis.Redis.from_url((self.home / "run" / "redis-url").read_text().strip())
         self.wait(lambda: len(self.ready(o.model)) == 1, 300, f"{o.model} to be ready")
         self.lock = threading.Lock()
-        self.done: list[dict] = []
-        self.outstanding: dict[int, dict] = {}
-        self.dumped: set[int] = set()
+        self.done = []
+        self.outstanding = {}
+        self.dumped = set()
         self.stop_clients = threading.Event()
 
     def client(self, n: int) -> None:
         http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=self.o.timeout)
         body = {"model": self.o.model, "messages": MESSAGES, "max_tokens": 8}
         while not self.stop_clients.is_set():
-            request = {"client": n, "sent": time.time()}
+            request: Request = {"client": n, "sent": time.time()}
             with self.lock:
                 self.outstanding[id(request)] = request
             try:
@@ -100,6 +116,7 @@ class Run(Instance):
         r = self.redis
         for key in sorted(k.decode() for k in r.scan_iter(match="llmgw:adm:*", count=1000)):
             kind = r.type(key).decode()
+            shown: object
             if kind == "zset":
                 shown = [(m.decode(), s) for m, s in r.zrange(key, 0, -1, withscores=True)]
             elif kind == "hash":

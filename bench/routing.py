@@ -107,7 +107,10 @@ def workload(kind: str, seed: int, o, homes: list[str] | None = None, ring: Ring
             document = words(rng, o.doc_words)
             first = (TEMPLATE if kind == "template" else "") + document + "\n\nQuestion: what is the document about?"
             opening = [system, {"role": "user", "content": first}]
-            if homes is None or home(ring, opening) == homes[index]:
+            if homes is None:
+                break
+            assert ring is not None  # homes come with the ring they were drawn on
+            if home(ring, opening) == homes[index]:
                 break
         questions = [f"Question: {words(rng, 10)}?" for _ in range(o.turns - 1)]
         out.append(Conversation(opening, questions))
@@ -170,7 +173,9 @@ class Fleet:
         else:
             key = request_key(chat_key_text(body))
         factor = KUBEAI_LOAD_FACTOR if policy == "kubeai" else self.factor  # KubeAI's as published; else llmgw's
-        return choose(self.ring, key, self.inflight.__getitem__, factor=factor)
+        name = choose(self.ring, key, self.inflight.__getitem__, factor=factor)
+        assert name is not None  # none excluded: some replica is chosen
+        return name
 
 
 async def turn(client: httpx.AsyncClient, url: str, headers: dict, body: dict, result: Result,

@@ -322,7 +322,8 @@ class Handler(BaseHTTPRequestHandler):
             return
         self._start_stream()
         if not self.engine.args.sparse:
-            start = {**message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 0}}
+            start: dict[str, object] = {**message, "content": [], "stop_reason": None,
+                                        "usage": {**usage, "output_tokens": 0}}
             self._typed("message_start", {"message": start})
             self._typed("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
         for i, word in enumerate(words):

@@ -102,7 +102,8 @@ def default_database(settings_dict: dict):
     from django.contrib.contenttypes.models import ContentType
     from django.db import connections
 
-    saved_local, saved_settings = connections._connections, connections.settings["default"]
+    saved_local = connections._connections  # type: ignore[attr-defined]  # Django's, private: not in its stubs
+    saved_settings = connections.settings["default"]
     made = []
     create = connections.create_connection
 
@@ -110,15 +111,15 @@ def default_database(settings_dict: dict):
         made.append(create(alias))
         return made[-1]
 
-    connections._connections = Local(connections.thread_critical)
+    connections._connections = Local(connections.thread_critical)  # type: ignore[attr-defined]  # as above
     connections.settings["default"] = settings_dict
-    connections.create_connection = create_and_keep
+    connections.create_connection = create_and_keep  # type: ignore[method-assign]  # this handler's, until the end
     ContentType.objects.clear_cache()
     try:
         yield
     finally:
         del connections.create_connection
-        connections._connections = saved_local
+        connections._connections = saved_local  # type: ignore[attr-defined]  # as above
         connections.settings["default"] = saved_settings
         ContentType.objects.clear_cache()
         for conn in made:  # some were opened by threads that are gone: closed here, whichever thread this is

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import redis
 
@@ -76,7 +77,9 @@ class SentinelSet:
         while time.monotonic() < deadline:
             try:
                 info = redis.Redis(port=self.replica, password=PASSWORD, socket_timeout=2).info("replication")
-                seen = [redis.Redis(port=p, socket_timeout=2).sentinel_master(MASTER) for p in self.sentinels]
+                # a plain client's SENTINEL MASTER answers the dict (the stub's bool is a Sentinel object's `once`)
+                seen = [cast(dict[str, Any], redis.Redis(port=p, socket_timeout=2).sentinel_master(MASTER))
+                        for p in self.sentinels]
             except redis.RedisError:  # not answering yet, or gone: the deadline decides
                 time.sleep(0.1)
                 continue
@@ -87,7 +90,9 @@ class SentinelSet:
         raise TimeoutError("the replica or the Sentinels did not come up in time")
 
     def master_port(self) -> int:
-        return int(redis.Redis(port=next(iter(self.sentinels))).sentinel_get_master_addr_by_name(MASTER)[1])
+        address = redis.Redis(port=next(iter(self.sentinels))).sentinel_get_master_addr_by_name(MASTER)
+        assert isinstance(address, tuple)  # a plain client answers the address (as above)
+        return int(address[1])
 
     def kill_primary(self, timeout: float = 30.0) -> float:
         """SIGKILL the primary; the seconds until the Sentinels name the replica master."""

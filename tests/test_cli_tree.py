@@ -31,7 +31,8 @@ def _text(node: ast.AST) -> str | None:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.JoinedStr):
-        return "".join(v.value if isinstance(v, ast.Constant) else FIELD for v in node.values)
+        return "".join(v.value if isinstance(v, ast.Constant) and isinstance(v.value, str) else FIELD
+                       for v in node.values)
     return None
 
 
@@ -62,6 +63,7 @@ def printed_hints() -> list[tuple[str, str]]:
                 text = _text(node)
                 if text is None or "llmgw " not in text:
                     continue
+                assert isinstance(node, ast.expr)  # _text answers for a string or an f-string only
                 where = f"{path.relative_to(ROOT)}:{node.lineno}"
                 hints += [(where, h.strip()) for h in QUOTED.findall(text) + BARE.findall(text)
                           if not h.startswith(f"llmgw {FIELD}")]  # `llmgw {command}`: whichever was run
@@ -83,7 +85,7 @@ def _subcommands(parser) -> dict:
 
 def names_a_command(words: list[str]) -> bool:
     """`llmgw node add` (a reference to a command, its arguments left out) or `llmgw mirror …` (a group)."""
-    parser = the_tree()
+    parser: OneLineParser | None = the_tree()
     for word in words:
         parser = _subcommands(parser).get(word)
         if parser is None:

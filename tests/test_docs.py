@@ -85,6 +85,7 @@ def environment_variables() -> set[str]:
     trees = [ast.parse(path.read_text(), str(path)) for top in SOURCES for path in (ROOT / top).rglob("*.py")
              if "migrations" not in path.parts]
     constants = {}
+    node: ast.AST  # a module's statement here, any node below
     for tree in trees:
         for node in tree.body:
             if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)

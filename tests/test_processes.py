@@ -16,7 +16,7 @@ EXITS = {
 }
 
 
-def test_restart_delays_follow_how_a_child_exited(tmp_path):
+def test_restart_delays_follow_how_a_child_exited(tmp_path) -> None:
     script = tmp_path / "child.py"
     said: list[tuple[int | None, float]] = []
     supervisor = Supervisor(on_exit=lambda child, code, delay: said.append((code, delay)))
@@ -27,6 +27,7 @@ def test_restart_delays_follow_how_a_child_exited(tmp_path):
     supervisor.watch(child.start())
     first, _ = CRASH_BACKOFF
     for after in exits[1:] + [None]:
+        assert child.popen is not None  # the supervisor started it again
         child.popen.wait(30)
         supervisor.poll(now)  # notes the exit and its delay
         if after is None:
@@ -40,7 +41,7 @@ def test_restart_delays_follow_how_a_child_exited(tmp_path):
     child.stop()
 
 
-def test_what_is_said_of_a_child_that_exits_tells_a_restart_from_a_crash(tmp_path):
+def test_what_is_said_of_a_child_that_exits_tells_a_restart_from_a_crash(tmp_path) -> None:
     """`llmgw up` (and the web processes' supervisor) print a line per exit: a child that stopped as asked (a
     server's SIGTERM, exit 0: `llmgw restart`) is restarting, not a crash with a code to look up."""
     from llmgw.processes import exit_said
@@ -54,6 +55,7 @@ def test_what_is_said_of_a_child_that_exits_tells_a_restart_from_a_crash(tmp_pat
     script.write_text(EXITS[exits[0]])
     supervisor.watch(child.start())
     for after in exits[1:] + [None]:
+        assert child.popen is not None  # the supervisor started it again
         child.popen.wait(30)
         supervisor.poll(now)
         if after is None:
@@ -120,7 +122,7 @@ def test_a_log_turns_over_at_a_line_end_and_a_line_longer_than_a_file_is_cut(tmp
     log.close()
 
 
-def test_a_crash_after_a_steady_run_is_a_first_crash_again(tmp_path):
+def test_a_crash_after_a_steady_run_is_a_first_crash_again(tmp_path) -> None:
     # a Valkey that dies once a week is started again in half a second each time, not after the capped back-off
     from llmgw.processes import STEADY
 
@@ -132,6 +134,7 @@ def test_a_crash_after_a_steady_run_is_a_first_crash_again(tmp_path):
     supervisor.watch(child.start())
     now = child.started
     for ran in (0, 0, 0, STEADY, 0):  # three crashes in a row, then one after a steady run, then one more
+        assert child.popen is not None  # the supervisor started it again
         child.popen.wait(30)
         now += ran
         supervisor.poll(now)

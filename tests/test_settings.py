@@ -16,13 +16,14 @@ SETTINGS = llmgw.settings.__file__
 def import_settings(name: str = "llmgw_settings_again"):
     """llmgw/settings.py run afresh, as a process starting imports it (Django's own settings untouched)."""
     spec = importlib.util.spec_from_file_location(name, SETTINGS)
+    assert spec is not None and spec.loader is not None  # a .py file: a source loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.fixture
-def lookups(monkeypatch):
+def lookups(monkeypatch) -> list[str]:
     """Every reverse-DNS lookup and interface scan, counted (each still answers as it would)."""
     made: list[str] = []
 

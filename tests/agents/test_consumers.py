@@ -504,7 +504,7 @@ async def test_one_nodes_slow_database_work_holds_up_no_other_nodes_stream(on_po
     RuntimeError("Unexpected ASGI message 'websocket.send', after sending 'websocket.close' or response already "
                  "completed."),  # uvicorn, once it has finished the socket
 ])
-async def test_an_answer_the_closed_socket_refuses_is_that_close_not_a_fault(node_token, caplog, refusal):
+async def test_an_answer_the_closed_socket_refuses_is_that_close_not_a_fault(node_token, caplog, refusal) -> None:
     """The agent sends a hello and closes; the server refuses the answer (an OSError, as the ASGI spec has a server
     do for a send after the close, or uvicorn's RuntimeError) before the consumer has heard the close: the hello
     still counts, nothing is logged as a failure, and the stream ends as a closed stream does."""

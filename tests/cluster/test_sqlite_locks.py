@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(connection.vendor != "sqlite", reason="SQLite's 
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_hundred_nodes_reports_survive_a_writer_holding_the_lock(monkeypatch):
+def test_a_hundred_nodes_reports_survive_a_writer_holding_the_lock(monkeypatch) -> None:
     assert connection.settings_dict["NAME"] != ":memory:" and "mode=memory" not in str(connection.settings_dict["NAME"])
     with connection.cursor() as cursor:
         cursor.execute("PRAGMA journal_mode")
@@ -85,7 +85,8 @@ def test_a_hundred_nodes_reports_survive_a_writer_holding_the_lock(monkeypatch):
     now = timezone.now()
     rows = list(Node.objects.all())
     # every node's report and heartbeat went through after the writer let go (however slow a loaded machine is)
-    assert all(n.connected and n.last_seen >= released for n in rows), [n.name for n in rows if n.last_seen < released]
+    assert all(n.connected and n.last_seen is not None and n.last_seen >= released for n in rows), \
+        [n.name for n in rows if n.last_seen is None or n.last_seen < released]
     actions = planner.plan(reconciler.take_snapshot(now))
     assert not [a for a in actions if isinstance(a, (planner.MarkNodeDisconnected, planner.Fail))]
     assert Replica.objects.filter(state=Replica.State.READY).count() == NODES

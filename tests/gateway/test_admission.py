@@ -52,7 +52,7 @@ def start(a, model, reps, **kw):
 
 async def settled(tasks, n: int, timeout: float = 5.0) -> list:
     """The first `n` of `tasks` to finish, in the order they did."""
-    done_order = []
+    done_order: list[asyncio.Task] = []
     pending = set(tasks)
     async with asyncio.timeout(timeout):
         while len(done_order) < n:

@@ -25,7 +25,7 @@ class Server:
     """A raw HTTP server on loopback that answers each request with `answer(request_bytes)`: a list of byte
     strings to write (a float among them: a pause of that many seconds; None: close the connection)."""
 
-    def __init__(self, answer):
+    def __init__(self, answer) -> None:
         self.answer = answer
         self.connections = 0
         self.requests: list[bytes] = []
@@ -66,7 +66,8 @@ def whole(body: bytes, status: str = "200 OK", extra: str = "") -> list:
 
 
 def chunked(*events: bytes, pause: float = 0.0) -> list:
-    out = [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"]
+    out: list[bytes | float] = [
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"]
     for event in events:
         out += [f"{len(event):x}\r\n".encode() + event + b"\r\n", pause]
     return out + [b"0\r\n\r\n"]

@@ -55,7 +55,7 @@ async def processes():
 
 
 def limit_keys() -> list[str]:
-    return sorted(k.decode() for k in redis_client().keys(f"llmgw:rl:{ID}*"))
+    return sorted(k.decode() if isinstance(k, bytes) else k for k in redis_client().keys(f"llmgw:rl:{ID}*"))
 
 
 async def refusal(limits, k, reserve: int = 0) -> GatewayError:

@@ -25,7 +25,7 @@ async def a_key(**budget) -> int:
 
 
 async def usage_of(key_id: int, model: str) -> dict[str, int]:
-    rows = await sync_to_async(list)(Usage.objects.filter(key_id=key_id, model=model).values())
+    rows = await sync_to_async(lambda: list(Usage.objects.filter(key_id=key_id, model=model).values()))()
     return {"requests": sum(r["requests"] for r in rows), "prompt": sum(r["prompt_tokens"] for r in rows),
             "completion": sum(r["completion_tokens"] for r in rows)}
 

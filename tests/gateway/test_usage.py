@@ -18,7 +18,7 @@ def at(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=UTC)
 
 
-def counted(*requests) -> dict:
+def counted(*requests) -> tuple[dict[tuple[int, int, str], list[int]], dict[int, float]]:
     """What a web process takes from its ledger: (key, model, prompt tokens, completion tokens, when) each."""
     ledger = Ledger()
     for key, model, prompt, completion, when in requests:

@@ -72,11 +72,14 @@ class Fleet:
     def kill_control_plane(self, which: str) -> None:
         """SIGKILL every process of one control plane at once, as a machine that loses its power."""
         for name in self.control_plane(which):
-            proc = self.system.procs[name]
+            popen = self.system.procs[name].popen
+            assert popen is not None  # the control plane's processes are started
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.popen.pid, signal.SIGKILL)
+                os.killpg(popen.pid, signal.SIGKILL)
         for name in self.control_plane(which):
-            self.system.procs[name].popen.wait(10)
+            popen = self.system.procs[name].popen
+            assert popen is not None
+            popen.wait(10)
 
     @property
     def home_b(self) -> Path:

@@ -96,6 +96,7 @@ class System:
     supervisor: Supervisor = field(default_factory=Supervisor)
     host: str = "127.0.0.1"  # where the web process listens
     server: str = ""  # where `cli` points the program, when not at `url` (a proxy in front of two control planes)
+    sha: str = ""  # the sha256 of the model file the tests add models with (make_model_file)
 
     @property
     def url(self) -> str:

@@ -133,7 +133,7 @@ class Host:
 class Network:
     """A bridge the control plane listens on, and the hosts linked to it."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.tag = secrets.token_hex(2)
         used = _used_subnets()
         free = [n for n in range(1, 255) if n not in used]

@@ -292,7 +292,7 @@ def test_a_flood_of_agent_messages_leaves_the_stream_answering_pings(system):
         async with connect(url, additional_headers={"Authorization": f"Bearer {token}"}, ping_interval=None,
                            max_queue=None) as ws:
             # offered by the client, not taken: a stream's zlib state cost the web process ~0.1 MiB (llmgw/web.py)
-            assert "Sec-WebSocket-Extensions" not in ws.response.headers
+            assert ws.response is not None and "Sec-WebSocket-Extensions" not in ws.response.headers
 
             async def read():  # the agent's side reads everything the server sends
                 async for _ in ws:

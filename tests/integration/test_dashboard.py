@@ -43,10 +43,10 @@ class Watched:
         self.context.set_default_timeout(30_000)
         self.page = self.context.new_page()
         self.problems: list[str] = []
-        self.page.on("console", lambda m: m.type == "error" and self.problems.append(f"console: {m.text}"))
+        self.page.on("console", lambda m: self._console(m))
         self.page.on("pageerror", lambda e: self.problems.append(f"page error: {e}"))
         self.page.on("requestfailed", lambda r: self._failed(r))
-        self.page.on("response", lambda r: r.status >= 400 and self.problems.append(f"{r.status} {r.request.method} {r.url}"))
+        self.page.on("response", lambda r: self._response(r))
         self.page.on("dialog", lambda d: d.accept())  # every confirmation: yes
         self.page.goto("/login/")
         self.page.fill("#id_username", user)
@@ -54,6 +54,14 @@ class Watched:
         self.page.click("button[type=submit]")
         self.page.wait_for_url(system.url + "/")
         self.page.wait_for_selector("#live-state.on")  # the websocket is open
+
+    def _console(self, message) -> None:
+        if message.type == "error":
+            self.problems.append(f"console: {message.text}")
+
+    def _response(self, response) -> None:
+        if response.status >= 400:
+            self.problems.append(f"{response.status} {response.request.method} {response.url}")
 
     def _failed(self, request) -> None:
         # a partial refetch cut short by the next navigation is not a failure of the page

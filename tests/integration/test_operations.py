@@ -251,7 +251,7 @@ def test_profile_edit_shows_stale_and_restart_stale_makes_current(system, ops):
     system.cli("ctl", "profile", "remove", "op-prof")
 
 
-def test_a_worker_killed_mid_drain_leaves_nothing_stuck(system, ops):
+def test_a_worker_killed_mid_drain_leaves_nothing_stuck(system, ops) -> None:
     """A replica draining with a long request in flight; the Celery worker is killed with SIGKILL and a new one
     started: the drain still finishes (every step is decided afresh from the database)."""
     add_test_engine(system, name="op-slow", args="--load-seconds 1 --delay-ms 500")

@@ -207,7 +207,9 @@ def docs_block(page: str, heading: str) -> list[str]:
     """The commands of the first ```sh block under this heading of this page of docs/, comments dropped."""
     text = (ROOT / "docs" / page).read_text()
     section = text.split(f"\n{heading}\n", 1)[1]
-    block = re.search(r"```sh\n(.*?)```", section, re.S).group(1)
+    found = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert found, f"no sh block under {heading} in docs/{page}"
+    block = found.group(1)
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
 
 

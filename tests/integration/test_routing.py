@@ -69,7 +69,7 @@ def trio(system):
              what="the routing test's models removed")
 
 
-def test_prefix_is_the_default_and_every_turn_stays_on_one_replica_through_either_gateway(system, trio):
+def test_prefix_is_the_default_and_every_turn_stays_on_one_replica_through_either_gateway(system, trio) -> None:
     shown = {m["name"]: m for m in system.cli_json("ctl", "models")}
     assert shown["rt-trio"]["routing"] == "prefix"
     assert "prefix" in system.cli("ctl", "models").stdout

@@ -127,7 +127,7 @@ def test_up_runs_everything_and_sigterm_stops_everything(tmp_path):
         wait_for(held_to_six, 30, what="the cap to reach the gateway: 6 tokens, finish_reason length")
         # (and a wait for a replica past a loaded machine's agent reconnecting and engine loading, for `up` again)
         cli("ctl", "model", "set", "smollm2", "--max-tokens", "4096", "--wait", "90")
-        outcomes: list[str] = []
+        outcomes = []  # "ok", or the repr of what was raised, per request
         done = threading.Event()
 
         def load():

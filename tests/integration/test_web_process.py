@@ -86,7 +86,7 @@ def limited_web(system, port: int) -> list[str]:
     return [sys.executable, "-c", limit, *web_argv(system.host, port, "uvicorn")[1:]]
 
 
-def test_a_flood_past_the_connection_limit_leaves_the_process_its_own_sockets(system, served):
+def test_a_flood_past_the_connection_limit_leaves_the_process_its_own_sockets(system, served) -> None:
     """A web process at its limit of one connection, flooded with connections that each send a request and then
     hold on: each is refused and let go of within a moment (not held for seconds, a descriptor each), and the one
     connection it serves is answered a real /v1/ request meanwhile, its first: the process opens its database,

@@ -29,7 +29,7 @@ def web_processes(launcher: subprocess.Popen) -> list[psutil.Process]:
     return found
 
 
-def test_web_workers_share_one_socket_and_come_back_without_refusing_a_connection(tmp_path):
+def test_web_workers_share_one_socket_and_come_back_without_refusing_a_connection(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "DJANGO_SETTINGS"))}
     env.update(LLMGW_HOME=str(tmp_path), DJANGO_SETTINGS_MODULE="llmgw.settings", PYTHONUNBUFFERED="1",
                DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}",

@@ -28,7 +28,7 @@ def count_of(name: str, period: str) -> str:
 
 def held(name: str) -> int:
     """What Redis counts against the budget: the database's spend and every web process's part."""
-    found = {k.decode(): int(v) for k, v in redis_client().hgetall(name).items()}
+    found = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in redis_client().hgetall(name).items()}
     return found.get("db", 0) + sum(v for k, v in found.items() if k.startswith("p:"))
 
 

@@ -1,6 +1,7 @@
 """A routed request makes no database query once the routing table is warm."""
 
 import threading
+from collections.abc import Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 import pytest
@@ -23,22 +24,22 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pyte
 
 
 @contextmanager
-def every_query():
+def every_query() -> Iterator[list[tuple[str, str]]]:
     """Every SQL statement Django runs, on any connection in any thread. CaptureQueriesContext sees one
     connection only, and the gateway loads its table on another: sync_to_async(thread_sensitive=True) runs in
     asgiref's single worker thread, not the test's (there is no outer async_to_sync to hand it back to)."""
     seen: list[tuple[str, str]] = []
-    real = CursorWrapper._execute_with_wrappers
+    real = CursorWrapper._execute_with_wrappers  # type: ignore[attr-defined]  # Django's, private: not in its stubs
 
     def counting(cursor, sql, params, many, executor):
         seen.append((threading.current_thread().name, sql))
         return real(cursor, sql, params, many, executor)
 
-    CursorWrapper._execute_with_wrappers = counting
+    CursorWrapper._execute_with_wrappers = counting  # type: ignore[attr-defined]  # as above
     try:
         yield seen
     finally:
-        CursorWrapper._execute_with_wrappers = real
+        CursorWrapper._execute_with_wrappers = real  # type: ignore[attr-defined]  # as above
 
 
 @asynccontextmanager

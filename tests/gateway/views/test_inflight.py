@@ -60,7 +60,7 @@ async def test_in_flight_counts_concurrent_requests_and_returns_to_zero(client, 
     await shared_in_flight_becomes(slow.name, 0)
 
 
-async def test_a_client_that_goes_away_mid_stream_cancels_the_upstream(cluster, slow_engine):
+async def test_a_client_that_goes_away_mid_stream_cancels_the_upstream(cluster, slow_engine) -> None:
     """As daphne does it: the ASGI application, and an http.disconnect while the answer streams."""
 
     def slow_model():
@@ -133,7 +133,8 @@ async def test_a_client_that_goes_away_before_the_stream_starts_leaves_no_count(
         await asyncio.sleep(0.05)
 
 
-async def test_a_client_that_goes_away_once_it_has_the_done_got_a_whole_stream(cluster, lingering_engine, caplog):
+async def test_a_client_that_goes_away_once_it_has_the_done_got_a_whole_stream(cluster, lingering_engine,
+                                                                                caplog) -> None:
     """A stream whose last event went out is complete, for a client that closes the moment it reads [DONE]:
     logged 200 with its usage counted, and its in-flight count returns."""
 

@@ -42,7 +42,7 @@ async def ask(client, messages, model="trio"):
     return await post(client, "chat/completions", {"model": model, "messages": messages})
 
 
-async def test_every_turn_of_a_conversation_goes_to_one_replica_and_conversations_spread(cluster, client):
+async def test_every_turn_of_a_conversation_goes_to_one_replica_and_conversations_spread(cluster, client) -> None:
     names = await sync_to_async(three_replicas)(cluster, Model.Routing.PREFIX)
     went: dict[int, set[str]] = {}
     for conversation in range(12):
