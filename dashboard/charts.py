@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.accounting import TrafficMinute
 
 WIDTH, HEIGHT = 360, 90
 
@@ -65,7 +69,7 @@ def _fmt(v: float) -> str:
     return f"{v:.2f}".rstrip("0").rstrip(".") if v else "0"
 
 
-def traffic_charts(rows: list[dict]) -> list[Chart]:
+def traffic_charts(rows: list[TrafficMinute]) -> list[Chart]:
     """Requests per second, tokens per second and the error rate (5xx answers, %) per minute."""
     return [
         Chart("Requests per second", "req/s", [r["requests"] / 60 for r in rows], "#1f5fbf"),

@@ -205,19 +205,26 @@ def _budget_shown(key, now) -> dict | None:
     return {"text": text, "bar": Bar(budget["tokens"], min(budget["spent"], budget["tokens"]))}
 
 
+@dataclass
+class KeyShown:
+    """A key's row: the key, its last day's requests and tokens, and its budget as a bar (None: no budget)."""
+
+    key: ApiKey
+    used: dict[str, int]
+    budget: dict[str, Any] | None
+
+
 def _keys(request) -> dict:
     now = timezone.now()
     keys = list(budgets.with_spent(ApiKey.objects.order_by("name"), now))
     since = now - timedelta(days=1)
-    usage: dict[str, dict] = {}
+    usage: dict[str, dict[str, int]] = {}
     for row in gateway_operations.usage_report(since=since):
         u = usage.setdefault(row["key"], {"requests": 0, "tokens": 0})
         u["requests"] += row["requests"]
         u["tokens"] += row["prompt_tokens"] + row["completion_tokens"]
-    for k in keys:
-        k.used = usage.get(k.name, {"requests": 0, "tokens": 0})
-        k.budget = _budget_shown(k, now)
-    return {"keys": keys, "models": Model.objects.order_by("name").values_list("name", flat=True),
+    shown = [KeyShown(k, usage.get(k.name, {"requests": 0, "tokens": 0}), _budget_shown(k, now)) for k in keys]
+    return {"keys": shown, "models": Model.objects.order_by("name").values_list("name", flat=True),
             "priorities": CLASSES, "default_priority": DEFAULT_CLASS}
 
 

@@ -6,6 +6,7 @@ leaves out what llama.cpp's server does and more (model `sparse`): no `event:` l
 The SDKs talk HTTP to the gateway's own ASGI application (httpx's ASGI transport)."""
 
 import re
+from typing import Any
 
 import anthropic
 import httpx
@@ -36,14 +37,20 @@ def sparse(cluster, sparse_engine):
     ready_replica(make_model("sparse"), cluster.node, sparse_engine.port)
 
 
+def gateway_app() -> Any:
+    """The gateway as httpx's ASGITransport takes an app: httpx types a scope as any mutable mapping, Django's
+    stubs (and so the gateway, which Django's ASGI router calls) as a dict."""
+    return application()
+
+
 def openai_client(secret: str) -> openai.AsyncOpenAI:
-    transport = httpx.ASGITransport(app=application(), client=("127.0.0.1", 40000))
+    transport = httpx.ASGITransport(app=gateway_app(), client=("127.0.0.1", 40000))
     return openai.AsyncOpenAI(base_url="http://testserver/v1", api_key=secret, max_retries=0,
                               http_client=httpx.AsyncClient(transport=transport))
 
 
 def anthropic_client(secret: str) -> anthropic.AsyncAnthropic:
-    transport = httpx2.ASGITransport(app=application(), client=("127.0.0.1", 40000))
+    transport = httpx2.ASGITransport(app=gateway_app(), client=("127.0.0.1", 40000))
     return anthropic.AsyncAnthropic(base_url="http://testserver", api_key=secret, max_retries=0,
                                     http_client=httpx2.AsyncClient(transport=transport))
 
