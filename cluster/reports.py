@@ -336,7 +336,9 @@ def desired(node_pk: int, mirror_base: str) -> protocol.Desired:
     # During a key rotation a replica keeps the key it started with (the snapshot's fingerprint names it).
     keys = {ClusterSettings.fingerprint(k): k for k in (cluster.engine_key, cluster.previous_engine_key) if k}
     for r in rows:
-        assert r.port is not None  # placed: the reconciler took it a port as it placed it
+        if r.port is None:  # never: the reconciler takes a replica its port as it places it; not the node's others
+            log.warning("replica %s is placed without a port: not sent to its agent", r.name)
+            continue
         # A replica runs what it was started with; a new engine key or profile reaches it by restart.
         snap = r.snapshot or {}
         model_file = r.model.file

@@ -277,7 +277,12 @@ class EventsFilterForm(ButtonForm):
 
 
 class ForceForm(ButtonForm):
-    force = forms.BooleanField(required=False)
+    """Remove or drain even so: only the box's own value, 1, forces (a forced removal loses the node's work)."""
+
+    force = forms.CharField(required=False)
+
+    def clean_force(self) -> bool:
+        return self.cleaned_data["force"] == "1"
 
 
 class NodeAddForm(ButtonForm):

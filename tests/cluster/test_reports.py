@@ -474,6 +474,14 @@ def test_desired_lists_the_running_replicas_with_what_they_were_started_with(nod
     assert by_name[unsnapped.name]["engine"] == model.engine.spec()
 
 
+def test_a_replica_without_a_port_is_left_out_of_its_nodes_desired_list_and_the_rest_go(node, model, caplog):
+    fine = make_replica(model, node, S.READY)
+    portless = make_replica(model, node, S.STARTING)
+    Replica.objects.filter(pk=portless.pk).update(port=None)  # never made so: the reconciler places with a port
+    assert [r["name"] for r in reports.desired(node.pk, "http://x")["replicas"]] == [fine.name]
+    assert f"replica {portless.name} is placed without a port" in caplog.text
+
+
 def test_desired_for_a_node_without_replicas_is_empty(node):
     assert reports.desired(node.pk, "http://x") == {"type": "desired", "replicas": []}
 

@@ -223,6 +223,8 @@ def test_small_forms():
     assert "invalid node name ''" in refusal(NodeAddForm(sent()))
     assert valid(ForceForm(sent(force="1"))).cleaned_data["force"] is True
     assert valid(ForceForm(sent())).cleaned_data["force"] is False
+    for other in ("0", "no", "on", "true", "yes"):  # only the box's own value forces a removal or a drain
+        assert valid(ForceForm(sent(force=other))).cleaned_data["force"] is False
     form = valid(ReplicasRestartForm(sent(how="selected", replica=["chat-1", "chat-2"])))
     assert form.cleaned_data == {"how": "selected", "replica": ["chat-1", "chat-2"]}
     assert valid(ReplicasRestartForm(sent())).cleaned_data == {"how": "", "replica": []}
