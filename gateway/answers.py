@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 
 from gateway import metrics
-from gateway.call import Call
+from gateway.call import Call, Used
 from gateway.engines_http import EngineAnswer, ReadTimeout, UpstreamError
 from gateway.errors import GatewayError
 from gateway.http import Answer, Streamed
@@ -23,10 +23,10 @@ from gateway.table import Upstream
 log = logging.getLogger("llmgw.gateway")
 
 
-async def once(gw: Gateway, call: Call, surface: Surface, payload: bytes) -> Answer | Streamed:
+async def once(gw: Gateway, call: Call, used: Used, surface: Surface, payload: bytes) -> Answer | Streamed:
     """A whole answer: held and sent as one when it is small (ONCE_BYTES), else passed on as it comes, with no more
     of it in memory than the engine connection's buffer (an answer of many embeddings or log-probabilities)."""
-    upstream, response = await send(gw, call, surface, payload)
+    upstream, response = await send(gw, call, call.way, surface, payload)
     passing = False
     try:
         try:
@@ -40,15 +40,15 @@ async def once(gw: Gateway, call: Call, surface: Surface, payload: bytes) -> Ans
             raise refused(call, surface, upstream, status, content)
         if not whole:
             passing = True
-            return _pass_on(gw, call, upstream, response, content)
+            return _pass_on(gw, call, used, upstream, response, content)
         if status == 200:
-            _take_usage(call, surface, content)  # before its slot goes back: the key's service counts it
+            _take_usage(used, surface, content)  # before its slot goes back: the key's service counts it
     finally:
         if not passing:
             response.release()  # read to the end: back to the pool; else closed
-            done(gw, call, upstream)
+            done(gw, call, call.way, upstream)
     if status == 200:
-        gw.ledger.add(call.key_id, call.model, call.prompt, call.completion)
+        gw.ledger.add(call.key_id, call.model, used.prompt, used.completion)
         await call.settle()  # before the answer: the key's next request sees what this one used
     call.finish(status)
     return Answer(content, status, response.content_type)
@@ -60,7 +60,8 @@ USAGE_TAIL = 64 << 10  # of a passed-on answer, kept to find its usage in (the e
 _USAGE_FIELD = re.compile(rb'[{,]\s*"(prompt_tokens|completion_tokens|input_tokens|output_tokens)"\s*:\s*(\d+)')
 
 
-def _pass_on(gw: Gateway, call: Call, upstream: Upstream, response: EngineAnswer, head: bytes) -> Streamed:
+def _pass_on(gw: Gateway, call: Call, used: Used, upstream: Upstream, response: EngineAnswer, head: bytes
+             ) -> Streamed:
     """A large whole answer, passed on as it comes; its usage read off its tail."""
     state = {"settled": False}
 
@@ -72,11 +73,11 @@ def _pass_on(gw: Gateway, call: Call, upstream: Upstream, response: EngineAnswer
             response.release()
         else:
             response.close()
-        if status != 200 and not call.completion:  # cut short: the engine had generated it all; its usage never came
-            call.prompt = call.prompt_about
-            call.completion = max(0, call.reserved - call.prompt_about)  # with a tpm limit: what it may have used
-        done(gw, call, upstream)
-        gw.ledger.add(call.key_id, call.model, call.prompt, call.completion)
+        if status != 200 and not used.completion:  # cut short: the engine had generated it all; its usage never came
+            used.prompt = call.prompt_about
+            used.completion = max(0, call.reserved - call.prompt_about)  # with a tpm limit: what it may have used
+        done(gw, call, call.way, upstream)
+        gw.ledger.add(call.key_id, call.model, used.prompt, used.completion)
         call.finish(status)
 
     async def chunks() -> AsyncGenerator[bytes, None]:
@@ -90,9 +91,9 @@ def _pass_on(gw: Gateway, call: Call, upstream: Upstream, response: EngineAnswer
             status = 200
             for name, value in _USAGE_FIELD.findall(tail):  # the last of each: the answer's own usage
                 if name in (b"prompt_tokens", b"input_tokens"):
-                    call.prompt = int(value)
+                    used.prompt = int(value)
                 else:
-                    call.completion = int(value)
+                    used.completion = int(value)
         except (ReadTimeout, UpstreamError) as exc:  # the status went out: all that is left is to stop
             log.warning("replica %s broke off a large answer: %s", upstream.replica, describe(exc))
             status = 502
@@ -102,18 +103,19 @@ def _pass_on(gw: Gateway, call: Call, upstream: Upstream, response: EngineAnswer
     return Streamed(chunks(), settle, response.content_type)
 
 
-def _take_usage(call: Call, surface: Surface, content: bytes) -> None:
+def _take_usage(used: Used, surface: Surface, content: bytes) -> None:
     try:
         body = json.loads(content)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return
     usage = surface.usage(body) if isinstance(body, dict) else None
     if usage is not None:
-        call.prompt, call.completion, call.usage_known = usage.prompt, usage.completion, True
+        used.prompt, used.completion, used.usage_known = usage.prompt, usage.completion, True
 
 
-async def stream(gw: Gateway, call: Call, surface: Surface, payload: bytes, wants_usage: bool) -> Answer | Streamed:
-    upstream, response = await send(gw, call, surface, payload)
+async def stream(gw: Gateway, call: Call, used: Used, surface: Surface, payload: bytes, wants_usage: bool
+                 ) -> Answer | Streamed:
+    upstream, response = await send(gw, call, call.way, surface, payload)
     if response.status != 200:
         try:
             content = await response.read()
@@ -121,7 +123,7 @@ async def stream(gw: Gateway, call: Call, surface: Surface, payload: bytes, want
             content = b""
         finally:
             response.release()
-            done(gw, call, upstream)
+            done(gw, call, call.way, upstream)
         if response.status >= 400:
             raise refused(call, surface, upstream, response.status, content)
         call.finish(response.status)
@@ -136,7 +138,7 @@ async def stream(gw: Gateway, call: Call, surface: Surface, payload: bytes, want
         replica still counted busy with this one), or however else the stream ended."""
         if not state["released"]:
             state["released"] = True
-            done(gw, call, upstream)
+            done(gw, call, call.way, upstream)
 
     def settle(status: int) -> None:
         """Let the upstream go and count the request, once, however the stream ended."""
@@ -148,10 +150,10 @@ async def stream(gw: Gateway, call: Call, surface: Surface, payload: bytes, want
         else:
             response.close()  # cut short: the engine sees its client go and stops generating
         release()
-        call.count_cut_short()
-        if call.completion and not call.prompt:  # its prompt's count never came (a Messages stream without its start)
-            call.prompt = call.prompt_about
-        gw.ledger.add(call.key_id, call.model, call.prompt, call.completion)
+        used.count_cut_short(call.prompt_about)
+        if used.completion and not used.prompt:  # its prompt's count never came (a Messages stream without its start)
+            used.prompt = call.prompt_about
+        gw.ledger.add(call.key_id, call.model, used.prompt, used.completion)
         call.finish(status)
 
     async def events() -> AsyncGenerator[bytes, None]:
@@ -159,14 +161,14 @@ async def stream(gw: Gateway, call: Call, surface: Surface, payload: bytes, want
         status = 499  # unless it ends otherwise: the client went away, and closing the upstream cancels the work
         try:
             async for chunk in response.chunks():
-                if call.first_chunk is None:
-                    call.first_chunk = time.monotonic()
-                    metrics.of(call.model).first_token.observe(call.first_chunk - call.started)
+                if used.first_chunk is None:
+                    used.first_chunk = time.monotonic()
+                    metrics.of(call.model).first_token.observe(used.first_chunk - call.started)
                 buffer += chunk
                 out = []
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
-                    if _keep_event(call, surface, event, wants_usage):
+                    if _keep_event(used, surface, event, wants_usage):
                         out.append((complete(event) if complete is not None else event) + b"\n\n")
                 if out:
                     last = any(e.startswith(surface.done_event) for e in out)
@@ -202,12 +204,12 @@ def _ending(surface: Surface, complete: Callable[[bytes], bytes] | None, exc: Ga
 _GENERATED = re.compile(rb'"(?:content|text|reasoning_content)"\s*:\s*"|"type"\s*:\s*"response\.output_text\.delta"')
 
 
-def _keep_event(call: Call, surface: Surface, event: bytes, wants_usage: bool) -> bool:
+def _keep_event(used: Used, surface: Surface, event: bytes, wants_usage: bool) -> bool:
     """Read the usage off the stream; drop the usage-only chunk the client did not ask for. Count the chunks that
     carry generated text (one token each, as the engines stream), for a stream cut short before its usage."""
     if b'"usage"' not in event:
         if _GENERATED.search(event):
-            call.passed += 1
+            used.passed += 1
         return True
     for line in event.split(b"\n"):
         if not line.startswith(b"data:"):
@@ -216,11 +218,11 @@ def _keep_event(call: Call, surface: Surface, event: bytes, wants_usage: bool) -
             data = json.loads(line[5:])
         except (ValueError, RecursionError):
             return True
-        said = surface.event_usage(data, call.prompt, call.completion) if isinstance(data, dict) else None
+        said = surface.event_usage(data, used.prompt, used.completion) if isinstance(data, dict) else None
         if said is None:
             continue
-        call.prompt, call.completion, whole = said
-        call.usage_known = call.usage_known or whole
+        used.prompt, used.completion, whole = said
+        used.usage_known = used.usage_known or whole
         if not wants_usage and not data.get("choices"):
             return False
     return True

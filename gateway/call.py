@@ -3,9 +3,12 @@ what it holds (its slot, its key's slot, its budget and rate reservations), wher
 and what it used (tokens, first chunk); and its end, once: the reservations settled, the slots given back, the
 metrics, the access log line and the traffic counted.
 
-`Call` is the request's one record, made by the views (gateway/views.py) and filled in by the steps of its way:
-the views (`key`, `model`, `rank`, the reservations), choosing and sending (gateway/sending.py: `replica`,
-`attempts`, `waited`, `lease`), the answer (gateway/answers.py: `first_chunk`, the usage). Each field says which.
+`Call` is the request's one record, made and owned by the views (gateway/views.py): they alone write its own
+fields (`key`, `model`, `rank`, the reservations). What a later step adds has a record of its own inside it, which
+that step is handed by name: `Way`, where the request went, to choosing and sending (gateway/sending.py,
+gateway/slots.py: `send(gw, call, way, ...)`), and `Used`, what it used, to the answer (gateway/answers.py). Every
+other step reads. tests/gateway/test_call.py holds the gateway to it: nothing writes a `Call`'s fields outside the
+views, and a `Way` or a `Used` is written only by the step whose signature names it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,35 @@ if TYPE_CHECKING:
     from gateway.runtime import Gateway
 
 access = logging.getLogger("llmgw.access")
+
+
+@dataclass(slots=True, eq=False)
+class Way:
+    """Where a request went: written by choosing and sending (gateway/sending.py, gateway/slots.py)."""
+
+    replica: str = "-"
+    attempts: int = 0  # replicas it was sent to
+    waited: float | None = None  # seconds it waited for a ready replica, once it looked for one
+    asked_until: float = 0.0  # an autoscaled model found without room: until when the request waits for news
+    lease_asked: bool = False  # it waited in its model's queue for a replica on its way (once)
+    lease: admission.Lease | None = None  # the slot it holds (gateway/admission.py)
+
+
+@dataclass(slots=True, eq=False)
+class Used:
+    """What a request used: written by its answer (gateway/answers.py)."""
+
+    first_chunk: float | None = None
+    prompt: int = 0
+    completion: int = 0
+    passed: int = 0  # tokens of a streamed answer passed on to the client, as counted by its chunks
+    usage_known: bool = False  # the engine said what the request used
+
+    def count_cut_short(self, prompt_about: int) -> None:
+        """A stream that ended before the engine said what it used (the client closed it, say) still used what the
+        engine produced: the tokens passed on, and its prompt as estimated when anything was passed."""
+        if not self.usage_known and self.passed:
+            self.prompt, self.completion = self.prompt or prompt_about, max(self.completion, self.passed)
 
 
 @dataclass(slots=True, eq=False)
@@ -45,19 +77,8 @@ class Call:
     reserved_minute: int | None = None  # the minute they were reserved in (None: no tpm limit)
     key_slot: str | None = None  # one of its key's requests at once (max_concurrency)
     budget: Hold | None = None  # what it reserved of its key's budget
-    # where it went (sending)
-    replica: str = "-"
-    attempts: int = 0  # replicas it was sent to
-    waited: float | None = None  # seconds it waited for a ready replica, once it looked for one
-    asked_until: float = 0.0  # an autoscaled model found without room: until when the request waits for news
-    lease_asked: bool = False  # it waited in its model's queue for a replica on its way (once)
-    lease: admission.Lease | None = None  # the slot it holds (gateway/admission.py)
-    # what it used (answers)
-    first_chunk: float | None = None
-    prompt: int = 0
-    completion: int = 0
-    passed: int = 0  # tokens of a streamed answer passed on to the client, as counted by its chunks
-    usage_known: bool = False  # the engine said what the request used
+    way: Way = field(default_factory=Way)  # where it went (choosing and sending)
+    used: Used = field(default_factory=Used)  # what it used (its answer)
     status: int = 0
 
     @property
@@ -72,24 +93,19 @@ class Call:
         assert self.key is not None
         return self.key.id
 
-    def count_cut_short(self) -> None:
-        """A stream that ended before the engine said what it used (the client closed it, say) still used what the
-        engine produced: the tokens passed on, and its prompt as estimated when anything was passed."""
-        if not self.usage_known and self.passed:
-            self.prompt, self.completion = self.prompt or self.prompt_about, max(self.completion, self.passed)
-
     async def settle(self) -> None:
         """Count what it used against its key's tpm limit in place of what it reserved (never raises: an answer
         given is never replaced for it)."""
         if self.reserved_minute is not None:
             assert self.gw is not None and self.key is not None  # a key's reservation, made in the gateway
             minute, self.reserved_minute = self.reserved_minute, None
-            await self.gw.limits.settle(self.key, self.prompt + self.completion, self.reserved, minute)
+            await self.gw.limits.settle(self.key, self.used.prompt + self.used.completion, self.reserved, minute)
 
     def finish(self, status: int) -> None:
         self.status = status
-        if self.usage_known and self.gw is not None:
-            self.gw.learn_prompt(self.model, self.estimated, self.prompt)
+        way, used = self.way, self.used
+        if used.usage_known and self.gw is not None:
+            self.gw.learn_prompt(self.model, self.estimated, used.prompt)
         if self.reserved_minute is not None and self.gw is not None:
             self.gw.spawn(self.settle())
         if self.gw is not None:
@@ -98,30 +114,30 @@ class Call:
                 self.gw.spawn(self.gw.admission.let_key_go(slot))
             if self.budget is not None:
                 budget, self.budget = self.budget, None
-                self.gw.budgets.settle(budget, self.prompt + self.completion)
+                self.gw.budgets.settle(budget, used.prompt + used.completion)
         seconds = time.monotonic() - self.started
         series = metrics.of(self.label)
         series.requests(status).inc()
         series.latency.observe(seconds)
-        if self.attempts:
-            series.attempts.observe(self.attempts)
-        if self.waited is not None:
-            series.waited.observe(self.waited)
-        if self.prompt or self.completion:
-            series.prompt.inc(self.prompt)
-            series.completion.inc(self.completion)
+        if way.attempts:
+            series.attempts.observe(way.attempts)
+        if way.waited is not None:
+            series.waited.observe(way.waited)
+        if used.prompt or used.completion:
+            series.prompt.inc(used.prompt)
+            series.completion.inc(used.completion)
         if self.gw is not None:
-            first = self.first_chunk - self.started if self.first_chunk is not None else None
-            self.gw.ledger.count(status, self.prompt + self.completion, first_chunk=first)
+            first = used.first_chunk - self.started if used.first_chunk is not None else None
+            self.gw.ledger.count(status, used.prompt + used.completion, first_chunk=first)
         access.info(
             "key=%s model=%s replica=%s status=%s duration_ms=%.1f prompt_tokens=%d completion_tokens=%d",
             self.key.prefix if self.key else "-",
             self.model if self.known or self.model == "-" else f"unknown({self.model[:64]!r})",
-            self.replica,
+            way.replica,
             status,
             seconds * 1000,
-            self.prompt,
-            self.completion,
+            used.prompt,
+            used.completion,
         )
 
 

@@ -9,7 +9,7 @@ import time
 from functools import partial
 
 from gateway import metrics, slots
-from gateway.call import Call
+from gateway.call import Call, Way
 from gateway.engines_http import ConnectFailed, ConnectTimeout, EngineAnswer, ReadTimeout, Unreachable, UpstreamError
 from gateway.errors import GatewayError
 from gateway.runtime import Gateway
@@ -23,7 +23,8 @@ RETRYABLE_STATUS = (502, 503)
 NO_ROOM_RECHECK = 1.0  # seconds a request asking for a model found without room waits for the reconciler's word
 
 
-async def choose(gw: Gateway, call: Call, tried: set[str], last_error: GatewayError | None = None) -> Upstream:
+async def choose(gw: Gateway, call: Call, way: Way, tried: set[str], last_error: GatewayError | None = None
+                 ) -> Upstream:
     """A ready replica, as the model's routing picks; wait for one that is on its way, up to wait_seconds. A
     request for an autoscaled model with no replica ready asks for one (at zero, that wakes the model) and waits
     for it, unless no room can be made for it. With every ready replica tried and none coming, the last one's
@@ -35,7 +36,7 @@ async def choose(gw: Gateway, call: Call, tried: set[str], last_error: GatewayEr
             route = _route(await gw.current(), call)
             upstream = await gw.choose(route, tried, call.affinity)
             if upstream is not None and gw.admission.enabled and route.slots and call.admits:
-                upstream = await slots.admit(gw, call, route, tried, upstream)
+                upstream = await slots.admit(gw, call, way, route, tried, upstream)
                 if upstream is None:
                     continue  # its replica went away as it was granted: admitted again
             if upstream is not None:
@@ -46,20 +47,20 @@ async def choose(gw: Gateway, call: Call, tried: set[str], last_error: GatewayEr
             if tried and route.coming == 0:
                 raise last_error or GatewayError(502, "upstream_error",
                                                  f"every ready replica of {call.model} failed this request")
-            if (refusal := _none_coming(call, route, now, deadline, asked=waiting or call.lease_asked)) is not None:
+            if (refusal := _none_coming(call, way, route, now, deadline, asked=waiting or way.lease_asked)) is not None:
                 raise refusal
-            if gw.admission.enabled and route.slots and call.admits and not tried and not call.lease_asked:
+            if gw.admission.enabled and route.slots and call.admits and not tried and not way.lease_asked:
                 # it waits for the replica on its way in the model's queue, in the order admission keeps, counted
                 # as demand; the replica ready, the queue's own wait bound follows the load's
-                call.lease_asked, call.asked_until = True, now + NO_ROOM_RECHECK
-                upstream = await slots.admit(gw, call, route, tried, None, max_wait=deadline - now + route.max_wait,
-                                             check=partial(_still_coming, gw, call, deadline))
+                way.lease_asked, way.asked_until = True, now + NO_ROOM_RECHECK
+                upstream = await slots.admit(gw, call, way, route, tried, None, max_wait=deadline - now + route.max_wait,
+                                             check=partial(_still_coming, gw, call, way, deadline))
                 if upstream is not None:
                     return upstream
                 continue  # granted a replica gone since, or Redis out of reach: as without admission
             if route.autoscaled and not waiting:
                 waiting = True
-                call.asked_until = now + NO_ROOM_RECHECK
+                way.asked_until = now + NO_ROOM_RECHECK
                 await gw.wait_begin(call.model)
             await gw.wait_for_change(min(deadline - now, 1.0))
     finally:
@@ -77,11 +78,12 @@ def _route(table: Table, call: Call) -> ModelRoute:
     return route
 
 
-def _none_coming(call: Call, route: ModelRoute, now: float, deadline: float, asked: bool) -> GatewayError | None:
+def _none_coming(call: Call, way: Way, route: ModelRoute, now: float, deadline: float, asked: bool
+                 ) -> GatewayError | None:
     """Why a request for a model with no replica ready it may use stops waiting (None: it waits on). An
     autoscaled model found without room, as the reconciler last found, is asked again (the room may be there
     now), and the reconciler has a moment to say otherwise."""
-    asks = route.autoscaled and (not route.no_room or not asked or now < call.asked_until)
+    asks = route.autoscaled and (not route.no_room or not asked or now < way.asked_until)
     if route.coming == 0 and not asks:
         what = "none is on its way" + (f": {route.no_room}" if route.no_room else "")
     elif now >= deadline:
@@ -91,59 +93,59 @@ def _none_coming(call: Call, route: ModelRoute, now: float, deadline: float, ask
     return GatewayError(503, "no_replica_ready", f"no replica of {call.model} is ready ({what})", 5)
 
 
-def _still_coming(gw: Gateway, call: Call, deadline: float) -> None:
+def _still_coming(gw: Gateway, call: Call, way: Way, deadline: float) -> None:
     """For a request waiting in its model's queue for a replica on its way: raises what ends its wait (the system
     stopped, the model gone, none coming any more, the load's wait over); with a replica ready, nothing."""
     assert gw.table is not None  # loaded: the request found its model's route in it
     route = _route(gw.table, call)
-    if not route.ready and (refusal := _none_coming(call, route, time.monotonic(), deadline, asked=True)) is not None:
+    if not route.ready and (refusal := _none_coming(call, way, route, time.monotonic(), deadline, asked=True)) is not None:
         raise refusal
 
 
-def done(gw: Gateway, call: Call, upstream: Upstream) -> None:
+def done(gw: Gateway, call: Call, way: Way, upstream: Upstream) -> None:
     gw.end(upstream.replica)
     metrics.of(call.model).inflight.dec()
-    slots.release(gw, call)
+    slots.release(gw, call, way)
 
 
-async def send(gw: Gateway, call: Call, surface: Surface, payload: bytes) -> tuple[Upstream, EngineAnswer]:
+async def send(gw: Gateway, call: Call, way: Way, surface: Surface, payload: bytes) -> tuple[Upstream, EngineAnswer]:
     """Send to a replica; before any byte of an answer, retry another on a connection failure or a 502/503."""
     tried: set[str] = set()
     last_error = None
     for _ in range(gw.tries):
         choosing = time.monotonic()
         try:
-            upstream = await choose(gw, call, tried, last_error)
+            upstream = await choose(gw, call, way, tried, last_error)
         finally:
-            call.waited = (call.waited or 0.0) + time.monotonic() - choosing
-        call.attempts += 1
+            way.waited = (way.waited or 0.0) + time.monotonic() - choosing
+        way.attempts += 1
         tried.add(upstream.replica)
-        call.replica = upstream.replica
+        way.replica = upstream.replica
         gw.start(upstream.replica)
         metrics.of(call.model).inflight.inc()
         try:
             response = await gw.engines.post(upstream.host, upstream.port, f"/v1/{surface.path}", payload,
                                              upstream.authorization)
         except ConnectTimeout:
-            done(gw, call, upstream)
+            done(gw, call, way, upstream)
             gw.cannot_connect(upstream.replica)
             last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} did not accept the connection")
             continue
         except ReadTimeout:
-            done(gw, call, upstream)
+            done(gw, call, way, upstream)
             raise GatewayError(504, "upstream_timeout", f"replica {upstream.replica} did not answer in time") from None
         except UpstreamError as exc:  # refused, reset, closed before an answer: nothing reached the client
-            done(gw, call, upstream)
+            done(gw, call, way, upstream)
             if isinstance(exc, (ConnectFailed, Unreachable)):
                 gw.cannot_connect(upstream.replica)
             last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} failed: {describe(exc)}")
             continue
         except BaseException:  # cancelled: the client went away before the engine answered; the count must not leak
-            done(gw, call, upstream)
+            done(gw, call, way, upstream)
             raise
         if response.status in RETRYABLE_STATUS or response.status in KEY_REFUSED:
             response.close()
-            done(gw, call, upstream)
+            done(gw, call, way, upstream)
             log.warning("replica %s answered %s to %s; trying another", upstream.replica, response.status, call.model)
             if response.status in KEY_REFUSED:
                 last_error = refusal(call.model, surface.capability, response.status, b"")

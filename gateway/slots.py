@@ -18,7 +18,7 @@ from gateway.redis_reach import RedisAway
 from gateway.runtime import PREFIX
 
 if TYPE_CHECKING:
-    from gateway.call import Call
+    from gateway.call import Call, Way
     from gateway.runtime import Gateway
     from gateway.table import KeyInfo, ModelRoute, Upstream
 
@@ -54,7 +54,7 @@ async def _note_refusal(gw: Gateway, key: KeyInfo, model: str, exc: GatewayError
         log.warning("could not record a refusal for key %s (%s)", key.name, exc)
 
 
-async def admit(gw: Gateway, call: Call, route: ModelRoute, tried: set[str], chosen: Upstream | None,
+async def admit(gw: Gateway, call: Call, way: Way, route: ModelRoute, tried: set[str], chosen: Upstream | None,
                 max_wait: float | None = None, check: Callable[[], None] | None = None) -> Upstream | None:
     """A slot on a ready replica of the route, waiting for one in the model's queue (gateway/admission.py) at most
     `max_wait` seconds (the model's own by default; `check()` raises what ends the wait sooner); the upstream it
@@ -77,7 +77,7 @@ async def admit(gw: Gateway, call: Call, route: ModelRoute, tried: set[str], cho
 
     began = time.monotonic()
     try:
-        call.lease = await gw.admission.admit(
+        way.lease = await gw.admission.admit(
             call.model, lambda: gw.slots_of(call.model), key=str(call.key_id),
             rank=admission.RANK["interactive"] if tried else call.rank, cost=admission.service(call.prompt_about, 0),
             prefs=prefs, queue_limit=route.queue_limit, max_wait=route.max_wait if max_wait is None else max_wait,
@@ -99,17 +99,17 @@ async def admit(gw: Gateway, call: Call, route: ModelRoute, tried: set[str], cho
     metrics.QUEUE_WAIT.labels(call.model, priority).observe(time.monotonic() - began)
     assert gw.table is not None  # loaded: the request found its route in it
     now = gw.table.find(call.model)
-    upstream = next((u for u in (now.ready if now else ()) if u.replica == call.lease.replica), None)
+    upstream = next((u for u in (now.ready if now else ()) if u.replica == way.lease.replica), None)
     if upstream is None:
-        release(gw, call)
+        release(gw, call, way)
     return upstream
 
 
-def release(gw: Gateway, call: Call) -> None:
+def release(gw: Gateway, call: Call, way: Way) -> None:
     """The request's slot back, with the service it had (its tokens, as far as they are known)."""
-    if call.lease is not None:
-        lease, call.lease = call.lease, None
-        served = admission.service(call.prompt or call.prompt_about, call.completion or call.passed)
+    if way.lease is not None:
+        lease, way.lease = way.lease, None
+        served = admission.service(call.used.prompt or call.prompt_about, call.used.completion or call.used.passed)
         gw.admission.give_back(lease, served)
 
 

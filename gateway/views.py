@@ -94,7 +94,7 @@ REPLICA_HEADER = "X-Llmgw-Replica"  # where the request went (`-`: to no replica
 async def proxy(request: Request, endpoint: str) -> Answer | Streamed:
     call = Call()
     response = await _proxy(call, request, endpoint)
-    response[REPLICA_HEADER] = call.replica
+    response[REPLICA_HEADER] = call.way.replica
     return response
 
 
@@ -161,8 +161,8 @@ async def _proxy(call: Call, request: Request, endpoint: str) -> Answer | Stream
         # the client's bytes as they came, unknown fields and all, unless the gateway had to add to them
         payload = json.dumps(body).encode() if changed else raw
         if stream:
-            return await answers.stream(gw, call, surface, payload, wants_usage)
-        return await answers.once(gw, call, surface, payload)
+            return await answers.stream(gw, call, call.used, surface, payload, wants_usage)
+        return await answers.once(gw, call, call.used, surface, payload)
     except GatewayError as exc:
         if exc.code in slots.REFUSALS and call.key is not None:
             slots.refused_for_key(gw, call, exc)

@@ -26,7 +26,7 @@ def _requests(model: str) -> list:
 def test_requests_served_by_many_replicas_are_one_series():
     for replica in ("bounded-1", "bounded-2", "bounded-3"):
         call = Call()
-        call.model, call.known, call.replica = "bounded", True, replica
+        call.model, call.known, call.way.replica = "bounded", True, replica
         call.finish(200)
     (series,) = _requests("bounded")
     assert series.labels == {"model": "bounded", "status": "200"} and series.value == 3
