@@ -46,6 +46,10 @@ ANTHROPIC_TYPES = {
 }
 
 
+# the headers that name an agent's session: its requests stay on one replica (docs/routing.md)
+SESSION_HEADERS = ("x-llmgw-session", "x-claude-code-session-id", "session_id", "session-id")
+
+
 @dataclass(frozen=True)
 class Usage:
     prompt: int = 0
@@ -124,6 +128,7 @@ class Surface:
     needs: tuple[str, ...]  # fields a request cannot do without
     prompt_size: Callable[[JSON], Size]  # how long its prompt is, about and at least (gateway/prompt.py)
     key_text: Callable[[JSON], str]  # what its prefix key is read from (gateway/affinity.py)
+    session_headers: tuple[str, ...] = SESSION_HEADERS  # the headers that name a client's session, first found
     items: str | None = None  # the field its messages are in (their content parts: images, audio)
     refused: tuple[tuple[str, str], ...] = ()  # fields a request may not have, and why
     token_fields: tuple[str, ...] = ()  # what caps what it generates (the model's and the key's max tokens)
@@ -203,6 +208,7 @@ def anthropic_error(status: int, message: str, retry_after: int | None = None) -
 
 def error_for(path: str, status: int, code: str, message: str, retry_after: int | None = None) -> Answer:
     """An error in the shape of the API a path belongs to (an unknown path under /v1/messages is Anthropic's)."""
-    if path.startswith("/v1/messages"):
-        return anthropic_error(status, message, retry_after)
+    surface = next((s for s in SURFACES.values() if path.startswith(f"/v1/{s.path}")), None)
+    if surface is not None:
+        return surface.error(GatewayError(status, code, message, retry_after))
     return error_response(status, code, message, retry_after)

@@ -31,8 +31,6 @@ from gateway.upstream import cap_tokens, check_capabilities
 
 log = logging.getLogger("llmgw.gateway")
 
-# the headers that name an agent's session: its requests stay on one replica (docs/routing.md)
-SESSION_HEADERS = ("x-llmgw-session", "x-claude-code-session-id", "session_id", "session-id")
 
 
 async def models_list(request: Request) -> Answer:
@@ -134,7 +132,7 @@ async def _proxy(call: Call, request: Request, endpoint: str) -> Answer | Stream
         call.prompt_about = call.estimated + gw.prompt_overhead(call.model) if call.estimated else 0
         call.admits = surface.admits
         if route.routing == PREFIX:
-            session = next((v for h in SESSION_HEADERS if (v := request.header(h))), "")
+            session = next((v for h in surface.session_headers if (v := request.header(h))), "")
             call.affinity = affinity.session_key(session) if session else surface.prefix_key(body)
         changed = bool(surface.token_fields) and cap_tokens(body, (route.max_tokens, call.key.max_tokens),
                                                              surface.token_fields)
