@@ -54,7 +54,6 @@ import os
 import secrets
 import socket
 import time
-from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -66,6 +65,7 @@ from redis.exceptions import ResponseError
 from cluster.inflight import ADMISSION_PREFIX
 from gateway import scripts
 from gateway.errors import GatewayError
+from gateway.key_slots import KeySlots
 from gateway.redis_reach import Reach, RedisAway
 
 log = logging.getLogger("llmgw.gateway")
@@ -115,10 +115,6 @@ def slots_key(replica: str) -> str:
 
 def channel(process: str) -> str:
     return f"{PREFIX}granted:{process}"
-
-
-def key_slots_key(key_id: int) -> str:
-    return f"{PREFIX}key:{key_id}"
 
 
 @dataclass
@@ -185,9 +181,7 @@ class Admission:
         self.reach = reach or Reach(redis)
         self.process = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._script = scripts.register(redis, "admission")
-        self._key_slot = scripts.register(redis, "key_slot")
-        self.key_slots: dict[str, int] = {}  # member -> key id: the key slots this process holds
-        self._keys_here: Counter[int] = Counter()  # key id -> its requests counted here while Redis was away
+        self.keys = KeySlots(redis, self.reach, self.process, LEASE_TTL, self.start)  # a key's requests at once
         self.waiters: dict[str, _Waiter] = {}  # by ticket
         self.leases: dict[str, Lease] = {}  # by member
         self.tickets: dict[str, tuple[str, str]] = {}  # ticket -> (model, fields): kept alive while it waits
@@ -490,35 +484,6 @@ class Admission:
             self._replicas.setdefault(lease.model, lambda: replicas)
         await self.give_back(lease, served)
 
-    async def hold_key(self, key_id: int, name: str, limit: int) -> str:
-        """One of the key's `limit` requests at once (waiting or in flight), or a 429 `concurrency_limit`."""
-        self.start()
-        member = f"{self.process}:{secrets.token_hex(6)}"
-        try:
-            held = int(await self.reach.call(self._key_slot(keys=[key_slots_key(key_id)],
-                                                            args=["hold", int(LEASE_TTL * 1000), limit, member])))
-        except RedisAway:  # counted in this process alone until Redis is back
-            self.reach.went_without()
-            held = int(self._keys_here[key_id] < limit)
-            member = "here:" + member
-        if not held:
-            raise GatewayError(429, "concurrency_limit",
-                               f"key {name} has {limit} requests in flight already (its max concurrency)", 1)
-        if member.startswith("here:"):
-            self._keys_here[key_id] += 1
-        self.key_slots[member] = key_id
-        return member
-
-    async def let_key_go(self, member: str) -> None:
-        key_id = self.key_slots.pop(member, None)
-        if key_id is not None and member.startswith("here:"):
-            self._keys_here[key_id] -= 1
-        elif key_id is not None:
-            try:
-                await self.redis.zrem(key_slots_key(key_id), member)
-            except Exception as exc:  # it lapses in LEASE_TTL
-                log.warning("could not let a key's request go (%s)", exc)
-
     async def _hear(self) -> None:
         """Grants for this process's waiters, as other processes make them."""
         delay = 1.0
@@ -562,16 +527,7 @@ class Admission:
             for model in models:
                 self._batch(model).keep = True
             try:
-                if self.key_slots:
-                    by_key: dict[int, list[str]] = {}
-                    for member, key_id in list(self.key_slots.items()):
-                        if not member.startswith("here:"):
-                            by_key.setdefault(key_id, []).append(member)
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        for key_id, members in by_key.items():
-                            pipe.evalsha(self._key_slot.sha, 1, key_slots_key(key_id), "keep",
-                                         int(LEASE_TTL * 1000), 0, *members)
-                        await pipe.execute()
+                await self.keys.keep_alive()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -111,7 +111,7 @@ class Call:
         if self.gw is not None:
             if self.key_slot is not None:
                 slot, self.key_slot = self.key_slot, None
-                self.gw.spawn(self.gw.admission.let_key_go(slot))
+                self.gw.spawn(self.gw.admission.keys.let_go(slot))
             if self.budget is not None:
                 budget, self.budget = self.budget, None
                 self.gw.budgets.settle(budget, used.prompt + used.completion)

@@ -142,7 +142,7 @@ async def _proxy(call: Call, request: Request, endpoint: str) -> Answer | Stream
                 call.reserved += completion_at_most(body, surface.token_fields, route.context)
         call.reserved_minute = await gw.limits.check(call.key, call.reserved)
         if call.key.max_concurrency:  # its requests in flight or waiting, across every web process
-            call.key_slot = await gw.admission.hold_key(call.key.id, call.key.name, call.key.max_concurrency)
+            call.key_slot = await gw.admission.keys.hold(call.key.id, call.key.name, call.key.max_concurrency)
         if call.key.budget_tokens:  # what it may use reserved at once: concurrent requests cannot overspend
             reserve = call.prompt_about
             if surface.generates:

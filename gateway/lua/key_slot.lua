@@ -1,4 +1,4 @@
--- A key's requests at once (its max_concurrency), across every web process (gateway/admission.py).
+-- A key's requests at once (its max_concurrency), across every web process (gateway/key_slots.py).
 --
 -- KEYS[1]  llmgw:adm:key:<key id>   ZSET member -> when it lapses (ms, Redis's clock)
 -- ARGV[1]  hold: one more, unless the key has ARGV[3] already; keep: the members ARGV[4..] kept alive (those
