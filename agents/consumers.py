@@ -200,10 +200,7 @@ class AgentConsumer(notify.EndsWhenTheLayerIsAway, notify.StopsCleanly, AsyncJso
         if not isinstance(kind, str) or kind not in self.HANDLED:  # a list or dict `type` is unhashable
             log.warning("node %s sent an unknown message type %r", self.node_name, kind)
             return
-        if kind == "progress":
-            key = (kind, str(content.get("replica")))
-        else:
-            key = (kind,)
+        key: tuple[str, ...] = (kind, str(content.get("replica"))) if kind == "progress" else (kind,)
         earlier = self._pending.pop(key, None)
         if kind == "report" and earlier is not None:
             content = _merged(earlier, content)

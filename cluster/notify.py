@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Literal, TypedDict
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
@@ -177,7 +177,13 @@ def _send_dashboard(families: set[str]) -> None:
 TRY_AGAIN = 1013  # RFC 6455 "Try Again Later": the stream cannot go on now
 
 
-class EndsWhenTheLayerIsAway:
+if TYPE_CHECKING:  # the mixins below stand on a websocket consumer, as they are used (agents, dashboards)
+    from channels.generic.websocket import AsyncWebsocketConsumer as _Consumer
+else:
+    _Consumer = object
+
+
+class EndsWhenTheLayerIsAway(_Consumer):
     """For a websocket consumer: when the channel layer (Redis) fails under it, as it starts or later (Redis
     restarted), the socket ends with a word its client understands, not a traceback in the log and an HTTP 500:
     503 to the handshake, or close code 1013 (try again later) once accepted. The client (an agent, a dashboard
@@ -213,7 +219,7 @@ class EndsWhenTheLayerIsAway:
         pass
 
 
-class StopsCleanly:
+class StopsCleanly(_Consumer):
     """For a websocket consumer: when its socket closes, a message to its own channel ends its wait on the
     channel layer even where the cancellation Channels sends that wait was swallowed. redis-py can swallow the
     cancellation of a blocking read (redis/redis-py#2028; channels_redis waits in BZPOPMIN): the consumer then

@@ -158,7 +158,7 @@ class _Applier:
         self.touched_nodes: set[int] = set()
         self._ports: dict[int, set[int]] = {}
         self._port_ranges: dict[int, tuple[int, int]] = {}
-        self._cluster = None
+        self._cluster: ClusterSettings | None = None
         self._model_rows: dict[int, Model] = {}
 
     def cluster(self):

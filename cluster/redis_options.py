@@ -98,7 +98,8 @@ def _sentinel_settings():
 
     if not settings.LLMGW_REDIS_SENTINELS:
         return None
-    kwargs = {"password": settings.LLMGW_REDIS_SENTINEL_PASSWORD} if settings.LLMGW_REDIS_SENTINEL_PASSWORD else {}
+    kwargs: dict[str, object] = (
+        {"password": settings.LLMGW_REDIS_SENTINEL_PASSWORD} if settings.LLMGW_REDIS_SENTINEL_PASSWORD else {})
     kwargs |= {"socket_connect_timeout": 3, "socket_timeout": 3}
     return settings.LLMGW_REDIS_SENTINELS, settings.LLMGW_REDIS_MASTER, kwargs, url_auth(settings.REDIS_URL)
 

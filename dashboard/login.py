@@ -4,6 +4,8 @@ page; a login that gets in makes its address a known place for its user."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.forms import AuthenticationForm
@@ -13,13 +15,19 @@ from cluster import throttle
 from cluster.clients import client_address
 from cluster.locks import redis_client
 
+if TYPE_CHECKING:  # a mixin of Django's authentication forms
+    _Form = AuthenticationForm
+else:
+    _Form = object
 
-class Throttled:
+
+class Throttled(_Form):
     """An authentication form that asks the login door first and tells it of a wrong password."""
 
     throttled = 0  # seconds to wait, when the door was shut
 
     def clean(self):
+        assert self.request is not None  # the login views bind their request
         redis, address = redis_client(), client_address(self.request.META)
         found = throttle.login_subjects(redis, address, self.data.get("username") or "")
         self.throttled = throttle.LOGIN.shut(found)

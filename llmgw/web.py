@@ -78,7 +78,7 @@ def graceful_server(config, limits):
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
-            self.server_state.stopping = True
+            self.server_state.stopping = True  # type: ignore[attr-defined]  # ours: uvicorn_limits reads it
             for server in self.servers:
                 server.close()
             for connection in list(self.server_state.connections):  # under way: this answer is its last

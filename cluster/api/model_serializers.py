@@ -75,6 +75,7 @@ class ServedModelListSerializer(serializers.ListSerializer):
 
     def to_representation(self, data):
         models = list(data.all() if hasattr(data, "all") else data)
+        assert self.child is not None  # a list serializer is made with its child
         self.child.context["queues"] = queries.queues([m.name for m in models])
         return super().to_representation(models)
 

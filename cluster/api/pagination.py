@@ -11,6 +11,7 @@ class Pagination(pagination.LimitOffsetPagination):
     billion), else a 400 naming the parameter; never a value silently ignored, never a database error."""
 
     max_limit = MAX_PAGE
+    default_limit: int  # from the settings' PAGE_SIZE, always set (llmgw/settings.py)
 
     def _param(self, request, name: str, minimum: int, maximum: int, default: int) -> int:
         if name not in request.query_params:

@@ -24,6 +24,7 @@ class NodeListSerializer(serializers.ListSerializer):
 
     def to_representation(self, data):
         nodes = list(data.all() if hasattr(data, "all") else data)
+        assert self.child is not None  # a list serializer is made with its child
         self.child.context["memory"] = queries.memory_in_use(nodes)
         return super().to_representation(nodes)
 

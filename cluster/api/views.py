@@ -343,7 +343,7 @@ class ControlPlaneViewSet(mixins.ListModelMixin, NamedViewSet):
         working), else by its worker at its next heartbeat (`rotation_asked_at` until then)."""
         with refused(named=True):
             rotation = operations.rotate_control_plane_token(name, self.actor)
-        rotation.plane.rotated = rotation.now
+        rotation.plane.rotated = rotation.now  # type: ignore[attr-defined]  # the serializer's field of the answer
         return Response(ControlPlaneTokenSerializer(rotation.plane).data)
 
 
@@ -447,7 +447,7 @@ class UserViewSet(NamedViewSet):
         if role_of(request.user) != "admin":
             raise exceptions.PermissionDenied("users are listed to admins only")
         rows = queries.users_listed()
-        page = self.paginate_queryset(rows)
+        page = self.paginate_queryset(rows)  # type: ignore[arg-type]  # DRF pages any sequence; its stubs say a QuerySet
         return self.get_paginated_response(UserSerializer(page, many=True).data)
 
     @extend_schema(request=UserCreateSerializer, responses={201: NewUserSerializer})

@@ -31,10 +31,10 @@ def keys_create(o, out):
             "priority": o.get("priority") or DEFAULT_PRIORITY, **_budget(o.get("budget")),
             "max_concurrency": o.get("max_concurrency")}
     key = o["api"].post("keys/", body, doing="create keys")
-    said = [f"priority {key['priority']}" if key["priority"] != DEFAULT_PRIORITY else "",
-            f"budget {_budget_shown(key['budget'])}" if key["budget"] else "",
-            f"max concurrency {key['max_concurrency']}" if key["max_concurrency"] else ""]
-    said = f" ({', '.join(part for part in said if part)})" if any(said) else ""
+    parts = [f"priority {key['priority']}" if key["priority"] != DEFAULT_PRIORITY else "",
+             f"budget {_budget_shown(key['budget'])}" if key["budget"] else "",
+             f"max concurrency {key['max_concurrency']}" if key["max_concurrency"] else ""]
+    said = f" ({', '.join(part for part in parts if part)})" if any(parts) else ""
     out.write(f"key {key['name']} created{said}; the key (shown once, keep it): {key['key']}\n")
 
 

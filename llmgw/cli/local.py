@@ -19,6 +19,7 @@ from django.conf import settings
 from django.core.handlers.wsgi import WSGIHandler
 from django.core.signals import got_request_exception
 from django.db import connections
+from django.http import HttpResponse
 from django.urls import set_script_prefix
 
 from cluster.clients import IN_PROCESS
@@ -56,7 +57,7 @@ class _InProcess(WSGIHandler):
             raise self.failure
         headers = [*response.items(), *(("Set-Cookie", c.output(header="")) for c in response.cookies.values())]
         start_response(f"{response.status_code} {response.reason_phrase}", headers)
-        return [b"".join(response)] if response.streaming else [response.content]
+        return [response.content] if isinstance(response, HttpResponse) else [b"".join(response)]
 
 
 def _sqlite_exists(name: str) -> bool:

@@ -50,7 +50,8 @@ def system_restart(o, out):
     api.post("system/restart/", {"timeout": o["timeout"]}, doing="restart the system")
     out.write("restarting llmgw: every agent, then web, beat and worker processes; engines keep serving\n")
     out.flush()
-    began, failed, done_at = time.monotonic(), None, None
+    began, done_at = time.monotonic(), None
+    failed: list[str] | None = None  # the processes that did not come back, once the restart said it was done
     started = False
     awaited: set[str] = set()  # processes asked last (the worker running it): their successors say they are back
     while failed is None or awaited:
@@ -78,7 +79,7 @@ def system_restart(o, out):
         out.flush()
         if done_at is not None and awaited and time.monotonic() - done_at > o["timeout"]:
             out.write(f"  {', '.join(sorted(awaited))}: not back within {o['timeout']:.0f}s (is it supervised?)\n")
-            failed, awaited = [*failed, *sorted(awaited)], set()
+            failed, awaited = [*(failed or []), *sorted(awaited)], set()  # failed: said with done_at
         if not started and time.monotonic() - began > TAKEN_WITHIN:
             raise CliError(f"no worker began the queued restart within {TAKEN_WITHIN:.0f}s: is the worker running? "
                            "(llmgw service status); it begins when one does")

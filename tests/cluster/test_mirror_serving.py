@@ -3,6 +3,7 @@ through `/mirror/<sha256>`."""
 
 import hashlib
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -49,7 +50,7 @@ SHA = hashlib.sha256(BODY).hexdigest()
 
 
 @pytest.fixture
-def peer():
+def peer() -> Iterator[tuple[str, list[tuple[str, str | None, str | None]]]]:
     """Another control plane's /mirror over http, holding BODY (Range `bytes=N-` only): its URL, and the requests
     it was sent (path, Range, Authorization)."""
     asked: list[tuple[str, str | None, str | None]] = []

@@ -35,7 +35,7 @@ class Command(BaseCommand):
 
     def create_parser(self, prog_name, subcommand, **kwargs):
         parser = super().create_parser(prog_name, subcommand, allow_abbrev=False, **kwargs)  # as OneLineParser
-        parser.__class__ = _Parser  # one-line errors for the top level too
+        parser.__class__ = _Parser  # type: ignore[assignment]  # one-line errors for the top level too
         return parser
 
     program = False  # run as the `llmgw` program, not as `manage.py llmgw`
