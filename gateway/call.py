@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from gateway import admission, metrics
 from gateway.spend import Hold
 from gateway.table import KeyInfo
+from gateway.tracing import Trace
 
 if TYPE_CHECKING:
     from gateway.runtime import Gateway
@@ -62,6 +63,9 @@ class Call:
     """One request's record on its way through the gateway (the module's docstring says who writes what)."""
 
     started: float = field(default_factory=time.monotonic)
+    request_id: str = ""  # its id (gateway/tracing.py: the client's or a new one)
+    trace: Trace | None = None  # its trace, the client's continued or a new one
+    engine_headers: str = ""  # what the engine is told of both: `traceparent` and `X-Request-Id` header lines
     gw: Gateway | None = None  # the process's gateway runtime, once the request reached it (views)
     # who and what (views)
     key: KeyInfo | None = None
@@ -130,7 +134,8 @@ class Call:
             first = used.first_chunk - self.started if used.first_chunk is not None else None
             self.gw.ledger.count(status, used.prompt + used.completion, first_chunk=first)
         access.info(
-            "key=%s model=%s replica=%s status=%s duration_ms=%.1f prompt_tokens=%d completion_tokens=%d",
+            "request=%s key=%s model=%s replica=%s status=%s duration_ms=%.1f prompt_tokens=%d completion_tokens=%d",
+            self.request_id or "-",
             self.key.prefix if self.key else "-",
             self.model if self.known or self.model == "-" else f"unknown({self.model[:64]!r})",
             way.replica,

@@ -354,11 +354,13 @@ class Pool:
             raise ConnectFailed(f"cannot connect ({os.strerror(exc.errno) if exc.errno else type(exc).__name__})") from None
         return conn
 
-    async def post(self, host: str, port: int, path: str, body: bytes, authorization: str) -> EngineAnswer:
-        """Send a JSON body; return once the answer's status and headers came (read its body from the Answer)."""
+    async def post(self, host: str, port: int, path: str, body: bytes, authorization: str, headers: str = ""
+                   ) -> EngineAnswer:
+        """Send a JSON body, with `headers` (whole header lines, each ending in CRLF) besides its own; return once
+        the answer's status and headers came (read its body from the Answer)."""
         data = (
             f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Authorization: {authorization}\r\nContent-Length: {len(body)}\r\n\r\n"
+            f"Authorization: {authorization}\r\n{headers}Content-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1") + body
         where = (host.strip("[]"), port)
         conn = self._pooled(where)

@@ -1,9 +1,10 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "code"}}. Never a 500, never an HTML page."""
 
 import json
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from gateway.http import Answer, json_answer
+from gateway.tracing import current_id
 
 TYPES = {
     400: "invalid_request_error",
@@ -27,6 +28,7 @@ class ErrorFields(TypedDict):
 
 class ErrorBody(TypedDict):
     error: ErrorFields
+    request_id: NotRequired[str]  # the request's (gateway/tracing.py), where it has one
 
 
 class GatewayError(Exception):
@@ -45,7 +47,10 @@ class GatewayError(Exception):
 
 
 def _body(status: int, code: str, message: str) -> ErrorBody:
-    return {"error": {"message": message, "type": TYPES.get(status, "api_error"), "code": code}}
+    body: ErrorBody = {"error": {"message": message, "type": TYPES.get(status, "api_error"), "code": code}}
+    if rid := current_id.get():
+        body["request_id"] = rid
+    return body
 
 
 def error_response(status: int, code: str, message: str, retry_after: int | None = None) -> Answer:

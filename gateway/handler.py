@@ -23,6 +23,7 @@ from typing import Any
 
 from django.conf import settings
 
+from gateway import tracing
 from gateway.errors import GatewayError
 from gateway.http import Answer, ASGIApp, HungUp, Receive, Request, Scope, Send, Streamed
 
@@ -55,8 +56,11 @@ class GatewayHandler:
             return body
 
         request = Request.from_scope(scope, read=read)
+        request.id, request.trace = tracing.identify(request.header("x-request-id"), request.header("traceparent"))
+        tracing.current_id.set(request.id)  # this task's request: the errors made for it name it
         try:
             answer = await view(request, **kwargs)
+            answer[tracing.HEADER] = answer[tracing.ANTHROPIC_HEADER] = request.id
             if request.body is None and _has_body(request):
                 # answered without reading what the client sends (no key, say): the connection cannot be reused
                 answer["Connection"] = "close"

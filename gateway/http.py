@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from gateway.tracing import Trace
 
 # ASGI's scope and messages as the server hands them over, typed as Django's ASGIHandler takes them: dicts whose
 # keys the ASGI spec lists, some of them optional (asgiref.typing's TypedDicts make every key required, which a
@@ -30,7 +33,7 @@ class Request:
     """A request as its headers came. Its body is read only when the view asks for it (`read_body`), once the
     client's key has been checked: a client with no key holds no memory of the web process with a body."""
 
-    __slots__ = ("method", "path", "headers", "client", "body", "_read")
+    __slots__ = ("method", "path", "headers", "client", "body", "_read", "id", "trace")
 
     def __init__(self, method: str, path: str, headers: dict[str, str], client: str, body: bytes | None = None,
                  read: Callable[[], Awaitable[bytes]] | None = None):
@@ -40,6 +43,8 @@ class Request:
         self.client = client  # the peer's address, as the ASGI server saw it
         self.body = body  # None until read
         self._read = read
+        self.id = ""  # the request's id and its trace (gateway/tracing.py), once the handler gave it them
+        self.trace: Trace | None = None
 
     @classmethod
     def from_scope(cls, scope: Scope, body: bytes | None = None,

@@ -125,7 +125,7 @@ async def send(gw: Gateway, call: Call, way: Way, surface: Surface, payload: byt
         metrics.of(call.model).inflight.inc()
         try:
             response = await gw.engines.post(upstream.host, upstream.port, f"/v1/{surface.path}", payload,
-                                             upstream.authorization)
+                                             upstream.authorization, call.engine_headers)
         except ConnectTimeout:
             done(gw, call, way, upstream)
             gw.cannot_connect(upstream.replica)

@@ -24,6 +24,7 @@ from gateway.errors import GatewayError, error_response
 from gateway.http import Answer, json_answer
 from gateway.prompt import Size
 from gateway.streams import MessagesEvents, ResponsesEvents
+from gateway.tracing import current_id
 from gateway.upstream import TOKEN_FIELDS
 
 OPENAI, ANTHROPIC = "openai", "anthropic"
@@ -108,14 +109,21 @@ def openai_error_event(exc: GatewayError) -> bytes:
     return exc.event() + b"data: [DONE]\n\n"
 
 
+def _with_id(body: JSON) -> JSON:
+    """An error body naming its request (gateway/tracing.py), where it has an id."""
+    if rid := current_id.get():
+        body["request_id"] = rid
+    return body
+
+
 def anthropic_error_event(exc: GatewayError) -> bytes:
     body = {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(exc.status, "api_error"), "message": exc.message}}
-    return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+    return f"event: error\ndata: {json.dumps(_with_id(body))}\n\n".encode()
 
 
 def responses_error_event(exc: GatewayError) -> bytes:
     body = {"type": "error", "code": exc.code, "message": exc.message, "param": None}
-    return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+    return f"event: error\ndata: {json.dumps(_with_id(body))}\n\n".encode()
 
 
 EventUsage = Callable[[JSON, int, int], "tuple[int, int, bool] | None"]
@@ -199,8 +207,8 @@ SURFACES = {
 
 
 def anthropic_error(status: int, message: str, retry_after: int | None = None) -> Answer:
-    answer = json_answer({"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}},
-                         status)
+    answer = json_answer(_with_id({"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"),
+                                                               "message": message}}), status)
     if retry_after is not None:
         answer["Retry-After"] = str(max(1, int(retry_after)))
     return answer

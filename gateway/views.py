@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from cluster import throttle
 from cluster.clients import address_of
-from gateway import admission, affinity, answers, slots
+from gateway import admission, affinity, answers, slots, tracing
 from gateway.call import Call
 from gateway.errors import GatewayError, invalid
 from gateway.http import Answer, HungUp, Request, Streamed, json_answer
@@ -90,7 +90,10 @@ REPLICA_HEADER = "X-Llmgw-Replica"  # where the request went (`-`: to no replica
 
 
 async def proxy(request: Request, endpoint: str) -> Answer | Streamed:
-    call = Call()
+    trace = request.trace
+    assert trace is not None  # given with its id, before any view
+    call = Call(request_id=request.id, trace=trace,
+                engine_headers=f"traceparent: {trace.traceparent()}\r\n{tracing.HEADER}: {request.id}\r\n")
     response = await _proxy(call, request, endpoint)
     response[REPLICA_HEADER] = call.way.replica
     return response

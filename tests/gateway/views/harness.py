@@ -207,7 +207,8 @@ def openai_error(response, status: int, code: str) -> dict:
     assert response.status_code == status, response.content
     assert response["Content-Type"] == "application/json"
     body = json.loads(response.content)
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "code"}, body
+    assert set(body) == {"error", "request_id"} and set(body["error"]) == {"message", "type", "code"}, body
+    assert body["request_id"] == response["X-Request-Id"], body  # the id it answers with (gateway/tracing.py)
     assert body["error"]["code"] == code, body
     assert body["error"]["message"] and body["error"]["type"]
     return body["error"]

@@ -1,0 +1,105 @@
+"""Every request through /v1/ has an id and a trace (gateway/tracing.py): the client's sane `X-Request-Id` kept,
+else a new one; on every answer, errors included, and in every error body; on to the engine, with a W3C
+`traceparent` that continues the client's trace (or begins one). tests/engine.py echoes the headers it got."""
+
+import json
+import re
+
+import anthropic
+import httpx
+import httpx2
+import openai
+import pytest
+
+from tests.gateway.views.harness import MESSAGES, Client, openai_error, post
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pytest.mark.integration]
+
+NEW_ID = re.compile(r"req_[0-9a-f]{24}")
+TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+async def echoed(cluster, **headers) -> tuple[dict, dict]:
+    """The gateway's answer's headers and what the engine got (its echo)."""
+    response = await post(Client(Authorization=f"Bearer {cluster.secret}"), "chat/completions",
+                          {"model": "qwen", "messages": MESSAGES}, **headers)
+    assert response.status_code == 200, response.content
+    return response.headers, json.loads(response.content)["echo"]["headers"]
+
+
+async def test_a_request_without_an_id_gets_one_and_begins_a_trace_the_engine_continues(cluster):
+    answered, engine = await echoed(cluster)
+    assert NEW_ID.fullmatch(answered["x-request-id"])
+    assert engine["x-request-id"] == answered["x-request-id"]
+    trace = TRACEPARENT.fullmatch(engine["traceparent"])
+    assert trace is not None and trace[3] == "01" and set(trace[1]) != {"0"} and set(trace[2]) != {"0"}
+    again, engine_again = await echoed(cluster)
+    assert again["x-request-id"] != answered["x-request-id"]  # one per request
+    assert TRACEPARENT.fullmatch(engine_again["traceparent"])[1] != trace[1]
+
+
+async def test_the_clients_id_and_trace_are_kept_and_the_gateway_is_the_engines_parent(cluster):
+    sent = "agent-42:turn/7@host.example"
+    answered, engine = await echoed(cluster, **{"X-Request-Id": sent,
+                                                "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"})
+    assert answered["x-request-id"] == engine["x-request-id"] == sent
+    trace = TRACEPARENT.fullmatch(engine["traceparent"])
+    assert trace is not None and trace[1] == CLIENT_TRACE and trace[3] == "00"  # the client's trace and flags
+    assert trace[2] != CLIENT_SPAN  # the gateway's own span in between
+
+
+@pytest.mark.parametrize("sent", ["has space", "x" * 129, "-leading-dash", "naïve", "a;b", ""])
+async def test_an_id_that_is_not_sane_is_replaced(cluster, sent):
+    answered, engine = await echoed(cluster, **{"X-Request-Id": sent})
+    assert NEW_ID.fullmatch(answered["x-request-id"]) and engine["x-request-id"] == answered["x-request-id"]
+
+
+@pytest.mark.parametrize("sent", [f"01-{CLIENT_TRACE}-{CLIENT_SPAN}-01", f"00-{'0' * 32}-{CLIENT_SPAN}-01",
+                                  f"00-{CLIENT_TRACE}-{'0' * 16}-01", f"00-{CLIENT_TRACE.upper()}-{CLIENT_SPAN}-01",
+                                  f"00-{CLIENT_TRACE}-{CLIENT_SPAN}", "garbage"])
+async def test_a_traceparent_w3c_refuses_begins_a_new_trace(cluster, sent):
+    _, engine = await echoed(cluster, traceparent=sent)
+    trace = TRACEPARENT.fullmatch(engine["traceparent"])
+    assert trace is not None and trace[1] != CLIENT_TRACE.lower() and trace[3] == "01"
+
+
+async def test_every_error_names_its_request_in_its_header_and_body(cluster):
+    nobody = Client()
+    refused = await post(nobody, "chat/completions", {"model": "qwen", "messages": MESSAGES}, **{"X-Request-Id": "r1"})
+    assert openai_error(refused, 401, "invalid_api_key") and refused["X-Request-Id"] == "r1"
+    keyed = Client(Authorization=f"Bearer {cluster.secret}")
+    missing = await post(keyed, "chat/completions", {"model": "nope", "messages": MESSAGES})
+    assert NEW_ID.fullmatch(json.loads(missing.content)["request_id"])
+    openai_error(missing, 404, "model_not_found")  # the id in its body is the one in its header
+    lost = await keyed.get("/v1/nowhere", headers={"X-Request-Id": "r2"})
+    assert openai_error(lost, 404, "not_found") and lost["X-Request-Id"] == "r2"
+    anthropic_shape = await post(keyed, "messages", {"model": "nope", "max_tokens": 8, "messages": MESSAGES},
+                                 **{"X-Request-Id": "r3"})
+    body = json.loads(anthropic_shape.content)
+    assert anthropic_shape.status_code == 404 and body["type"] == "error" and body["request_id"] == "r3"
+    assert anthropic_shape["X-Request-Id"] == "r3"
+
+
+def gateway_app():
+    from gateway.urls import application
+
+    return application()
+
+
+async def test_the_official_clients_read_the_id_of_an_answer_and_of_an_error(cluster):
+    client = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key=cluster.secret, max_retries=0,
+                                http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway_app())))
+    raw = await client.chat.completions.with_raw_response.create(model="qwen", messages=MESSAGES,
+                                                                 extra_headers={"X-Request-Id": "sdk-1"})
+    assert raw.headers["x-request-id"] == "sdk-1" and raw.parse().choices[0].message.content
+    with pytest.raises(openai.NotFoundError) as failed:
+        await client.chat.completions.create(model="nope", messages=MESSAGES)
+    assert NEW_ID.fullmatch(failed.value.request_id or "")
+    claude = anthropic.AsyncAnthropic(base_url="http://testserver", api_key=cluster.secret, max_retries=0,
+                                      http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=gateway_app())))
+    with pytest.raises(anthropic.NotFoundError) as refused:
+        await claude.messages.create(model="nope", max_tokens=8, messages=MESSAGES,
+                                     extra_headers={"X-Request-Id": "sdk-2"})
+    assert refused.value.request_id == "sdk-2"
