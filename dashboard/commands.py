@@ -47,6 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ctl keys set": ("key-set", "PATCH /api/v1/keys/{name}/"),
     "ctl keys revoke": ("key-revoke", "POST /api/v1/keys/{name}/revoke/"),
     "ctl usage": ("keys", "GET /api/v1/usage/"),
+    "ctl requests": ("requests", "GET /api/v1/requests/"),
     "ctl events": ("events", "GET /api/v1/events/"),
 }
 

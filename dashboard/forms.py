@@ -269,6 +269,16 @@ def valid(form: Form) -> Form:
     return form
 
 
+class RequestsFilterForm(ButtonForm):
+    """The Requests page's filters (gateway/records.py reads them, as for the API), and the request shown."""
+
+    key = forms.CharField(required=False)
+    model = forms.CharField(required=False)
+    status = forms.CharField(required=False)
+    slower_than = forms.CharField(required=False)
+    id = forms.CharField(required=False)
+
+
 class EventsFilterForm(ButtonForm):
     """The Events page's filters: the kinds beginning so, the subjects containing that."""
 

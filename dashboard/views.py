@@ -44,18 +44,19 @@ from dashboard.forms import (
     ProfileAddForm,
     ProfileSetForm,
     ReplicasRestartForm,
+    RequestsFilterForm,
     SettingsForm,
     UserAddForm,
     valid,
 )
-from gateway import budgets
+from gateway import budgets, records
 from gateway import operations as gateway_operations
 from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import ApiKey
 from ground.facts import BUILD_WHEEL, INSTALL_WHEEL
 
-PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirror", "keys", "users", "events",
-         "settings")
+PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirror", "keys", "requests", "users",
+         "events", "settings")
 ADMIN_PAGES = frozenset({"users"})  # in the nav of admins only; anyone else is told so on the page
 
 
@@ -247,6 +248,24 @@ def _events(request) -> dict:
     return {"events": rows[:200], "kind": kind, "subject": subject}
 
 
+def _requests(request) -> dict:
+    """The requests through /v1/, newest first (the last 200 that pass the filters), and one shown whole."""
+    form = RequestsFilterForm(request.GET)
+    if not form.is_valid():  # a NUL, which no database column holds: that filter is dropped, and said so
+        messages.error(request, form.problem())
+    given = {name: form.cleaned_data.get(name, "") for name in ("key", "model", "status", "slower_than", "id")}
+    try:
+        rows = list(records.listed(given["key"], given["model"], given["status"] or None,
+                                   given["slower_than"] or None)[:200])
+    except records.FilterError as exc:
+        messages.error(request, f"{exc.name.replace('_', ' ')}: {exc.message}")
+        rows = []
+    shown = records.listed().filter(request_id=given["id"]).first() if given["id"] else None
+    if given["id"] and shown is None:
+        messages.error(request, f"no request with id {given['id'][:128]!r} is on record")
+    return {"requests": rows, "shown": shown, **given}
+
+
 def _settings(request) -> dict:
     cluster = ClusterSettings.load()
     return {"cluster": cluster, "fingerprint": ClusterSettings.fingerprint(cluster.engine_key)}
@@ -254,7 +273,7 @@ def _settings(request) -> dict:
 
 CONTEXT = {
     "overview": _overview, "nodes": _nodes, "models": _models, "replicas": _replicas, "profiles": _profiles,
-    "engines": _engines, "mirror": _mirror, "keys": _keys, "users": _users, "events": _events,
+    "engines": _engines, "mirror": _mirror, "keys": _keys, "requests": _requests, "users": _users, "events": _events,
     "settings": _settings,
 }
 

@@ -1,4 +1,5 @@
-"""The gateway's REST API resources under /api/v1/: client keys (`keys/`) and their usage (`usage/`).
+"""The gateway's REST API resources under /api/v1/: client keys (`keys/`), their usage (`usage/`) and the
+records of the requests through /v1/ (`requests/`).
 
 Serializers parse and show; gateway.operations changes state. Mounted with the cluster's resources on one
 router by llmgw.api_urls.
@@ -13,7 +14,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, extend_schema_view
-from rest_framework import mixins, serializers, status, viewsets
+from rest_framework import exceptions, mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -21,9 +22,9 @@ from rest_framework.response import Response
 from cluster.api.base import NamedViewSet, NameField, StrictSerializer, datetime_param, text_param
 from cluster.api.errors import refused
 from cluster.api.schema import UNKNOWN_FILTER
-from gateway import budgets, operations
+from gateway import budgets, operations, records
 from gateway.admission import CLASSES, DEFAULT_CLASS
-from gateway.models import ApiKey
+from gateway.models import ApiKey, RequestRecord
 from gateway.operations import BUDGET_TOKENS, CONCURRENCY, KEY_LIMIT
 
 KEY_STATES = ["active", "revoked", "expired"]
@@ -224,4 +225,58 @@ class UsageViewSet(viewsets.GenericViewSet[Any]):  # no model: its rows are usag
         return self.get_paginated_response(self.get_serializer(page, many=True).data)
 
 
-ROUTES = [("keys", ApiKeyViewSet, "key"), ("usage", UsageViewSet, "usage")]
+class RequestRecordSerializer(serializers.ModelSerializer[RequestRecord]):
+    key: serializers.SlugRelatedField[ApiKey] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True, allow_null=True, help_text="the client key's name (null: none llmgw knew)")
+
+    class Meta:
+        model = RequestRecord
+        fields = ["request_id", "trace_id", "at", "key", "model", "asked", "surface", "streamed", "status", "error",
+                  "priority", "waited_ms", "replica", "attempts", "ttft_ms", "total_ms", "prompt_tokens",
+                  "completion_tokens", "client"]
+        read_only_fields = fields
+
+
+@extend_schema_view(
+    list=extend_schema(
+        responses={200: RequestRecordSerializer(many=True)},
+        parameters=[
+            OpenApiParameter("key", {"type": "string", "minLength": 1}, description="only this key's (a key name)"),
+            OpenApiParameter("model", {"type": "string", "minLength": 1}, description="only this model's"),
+            OpenApiParameter("status", {"type": "string", "pattern": records.STATUS_FILTER.pattern},
+                             description="only answers of this status (429) or class (5xx)"),
+            OpenApiParameter("slower_than", {"type": "string", "pattern": records.SLOWER_THAN.pattern},
+                             description="only requests that took longer than this (2s, 500ms; a number: seconds)"),
+            OpenApiParameter("since", OpenApiTypes.DATETIME, description="only those from this ISO 8601 time on"),
+        ]
+    ),
+)
+class RequestRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet[RequestRecord]):
+    """Every request through /v1/, newest first (gateway/records.py): written within a second of its end, kept
+    LLMGW_REQUEST_LOG_DAYS days. One by its id (`X-Request-Id`): the newest with that id."""
+
+    serializer_class = RequestRecordSerializer
+    lookup_field = "request_id"
+    lookup_value_regex = ".+"  # a client's id may hold a slash
+
+    def get_queryset(self) -> QuerySet[RequestRecord]:
+        if self.action != "list":
+            return records.listed()
+        params = self.request.query_params
+        key, model = (text_param(self.request, name, required_text=True) for name in ("key", "model"))
+        since = datetime_param("since", params["since"]) if "since" in params else None
+        try:
+            return records.listed(key=key or "", model=model or "", status=params.get("status"),
+                                  slower_than=params.get("slower_than"), since=since)
+        except records.FilterError as exc:
+            raise serializers.ValidationError({exc.name: [exc.message]}) from None
+
+    def get_object(self) -> RequestRecord:
+        record = self.get_queryset().filter(request_id=self.kwargs["request_id"]).first()
+        if record is None:
+            raise exceptions.NotFound(f"no request with id {self.kwargs['request_id'][:128]!r} is on record")
+        return record
+
+
+ROUTES = [("keys", ApiKeyViewSet, "key"), ("usage", UsageViewSet, "usage"),
+          ("requests", RequestRecordViewSet, "request")]

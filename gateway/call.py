@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway import admission, metrics
+from gateway.records import Row
 from gateway.spend import Hold
 from gateway.table import KeyInfo
 from gateway.tracing import Trace
@@ -66,6 +67,11 @@ class Call:
     request_id: str = ""  # its id (gateway/tracing.py: the client's or a new one)
     trace: Trace | None = None  # its trace, the client's continued or a new one
     engine_headers: str = ""  # what the engine is told of both: `traceparent` and `X-Request-Id` header lines
+    surface: str = ""  # its API (gateway/surfaces.py: its path under /v1/)
+    client: str = ""  # its client's address
+    asked: str = ""  # the model as the client named it (an alias, say)
+    streamed: bool = False
+    error: str = ""  # the code of the error it was answered with, when it was refused
     gw: Gateway | None = None  # the process's gateway runtime, once the request reached it (views)
     # who and what (views)
     key: KeyInfo | None = None
@@ -105,9 +111,21 @@ class Call:
             minute, self.reserved_minute = self.reserved_minute, None
             await self.gw.limits.settle(self.key, self.used.prompt + self.used.completion, self.reserved, minute)
 
+    def record(self, status: int, ended: float) -> Row:
+        """Its record (gateway/records.py), as it ended (`ended`: time.monotonic() then)."""
+        way, used = self.way, self.used
+        return Row(
+            self.request_id, self.trace.trace_id if self.trace else "", time.time() - (ended - self.started),
+            self.key.id if self.key else None, self.model[:128], self.asked[:128], self.surface, self.streamed,
+            status, self.error, admission.CLASSES[self.rank], None if way.waited is None else way.waited * 1000,
+            way.replica if way.replica != "-" else "", way.attempts,
+            None if used.first_chunk is None else (used.first_chunk - self.started) * 1000,
+            (ended - self.started) * 1000, used.prompt, used.completion, self.client[:64])
+
     def finish(self, status: int) -> None:
         self.status = status
         way, used = self.way, self.used
+        ended = time.monotonic()
         if used.usage_known and self.gw is not None:
             self.gw.learn_prompt(self.model, self.estimated, used.prompt)
         if self.reserved_minute is not None and self.gw is not None:
@@ -119,7 +137,7 @@ class Call:
             if self.budget is not None:
                 budget, self.budget = self.budget, None
                 self.gw.budgets.settle(budget, used.prompt + used.completion)
-        seconds = time.monotonic() - self.started
+        seconds = ended - self.started
         series = metrics.of(self.label)
         series.requests(status).inc()
         series.latency.observe(seconds)
@@ -133,6 +151,7 @@ class Call:
         if self.gw is not None:
             first = used.first_chunk - self.started if used.first_chunk is not None else None
             self.gw.ledger.count(status, used.prompt + used.completion, first_chunk=first)
+            self.gw.records.add(self.record(status, ended))
         access.info(
             "request=%s key=%s model=%s replica=%s status=%s duration_ms=%.1f prompt_tokens=%d completion_tokens=%d",
             self.request_id or "-",

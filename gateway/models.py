@@ -62,3 +62,33 @@ class Usage(models.Model):
     class Meta:
         ordering = ["-hour", "key", "model"]
         constraints = [models.UniqueConstraint(fields=["key", "model", "hour"], name="usage_key_model_hour")]
+
+
+class RequestRecord(models.Model):
+    """One request through /v1/, as the gateway saw it: written off the request's path, in batches
+    (gateway/records.py), kept LLMGW_REQUEST_LOG_DAYS and at most LLMGW_REQUEST_LOG_ROWS rows."""
+
+    request_id = models.CharField(max_length=128, db_index=True)  # the client's X-Request-Id or the gateway's
+    trace_id = models.CharField(max_length=32, blank=True, default="")  # its W3C trace
+    at = models.DateTimeField(db_index=True)  # when it arrived
+    key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="requests")
+    model = models.CharField(max_length=128, blank=True, default="")  # the model's own name, or as asked if unknown
+    asked = models.CharField(max_length=128, blank=True, default="")  # the name the client asked for (an alias)
+    surface = models.CharField(max_length=32)  # chat/completions, completions, embeddings, messages, …
+    streamed = models.BooleanField(default=False)
+    status = models.PositiveSmallIntegerField()
+    error = models.CharField(max_length=64, blank=True, default="")  # its error's code, when refused
+    priority = models.CharField(max_length=16, blank=True, default="")  # its class in the queue
+    waited_ms = models.FloatField(null=True, blank=True)  # for a ready replica and a slot
+    replica = models.CharField(max_length=128, blank=True, default="")  # the last it was sent to
+    attempts = models.PositiveSmallIntegerField(default=0)  # replicas it was sent to
+    ttft_ms = models.FloatField(null=True, blank=True)  # to the first chunk of a stream
+    total_ms = models.FloatField()
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)
+    client = models.CharField(max_length=64, blank=True, default="")  # the client's address
+
+    class Meta:
+        ordering = ["-at", "-id"]
+        indexes = [models.Index(fields=["key", "-at"], name="request_key_at"),
+                   models.Index(fields=["model", "-at"], name="request_model_at")]

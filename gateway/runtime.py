@@ -29,12 +29,13 @@ from redis.typing import EncodableT, FieldT
 
 from cluster import events, inflight, notify, redis_options
 from cluster.models import Model
-from gateway import affinity, usage
+from gateway import affinity, records, usage
 from gateway import table as routing
 from gateway.accounting import Ledger
 from gateway.admission import Admission, capacity
 from gateway.engines_http import Pool
 from gateway.limits import Limits
+from gateway.records import Records
 from gateway.redis_reach import Reach, RedisAway
 from gateway.spend import Budgets
 
@@ -146,6 +147,7 @@ class Gateway:
         self.clock_offset = 0.0  # Redis's clock less this machine's, as last measured (`now`)
         self._clock_measured = float("-inf")
         self.ledger = Ledger()
+        self.records = Records()
         self.reach = Reach(self.redis)  # how long a request waits on Redis, and whether it is away
         self.admission = Admission(self.redis, self.reach)
         self.limits = Limits(self.redis, self.reach)
@@ -221,6 +223,15 @@ class Gateway:
                                 "next write", exc)
             else:
                 await self.budgets.written(taken, {b: spent[(b.key_id, b.period, b.start)] for b in taken})
+        written = self.records.take()
+        if written:
+            try:
+                await database_sync_to_async(records.write)(written)
+            except Exception as exc:
+                self.records.keep(written)
+                if self.may_look_again("records"):
+                    log.warning("could not write this process's request records (%s); they are kept for the next "
+                                "write", exc)
         if not self.reach.away:
             await self.ledger.flush_traffic(self.redis)
             await self.budgets.say_all()

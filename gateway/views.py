@@ -92,7 +92,7 @@ REPLICA_HEADER = "X-Llmgw-Replica"  # where the request went (`-`: to no replica
 async def proxy(request: Request, endpoint: str) -> Answer | Streamed:
     trace = request.trace
     assert trace is not None  # given with its id, before any view
-    call = Call(request_id=request.id, trace=trace,
+    call = Call(request_id=request.id, trace=trace, surface=endpoint, client=request.client,
                 engine_headers=f"traceparent: {trace.traceparent()}\r\n{tracing.HEADER}: {request.id}\r\n")
     response = await _proxy(call, request, endpoint)
     response[REPLICA_HEADER] = call.way.replica
@@ -115,7 +115,7 @@ async def _proxy(call: Call, request: Request, endpoint: str) -> Answer | Stream
         call.key = await _authenticate(gw, table, request)
         call.rank = admission.rank_of(call.key.priority, request.header("x-llmgw-priority"))
         raw, body = _parse(await request.read_body(), surface)
-        call.model = body["model"]
+        call.model = call.asked = body["model"]
         route = table.find(call.model)
         if route is None:
             await gw.look_again("model")  # a model added a moment ago, before the change reached this process
@@ -152,7 +152,7 @@ async def _proxy(call: Call, request: Request, endpoint: str) -> Answer | Stream
                 reserve += completion_at_most(body, surface.token_fields, route.context)
             call.budget = await gw.budgets.reserve(call.key, reserve, gw.now())
         gw.requested(call.model)  # demand, once nothing refuses it (a refused request must keep no model loaded)
-        stream = bool(body.get("stream")) and surface.admits
+        stream = call.streamed = bool(body.get("stream")) and surface.admits
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
         if surface.usage_unasked:
             wants_usage = True  # its streams carry their usage of their own
@@ -167,6 +167,7 @@ async def _proxy(call: Call, request: Request, endpoint: str) -> Answer | Stream
     except GatewayError as exc:
         if exc.code in slots.REFUSALS and call.key is not None:
             slots.refused_for_key(gw, call, exc)
+        call.error = exc.code
         call.finish(exc.status)
         return surface.error(exc)
     except (asyncio.CancelledError, HungUp):  # the client went away before the answer: still one access-log line

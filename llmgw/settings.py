@@ -322,6 +322,7 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_WORKER_CONSUMER = "llmgw.worker:Consumer"  # survives a Redis restart with messages unacknowledged (its doc)
 CELERY_BEAT_SCHEDULE = {
     "reconcile": {"task": "cluster.tasks.reconcile_tick", "schedule": 1.0, "options": {"expires": 5}},
+    "request-records": {"task": "gateway.tasks.prune_request_records", "schedule": 600.0, "options": {"expires": 300}},
 }
 
 # Cluster knobs.
@@ -347,6 +348,9 @@ CONTROL_PLANE_TOKEN = control_plane_token(LLMGW_HOME)  # what it shows the other
 LLMGW_UPSTREAM_TIMEOUT = envint("LLMGW_UPSTREAM_TIMEOUT", 600)  # seconds an engine may take between bytes
 LLMGW_UPSTREAM_CONNECT_TIMEOUT = envint("LLMGW_UPSTREAM_CONNECT_TIMEOUT", 5)
 LLMGW_GATEWAY_REFRESH = envint("LLMGW_GATEWAY_REFRESH", 5)  # seconds between routing-table reloads without events
+# The request records (gateway/records.py): kept this many days, and at most this many rows (the oldest go first)
+LLMGW_REQUEST_LOG_DAYS = max(0, envint("LLMGW_REQUEST_LOG_DAYS", 7))
+LLMGW_REQUEST_LOG_ROWS = max(0, envint("LLMGW_REQUEST_LOG_ROWS", 1_000_000))
 LLMGW_GATEWAY_TRIES = envint("LLMGW_GATEWAY_TRIES", 3)  # replicas tried before the answer's first byte
 # `prefix` routing: a replica takes a request while its in-flight count stays within this x the mean (docs/routing.md)
 LLMGW_ROUTING_LOAD_FACTOR = envfloat("LLMGW_ROUTING_LOAD_FACTOR", LOAD_FACTOR, 1.0, 100.0)

@@ -46,6 +46,7 @@ from llmgw.cli.models import model_add, model_remove, model_set, models_list
 from llmgw.cli.nodes import drain, node_add, node_remove, node_token, nodes_list, undrain
 from llmgw.cli.profiles import engine_add, engine_set, engines_list, profile_add, profile_remove, profile_set, profiles_list
 from llmgw.cli.replicas import replicas_list, restart
+from llmgw.cli.requests import requests_cmd
 from llmgw.cli.system import status, system_restart, system_start, system_stop
 from llmgw.cli.users import user_add, users_list
 
@@ -416,6 +417,17 @@ def build(parser) -> None:
     p = keys.add_parser("revoke", help="revoke a key")
     p.add_argument("name")
     p.set_defaults(func=keys_revoke)
+
+    p = ctl.add_parser("requests", help="the requests through /v1/, newest first; `requests show ID`: one of them")
+    p.add_argument("show", nargs="*", metavar="show ID", help="show one request, by its id (X-Request-Id)")
+    p.add_argument("--key", default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--status", default=None, help="an answer's status (429) or class (5xx)")
+    p.add_argument("--slower-than", default=None, metavar="TIME", help="took longer than this: 2s, 500ms")
+    p.add_argument("--since", default=None, help="date (and time)")
+    p.add_argument("--limit", type=int, default=50, help="the newest this many (default 50)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=requests_cmd)
 
     p = ctl.add_parser("usage", help="tokens per key, model and hour")
     p.add_argument("--key", default=None)

@@ -103,3 +103,32 @@ async def test_the_official_clients_read_the_id_of_an_answer_and_of_an_error(clu
         await claude.messages.create(model="nope", max_tokens=8, messages=MESSAGES,
                                      extra_headers={"X-Request-Id": "sdk-2"})
     assert refused.value.request_id == "sdk-2"
+
+
+async def test_each_request_leaves_its_record_with_its_id_trace_and_what_became_of_it(cluster):
+    from asgiref.sync import sync_to_async
+
+    from gateway.models import RequestRecord
+    from gateway.runtime import runtime
+
+    _, engine = await echoed(cluster, **{"X-Request-Id": "rec-1"})
+    refused = await post(Client(Authorization=f"Bearer {cluster.secret}"), "chat/completions",
+                         {"model": "nope", "messages": MESSAGES}, **{"X-Request-Id": "rec-2"})
+    assert refused.status_code == 404
+    await runtime().books()  # what the process wrote every second anyway
+
+    def kept(rid):
+        return RequestRecord.objects.filter(request_id=rid).values(
+            "key__name", "model", "asked", "surface", "streamed", "status", "error", "priority", "replica",
+            "attempts", "prompt_tokens", "completion_tokens", "client", "trace_id", "total_ms", "waited_ms").get()
+
+    served, lost = await sync_to_async(kept)("rec-1"), await sync_to_async(kept)("rec-2")
+    assert served["trace_id"] == TRACEPARENT.fullmatch(engine["traceparent"])[1]
+    assert served["replica"] and served["total_ms"] > 0 and served["waited_ms"] is not None
+    assert {k: served[k] for k in ("key__name", "model", "asked", "surface", "streamed", "status", "error",
+                                   "priority", "attempts", "prompt_tokens", "completion_tokens", "client")} == {
+        "key__name": "ci", "model": "qwen", "asked": "qwen", "surface": "chat/completions", "streamed": False,
+        "status": 200, "error": "", "priority": "standard", "attempts": 1, "prompt_tokens": 3,
+        "completion_tokens": 5, "client": "127.0.0.1"}
+    assert (lost["status"], lost["error"], lost["model"], lost["asked"], lost["replica"], lost["attempts"]) == (
+        404, "model_not_found", "nope", "nope", "", 0)

@@ -1,0 +1,141 @@
+"""The request records: one row per request through /v1/ (gateway.models.RequestRecord), what it was and what
+became of it. A web process keeps them in memory as its requests end and writes them with its usage, every
+second, in one statement (gateway.runtime's books): a request never waits for its record. At most KEPT records
+wait in memory (a database away for long): past that the oldest are dropped, and said once.
+
+Beat prunes them every ten minutes (`prune`, gateway/tasks.py): older than LLMGW_REQUEST_LOG_DAYS days, and past
+the newest LLMGW_REQUEST_LOG_ROWS rows, so a busy fleet does not fill its disk."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import re
+from collections import deque
+from typing import NamedTuple
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Field, QuerySet
+from django.utils import timezone
+
+from gateway.models import RequestRecord
+
+log = logging.getLogger("llmgw.gateway")
+KEPT = 100_000  # records a process holds while the database is away
+
+
+class Row(NamedTuple):
+    """A record as a request's end leaves it: plain values, in the order of the columns `write` fills (a model
+    instance per request, made as it ended, cost the gateway a tenth of its requests per second)."""
+
+    request_id: str
+    trace_id: str
+    at: float  # Unix time it arrived
+    key_id: int | None
+    model: str
+    asked: str
+    surface: str
+    streamed: bool
+    status: int
+    error: str
+    priority: str
+    waited_ms: float | None
+    replica: str
+    attempts: int
+    ttft_ms: float | None
+    total_ms: float
+    prompt_tokens: int
+    completion_tokens: int
+    client: str
+
+
+class Records:
+    """This process's records not written yet."""
+
+    def __init__(self) -> None:
+        self.waiting: deque[Row] = deque(maxlen=KEPT)
+        self.dropped = 0
+
+    def add(self, record: Row) -> None:
+        if len(self.waiting) == KEPT:
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning("request records are not being written: the oldest are dropped past %d", KEPT)
+        self.waiting.append(record)
+
+    def take(self) -> list[Row]:
+        taken = list(self.waiting)
+        self.waiting.clear()
+        return taken
+
+    def keep(self, taken: list[Row]) -> None:
+        """Records whose write failed, back first in line for the next (the oldest dropped past KEPT)."""
+        self.waiting.extendleft(reversed(taken))
+
+
+# as the API's schema says them (JSON Schema's patterns: anchored, in what ECMA and Python read alike)
+STATUS_FILTER = re.compile(r"^[1-5](?:xx|[0-9]{2})$")
+SLOWER_THAN = re.compile(r"^([0-9]{1,9}(?:[.][0-9]{1,6})?)(ms|s|m)?$")
+_TO_MS = {"ms": 1.0, "s": 1000.0, None: 1000.0, "m": 60_000.0}
+
+
+class FilterError(ValueError):
+    """A filter that cannot be read: which, and why."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name, self.message = name, message
+
+
+def listed(key: str = "", model: str = "", status: str | None = None, slower_than: str | None = None,
+           since: dt.datetime | None = None) -> QuerySet[RequestRecord]:
+    """The records newest first, those of a key (its name), a model, an answer's status (429) or class (5xx),
+    slower than a time (2s, 500ms; a number: seconds), from a time on (None: not asked; "" is asked and wrong);
+    FilterError for one it cannot read. The API, the CLI (through it) and the dashboard filter alike."""
+    found = RequestRecord.objects.select_related("key").order_by("-at", "-id")
+    if key:
+        found = found.filter(key__name=key)
+    if model:
+        found = found.filter(model=model)
+    if status is not None:
+        wanted = status.lower()
+        if not STATUS_FILTER.fullmatch(wanted):
+            raise FilterError("status", f"a status such as 429 or a class such as 5xx, not {status[:40]!r}")
+        low = int(wanted[0]) * 100 if wanted.endswith("xx") else int(wanted)
+        found = found.filter(status__gte=low, status__lte=low + 99 if wanted.endswith("xx") else low)
+    if slower_than is not None:
+        said = SLOWER_THAN.fullmatch(slower_than.lower())
+        if said is None:
+            raise FilterError("slower_than", f"a time such as 2s, 500ms or 1.5, not {slower_than[:40]!r}")
+        found = found.filter(total_ms__gt=float(said[1]) * _TO_MS[said[2]])
+    if since is not None:
+        found = found.filter(at__gte=since)
+    return found
+
+
+def write(taken: list[Row]) -> None:
+    """The rows in one statement run for them all: no model instance made (at a busy web process's rate, making
+    them cost a tenth of its CPU), the time adapted as Django adapts it for this database."""
+    quote, adapt = connection.ops.quote_name, connection.ops.adapt_datetimefield_value
+    columns = ", ".join(quote(field.column) for name in Row._fields
+                        if isinstance(field := RequestRecord._meta.get_field(name), Field) and field.column)
+    places = ", ".join(["%s"] * len(Row._fields))
+    at = Row._fields.index("at")
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.executemany(
+            f"INSERT INTO {quote(RequestRecord._meta.db_table)} ({columns}) VALUES ({places})",
+            [(*row[:at], adapt(dt.datetime.fromtimestamp(row.at, dt.UTC)), *row[at + 1:]) for row in taken])
+
+
+def prune(now: dt.datetime | None = None) -> int:
+    """Records older than LLMGW_REQUEST_LOG_DAYS and past the newest LLMGW_REQUEST_LOG_ROWS, deleted; how many."""
+    now = now or timezone.now()
+    gone, _ = RequestRecord.objects.filter(at__lt=now - dt.timedelta(days=settings.LLMGW_REQUEST_LOG_DAYS)).delete()
+    last = RequestRecord.objects.order_by("-at", "-id").values_list("at", "id")[
+        settings.LLMGW_REQUEST_LOG_ROWS:settings.LLMGW_REQUEST_LOG_ROWS + 1].first()
+    if last is not None:
+        at, pk = last
+        over, _ = RequestRecord.objects.filter(at__lte=at).exclude(at=at, id__gt=pk).delete()
+        gone += over
+    return gone

@@ -1,0 +1,48 @@
+"""The dashboard's Requests page: the records newest first, filtered as the API filters them, one shown whole; a
+filter it cannot read said on the page."""
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from gateway.models import ApiKey, RequestRecord
+from tests.factories import session_for
+
+HTMX = {"HTTP_HX_REQUEST": "true"}
+
+
+@pytest.fixture
+def look(db):
+    key = ApiKey.objects.create(name="agent", prefix="sk-llmgw-ag", key_hash="4" * 64)
+    now = timezone.now()
+    RequestRecord.objects.bulk_create([
+        RequestRecord(request_id="ok-1", at=now - timedelta(seconds=20), key=key, model="qwen", surface="messages",
+                      streamed=True, status=200, total_ms=2500.0, ttft_ms=310.0, replica="qwen-a", attempts=1,
+                      prompt_tokens=40, completion_tokens=9, trace_id="ab" * 16),
+        RequestRecord(request_id="bad-2", at=now - timedelta(seconds=10), model="qwen", surface="chat/completions",
+                      status=502, error="upstream_error", total_ms=40.0),
+    ])
+    return session_for("viewer")
+
+
+def rows(body: str) -> list[str]:
+    import re
+
+    return re.findall(r'<tr data-request="([^"]+)"', body)
+
+
+def test_a_viewer_sees_them_newest_first_and_filters_them(look):
+    assert rows(look.get("/requests/").content.decode()) == ["bad-2", "ok-1"]
+    assert rows(look.get("/requests/?status=5xx", **HTMX).content.decode()) == ["bad-2"]
+    assert rows(look.get("/requests/?key=agent&slower_than=2s", **HTMX).content.decode()) == ["ok-1"]
+    assert "No requests match" in look.get("/requests/?model=none", **HTMX).content.decode()
+
+
+def test_a_request_is_shown_whole_and_a_filter_it_cannot_read_is_said(look):
+    body = look.get("/requests/?id=ok-1").content.decode()
+    assert 'data-request="ok-1"' in body and "ab" * 16 in body and "/v1/messages streamed" in body
+    assert "310.0 ms" in body and "40 prompt, 9 completion" in body
+    assert "no request with id &#x27;nope&#x27; is on record" in look.get("/requests/?id=nope").content.decode()
+    said = look.get("/requests/?slower_than=soon").content.decode()
+    assert "slower than: a time such as 2s" in said and not rows(said)

@@ -1,0 +1,96 @@
+"""The request records (gateway/records.py): kept in memory until written, pruned by age and count, and read
+through the REST API (`/api/v1/requests/`) with its filters and roles."""
+
+from datetime import timedelta
+
+import pytest
+from django.test import override_settings
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from gateway import records
+from gateway.models import ApiKey, RequestRecord
+from tests.rest import API, refused
+
+pytestmark = pytest.mark.django_db
+
+
+def record(request_id: str, ago: float = 0.0, **fields) -> RequestRecord:
+    values = {"request_id": request_id, "at": timezone.now() - timedelta(seconds=ago), "surface": "chat/completions",
+              "status": 200, "total_ms": 10.0, **fields}
+    return RequestRecord(**values)
+
+
+def row(request_id: str) -> records.Row:
+    return records.Row(request_id, "ab" * 16, 1_700_000_000.25, None, "qwen", "fast", "messages", True, 200, "",
+                       "batch", 2.5, "qwen-1", 1, 30.0, 90.0, 11, 7, "10.1.2.3")
+
+
+def test_records_wait_in_memory_until_taken_and_a_failed_write_keeps_them_first(monkeypatch):
+    monkeypatch.setattr(records, "KEPT", 3)
+    waiting = records.Records()
+    for name in "abcd":
+        waiting.add(row(name))
+    assert [r.request_id for r in waiting.take()] == ["b", "c", "d"] and waiting.dropped == 1  # the oldest dropped
+    waiting.add(row("e"))
+    waiting.keep([row("x"), row("y")])
+    assert [r.request_id for r in waiting.take()] == ["x", "y", "e"]
+    records.write([row("w")])
+    written = RequestRecord.objects.values().get()
+    assert written["at"].isoformat() == "2023-11-14T22:13:20.250000+00:00"
+    assert {k: written[k] for k in records.Row._fields if k != "at"} == {
+        k: v for k, v in row("w")._asdict().items() if k != "at"}
+
+
+@override_settings(LLMGW_REQUEST_LOG_DAYS=7, LLMGW_REQUEST_LOG_ROWS=3)
+def test_prune_keeps_the_last_days_and_at_most_the_newest_rows():
+    RequestRecord.objects.bulk_create([record("old", ago=8 * 86400), *(record(f"r{i}", ago=100 - i) for i in range(5))])
+    assert records.prune() == 3  # the old one, and the two oldest past the newest three
+    assert sorted(RequestRecord.objects.values_list("request_id", flat=True)) == ["r2", "r3", "r4"]
+    with override_settings(LLMGW_REQUEST_LOG_ROWS=0):
+        assert records.prune() == 3 and not RequestRecord.objects.exists()
+
+
+@pytest.fixture
+def recorded():
+    ci = ApiKey.objects.create(name="ci", prefix="sk-llmgw-ci", key_hash="1" * 64)
+    batch = ApiKey.objects.create(name="batch", prefix="sk-llmgw-ba", key_hash="2" * 64)
+    RequestRecord.objects.bulk_create([
+        record("fast", ago=50, key=ci, model="qwen", total_ms=12.0, prompt_tokens=3, completion_tokens=5),
+        record("slow", ago=40, key=ci, model="qwen", total_ms=2500.0, streamed=True, ttft_ms=300.0),
+        record("limited", ago=30, key=batch, model="qwen", status=429, error="rate_limited"),
+        record("broken", ago=20, key=batch, model="smol", status=502, error="upstream_error", replica="smol-1"),
+        record("same", ago=10, model="qwen"), record("same", ago=5, model="smol"),
+    ])
+
+
+def listed(client, query: str = "") -> list[str]:
+    response = client.get(f"{API}/requests/{query}")
+    assert response.status_code == 200, response.content
+    return [r["request_id"] for r in response.json()["results"]]
+
+
+def test_a_viewer_lists_them_newest_first_filtered_by_key_model_status_slowness_and_time(viewer, recorded):
+    assert listed(viewer) == ["same", "same", "broken", "limited", "slow", "fast"]
+    assert listed(viewer, "?key=ci") == ["slow", "fast"]
+    assert listed(viewer, "?model=smol") == ["same", "broken"]
+    assert listed(viewer, "?status=5xx") == ["broken"] and listed(viewer, "?status=429") == ["limited"]
+    assert listed(viewer, "?status=2xx&key=ci") == ["slow", "fast"]
+    assert listed(viewer, "?slower_than=2s") == ["slow"] and listed(viewer, "?slower_than=12ms") == ["slow"]
+    since = (timezone.now() - timedelta(seconds=25)).isoformat().replace("+00:00", "Z")
+    assert listed(viewer, f"?since={since}") == ["same", "same", "broken"]
+    shown = viewer.get(f"{API}/requests/slow/").json()
+    assert shown["key"] == "ci" and shown["streamed"] is True and shown["ttft_ms"] == 300.0
+    assert viewer.get(f"{API}/requests/same/").json()["model"] == "smol"  # the newest with that id
+
+
+@pytest.mark.parametrize("query, field", [("?status=600", "status"), ("?status=5x", "status"),
+                                          ("?slower_than=soon", "slower_than"), ("?since=yesterday", "since"),
+                                          ("?key=", "key"), ("?model=a%00b", "model")])
+def test_a_filter_it_cannot_read_is_a_400_naming_it(viewer, recorded, query, field):
+    refused(viewer.get(f"{API}/requests/{query}"), 400, field)
+
+
+def test_one_not_on_record_is_a_404_and_nobody_unknown_sees_any(viewer, recorded):
+    refused(viewer.get(f"{API}/requests/nope/"), 404, "nope")
+    assert APIClient().get(f"{API}/requests/").status_code in (401, 403)
