@@ -154,4 +154,5 @@ def test_api_root_lists_the_resources(viewer):
         "users",
         "keys",
         "usage",
+        "requests",
     }

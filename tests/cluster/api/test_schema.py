@@ -70,6 +70,8 @@ def test_schema_covers_every_endpoint(schema):
         ("/api/v1/keys/{name}/", "patch"),
         ("/api/v1/keys/{name}/revoke/", "post"),
         ("/api/v1/usage/", "get"),
+        ("/api/v1/requests/", "get"),
+        ("/api/v1/requests/{request_id}/", "get"),
         ("/api/v1/system/stop/", "post"),
         ("/api/v1/system/start/", "post"),
         ("/api/v1/system/restart/", "post"),
