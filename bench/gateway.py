@@ -23,6 +23,8 @@ Responses too, with llama.cpp's server's events and the same --chunks text delta
 - llmgw-noadm     the same with admission off (LLMGW_ADMISSION=0; the llmgw targets run it on): what
                   admission's two Redis round trips per request cost (the model's profile has 256 slots, so no
                   request waits for one);
+- llmgw-norec     the same with the request records off (LLMGW_REQUEST_LOG=0): what a record of every request
+                  costs (made as it ends, written every second on the web process's thread);
 - llmgw-base      with --baseline-tree DIR (a checkout of another commit: `git worktree add /tmp/base REV`), the
                   llmgw-uvicorn target run from that tree (its working directory and PYTHONPATH), on the same
                   database, Valkey and fake engine: a change's before and after in one run, side by side;
@@ -109,8 +111,9 @@ from ground.ports import free_port  # noqa: E402
 from llmgw.processes import Child  # noqa: E402
 
 FAKE = ROOT / "bench" / "fake_upstream.py"
-ALL_TARGETS = ("direct", "llmgw-daphne", "llmgw-uvicorn", "llmgw-base", "llmgw-noadm", "llmgw-2w", "nginx", "litellm")
-ONE_PROCESS = ("llmgw-daphne", "llmgw-uvicorn", "llmgw-base", "llmgw-noadm")  # one web process: one /metrics
+ALL_TARGETS = ("direct", "llmgw-daphne", "llmgw-uvicorn", "llmgw-base", "llmgw-noadm", "llmgw-norec", "llmgw-2w",
+               "nginx", "litellm")
+ONE_PROCESS = ("llmgw-daphne", "llmgw-uvicorn", "llmgw-base", "llmgw-noadm", "llmgw-norec")  # one web process each
 CHAT_ONLY = ("litellm",)  # LiteLLM translates Messages and Responses into chat: another benchmark
 
 
@@ -245,7 +248,8 @@ def main(argv=None) -> int:
             from llmgw.web import web_argv  # exactly what `llmgw up --server SERVER` runs
 
             assert env is not None and client_key is not None  # llmgw's targets: set up above
-            own = dict(env, LLMGW_ADMISSION="0" if target == "llmgw-noadm" else "1")
+            own = dict(env, LLMGW_ADMISSION="0" if target == "llmgw-noadm" else "1",
+                       LLMGW_REQUEST_LOG="0" if target == "llmgw-norec" else "1")
             tree = None
             if target == "llmgw-base":  # `python -m` puts the working directory first on the path: that tree's llmgw
                 tree = o.baseline_tree.resolve()
@@ -298,6 +302,7 @@ def main(argv=None) -> int:
 
         starters = {"llmgw-daphne": ("daphne", start_llmgw), "llmgw-uvicorn": ("uvicorn", start_llmgw),
                     "llmgw-base": ("uvicorn", start_llmgw), "llmgw-noadm": ("uvicorn", start_llmgw),
+                    "llmgw-norec": ("uvicorn", start_llmgw),
                     "llmgw-2w": ("uvicorn", start_llmgw_workers),
                     "nginx": ("nginx", start_nginx), "litellm": ("uvicorn", start_litellm)}
         running.append(("direct", "fake", upstream_port, engine_key))

@@ -26,7 +26,8 @@ def ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x"
 
 
-SUFFIX = {"llmgw-2w": " x2", "llmgw-noadm": " noadm", "llmgw-base": " base"}  # targets on one server told apart
+# targets on one server told apart
+SUFFIX = {"llmgw-2w": " x2", "llmgw-noadm": " noadm", "llmgw-norec": " norec", "llmgw-base": " base"}
 
 
 def print_table(cells: list[Cell], order: list[tuple[str, str]]) -> None:

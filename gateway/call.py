@@ -151,7 +151,8 @@ class Call:
         if self.gw is not None:
             first = used.first_chunk - self.started if used.first_chunk is not None else None
             self.gw.ledger.count(status, used.prompt + used.completion, first_chunk=first)
-            self.gw.records.add(self.record(status, ended))
+            if self.gw.records is not None:
+                self.gw.records.add(self.record(status, ended))
         access.info(
             "request=%s key=%s model=%s replica=%s status=%s duration_ms=%.1f prompt_tokens=%d completion_tokens=%d",
             self.request_id or "-",

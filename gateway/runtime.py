@@ -147,7 +147,7 @@ class Gateway:
         self.clock_offset = 0.0  # Redis's clock less this machine's, as last measured (`now`)
         self._clock_measured = float("-inf")
         self.ledger = Ledger()
-        self.records = Records()
+        self.records = Records() if settings.LLMGW_REQUEST_LOG else None  # None: no request records written
         self.reach = Reach(self.redis)  # how long a request waits on Redis, and whether it is away
         self.admission = Admission(self.redis, self.reach)
         self.limits = Limits(self.redis, self.reach)
@@ -223,11 +223,12 @@ class Gateway:
                                 "next write", exc)
             else:
                 await self.budgets.written(taken, {b: spent[(b.key_id, b.period, b.start)] for b in taken})
-        written = self.records.take()
+        written = self.records.take() if self.records is not None else []
         if written:
             try:
                 await database_sync_to_async(records.write)(written)
             except Exception as exc:
+                assert self.records is not None  # it gave what was written
                 self.records.keep(written)
                 if self.may_look_again("records"):
                     log.warning("could not write this process's request records (%s); they are kept for the next "

@@ -348,7 +348,9 @@ CONTROL_PLANE_TOKEN = control_plane_token(LLMGW_HOME)  # what it shows the other
 LLMGW_UPSTREAM_TIMEOUT = envint("LLMGW_UPSTREAM_TIMEOUT", 600)  # seconds an engine may take between bytes
 LLMGW_UPSTREAM_CONNECT_TIMEOUT = envint("LLMGW_UPSTREAM_CONNECT_TIMEOUT", 5)
 LLMGW_GATEWAY_REFRESH = envint("LLMGW_GATEWAY_REFRESH", 5)  # seconds between routing-table reloads without events
-# The request records (gateway/records.py): kept this many days, and at most this many rows (the oldest go first)
+# The request records (gateway/records.py): written or not, kept this many days, and at most this many rows (the
+# oldest go first)
+LLMGW_REQUEST_LOG = envbool("LLMGW_REQUEST_LOG", True)
 LLMGW_REQUEST_LOG_DAYS = max(0, envint("LLMGW_REQUEST_LOG_DAYS", 7))
 LLMGW_REQUEST_LOG_ROWS = max(0, envint("LLMGW_REQUEST_LOG_ROWS", 1_000_000))
 LLMGW_GATEWAY_TRIES = envint("LLMGW_GATEWAY_TRIES", 3)  # replicas tried before the answer's first byte

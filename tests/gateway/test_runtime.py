@@ -74,3 +74,16 @@ async def test_a_gateway_that_served_closes_at_once_when_nothing_is_left_to_do()
     started = time.monotonic()
     await gw.aclose()
     assert time.monotonic() - started < 0.5
+
+
+@pytest.mark.parametrize("on", [True, False])
+async def test_a_finished_request_is_recorded_with_the_books_unless_the_records_are_off(settings, on):
+    from gateway.call import Call
+    from gateway.models import RequestRecord
+
+    settings.LLMGW_REQUEST_LOG = on
+    gw = Gateway()
+    Call(request_id="r-1", surface="embeddings", gw=gw).finish(200)
+    await gw.books()
+    assert await sync_to_async(RequestRecord.objects.filter(request_id="r-1", status=200).count)() == int(on)
+    await gw.aclose()
