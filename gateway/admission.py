@@ -126,6 +126,7 @@ class Lease:
     member: str  # ticket|rank|key
     key: str
     cost: int  # the attained service counted at the grant
+    position: int | None = None  # where it entered the queue, when it waited there (1: first in line)
 
 
 @dataclass
@@ -369,6 +370,7 @@ class Admission:
             if position == -1:
                 raise GatewayError(429, "queue_full",
                                    f"model {model} has {queue_limit} requests waiting already; try again shortly", 2)
+            waited_at = None if replica is not None else position
             if replica is None and on_wait is not None:
                 on_wait()
             while replica is None:
@@ -389,7 +391,7 @@ class Admission:
             self.waiters.pop(ticket, None)
             self.tickets.pop(ticket, None)
         self._batch_later(model).forgets.append(ticket)  # its grant's record is not needed any more
-        lease = Lease(model, replica, f"{ticket}|{klass}|{key}", key, cost)
+        lease = Lease(model, replica, f"{ticket}|{klass}|{key}", key, cost, waited_at)
         self.leases[lease.member] = lease
         return lease
 

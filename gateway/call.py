@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway import admission, metrics
-from gateway.records import Row
+from gateway.records import Row, Try, Why
 from gateway.spend import Hold
 from gateway.table import KeyInfo
 from gateway.tracing import Trace
@@ -40,6 +40,9 @@ class Way:
     asked_until: float = 0.0  # an autoscaled model found without room: until when the request waits for news
     lease_asked: bool = False  # it waited in its model's queue for a replica on its way (once)
     lease: admission.Lease | None = None  # the slot it holds (gateway/admission.py)
+    position: int | None = None  # where it entered its model's queue, when it waited in it (1: first in line)
+    why: Why | None = None  # why its last replica (gateway/explain.py)
+    tries: list[Try] = field(default_factory=list)  # each replica it was sent to, and what became of it
 
 
 @dataclass(slots=True, eq=False)
@@ -51,6 +54,9 @@ class Used:
     completion: int = 0
     passed: int = 0  # tokens of a streamed answer passed on to the client, as counted by its chunks
     usage_known: bool = False  # the engine said what the request used
+    cached: int = 0  # prompt tokens the engine's cache served (llama.cpp's timings.cache_n, OpenAI's cached_tokens)
+    prompt_ms: float | None = None  # the engine's time on the prompt, as it said (llama.cpp's timings)
+    generation_ms: float | None = None  # the engine's time generating, as it said
 
     def count_cut_short(self, prompt_about: int) -> None:
         """A stream that ended before the engine said what it used (the client closed it, say) still used what the
@@ -80,6 +86,7 @@ class Call:
     rank: int = admission.RANK[admission.DEFAULT_CLASS]  # its class when it waits for a slot
     admits: bool = True  # it takes a slot of an engine (counting tokens takes none)
     affinity: int | None = None  # its key on the model's ring, when the model routes by prefix
+    session: bool = False  # that key is its session's (a header named it), not its prompt's prefix
     prompt_about: int = 0  # its prompt's tokens as estimated (gateway.prompt), until the engine says
     estimated: int = 0  # the same, before its model's learned overhead (Gateway.prompt_overhead)
     # what it holds of its key (views)
@@ -120,7 +127,9 @@ class Call:
             status, self.error, admission.CLASSES[self.rank], None if way.waited is None else way.waited * 1000,
             way.replica if way.replica != "-" else "", way.attempts,
             None if used.first_chunk is None else (used.first_chunk - self.started) * 1000,
-            (ended - self.started) * 1000, used.prompt, used.completion, self.client[:64])
+            (ended - self.started) * 1000, used.prompt, used.completion, self.client[:64],
+            self.trace.span_id if self.trace else "", self.trace.parent_id if self.trace else "", way.position,
+            way.why, tuple(way.tries), used.cached, used.prompt_ms, used.generation_ms)
 
     def finish(self, status: int) -> None:
         self.status = status

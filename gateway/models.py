@@ -87,6 +87,17 @@ class RequestRecord(models.Model):
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
     client = models.CharField(max_length=64, blank=True, default="")  # the client's address
+    # its trace's spans: the gateway's (the engine's parent) and the client's (its parent), as W3C says them
+    span_id = models.CharField(max_length=16, blank=True, default="")
+    parent_id = models.CharField(max_length=16, blank=True, default="")
+    position = models.PositiveIntegerField(null=True, blank=True)  # where it entered its model's queue (1: first)
+    # why that replica (gateway/explain.py): {"policy", "hit", "chosen", "passed": [[replica, why], …]}
+    route = models.JSONField(default=dict, blank=True)
+    # each replica it was sent to: [[replica, started ms, ended ms, outcome], …], in order (ms from its arrival)
+    tries = models.JSONField(default=list, blank=True)
+    cached_tokens = models.PositiveIntegerField(default=0)  # of its prompt, served from the engine's cache
+    prompt_ms = models.FloatField(null=True, blank=True)  # the engine's time on the prompt (prefill), as it said
+    generation_ms = models.FloatField(null=True, blank=True)  # the engine's time generating, as it said
 
     class Meta:
         ordering = ["-at", "-id"]

@@ -25,6 +25,28 @@ log = logging.getLogger("llmgw.gateway")
 KEPT = 100_000  # records a process holds while the database is away
 
 
+class Why(NamedTuple):
+    """Why a request went to its replica (gateway/explain.py): the routing's policy, whether its prefix's or its
+    session's replica took it, the one chosen (with its load), and those passed over before it, each with why."""
+
+    policy: str  # "prefix", "least in flight"; ", queued" when admission granted the slot
+    hit: str  # "prefix", "session" (the replica its key maps to took it) or "" (another, or no such key)
+    chosen: str  # "replica (N in flight)"
+    passed: tuple[tuple[str, str], ...]  # (replica, why passed over)
+
+    def shown(self) -> dict[str, object]:
+        return {"policy": self.policy, "hit": self.hit, "chosen": self.chosen, "passed": [list(p) for p in self.passed]}
+
+
+class Try(NamedTuple):
+    """One replica a request was sent to: when (ms from its arrival), and what became of it."""
+
+    replica: str
+    started_ms: float
+    ended_ms: float
+    outcome: str  # "answered 200", "answered 503", "connect failed: …", "timed out", "broke off: …", "cancelled"
+
+
 class Row(NamedTuple):
     """A record as a request's end leaves it: plain values, in the order of the columns `write` fills (a model
     instance per request, made as it ended, cost the gateway a tenth of its requests per second)."""
@@ -48,6 +70,14 @@ class Row(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     client: str
+    span_id: str
+    parent_id: str
+    position: int | None  # where it entered its model's queue (None: it did not queue)
+    route: Why | None
+    tries: tuple[Try, ...]
+    cached_tokens: int
+    prompt_ms: float | None
+    generation_ms: float | None
 
 
 class Records:
@@ -121,11 +151,14 @@ def write(taken: list[Row]) -> None:
     columns = ", ".join(quote(field.column) for name in Row._fields
                         if isinstance(field := RequestRecord._meta.get_field(name), Field) and field.column)
     places = ", ".join(["%s"] * len(Row._fields))
-    at = Row._fields.index("at")
+    at, route = Row._fields.index("at"), Row._fields.index("route")
+    json = connection.ops.adapt_json_value
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.executemany(
             f"INSERT INTO {quote(RequestRecord._meta.db_table)} ({columns}) VALUES ({places})",
-            [(*row[:at], adapt(dt.datetime.fromtimestamp(row.at, dt.UTC)), *row[at + 1:]) for row in taken])
+            [(*row[:at], adapt(dt.datetime.fromtimestamp(row.at, dt.UTC)), *row[at + 1:route],
+              json(row.route.shown() if row.route else {}, None), json([list(t) for t in row.tries], None),
+              *row[route + 2:]) for row in taken])
 
 
 def prune(now: dt.datetime | None = None) -> int:

@@ -34,8 +34,9 @@ from gateway import table as routing
 from gateway.accounting import Ledger
 from gateway.admission import Admission, capacity
 from gateway.engines_http import Pool
+from gateway.explain import explain
 from gateway.limits import Limits
-from gateway.records import Records
+from gateway.records import Records, Why
 from gateway.redis_reach import Reach, RedisAway
 from gateway.spend import Budgets
 
@@ -482,6 +483,13 @@ class Gateway:
             return None
         least = min(self.load_of(u.replica) for u in candidates)
         return random.choice([u for u in candidates if self.load_of(u.replica) == least])
+
+    def explain(self, route: routing.ModelRoute, chosen: str, tried: Mapping[str, str], key: int | None,
+                session: bool, queued: bool) -> Why:
+        """Why `chosen` (gateway/explain.py), from the counts the choice was made on."""
+        walk = route.ring.walk(key) if key is not None and route.routing == PREFIX else None
+        return explain([u.replica for u in route.ready], chosen=chosen, walk=walk, load_of=self.load_of, tried=tried,
+                       unreachable=self.unreachable, session=session, factor=self.load_factor, queued=queued)
 
     async def choose(self, route: routing.ModelRoute, exclude: Collection[str] = (),
                      key: int | None = None) -> routing.Upstream | None:

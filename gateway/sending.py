@@ -12,6 +12,7 @@ from gateway import metrics, slots
 from gateway.call import Call, Way
 from gateway.engines_http import ConnectFailed, ConnectTimeout, EngineAnswer, ReadTimeout, Unreachable, UpstreamError
 from gateway.errors import GatewayError
+from gateway.records import Try
 from gateway.runtime import Gateway
 from gateway.surfaces import Surface
 from gateway.table import ModelRoute, Table, Upstream
@@ -35,12 +36,13 @@ async def choose(gw: Gateway, call: Call, way: Way, tried: set[str], last_error:
         while True:
             route = _route(await gw.current(), call)
             upstream = await gw.choose(route, tried, call.affinity)
-            if upstream is not None and gw.admission.enabled and route.slots and call.admits:
+            queued = bool(gw.admission.enabled and route.slots and call.admits)
+            if upstream is not None and queued:
                 upstream = await slots.admit(gw, call, way, route, tried, upstream)
                 if upstream is None:
                     continue  # its replica went away as it was granted: admitted again
             if upstream is not None:
-                return upstream
+                return _chosen(gw, call, way, upstream, queued)
             now = time.monotonic()
             if deadline is None:
                 deadline = now + route.wait_seconds
@@ -56,7 +58,7 @@ async def choose(gw: Gateway, call: Call, way: Way, tried: set[str], last_error:
                 upstream = await slots.admit(gw, call, way, route, tried, None, max_wait=deadline - now + route.max_wait,
                                              check=partial(_still_coming, gw, call, way, deadline))
                 if upstream is not None:
-                    return upstream
+                    return _chosen(gw, call, way, upstream, True)
                 continue  # granted a replica gone since, or Redis out of reach: as without admission
             if route.autoscaled and not waiting:
                 waiting = True
@@ -66,6 +68,22 @@ async def choose(gw: Gateway, call: Call, way: Way, tried: set[str], last_error:
     finally:
         if waiting:
             gw.wait_end(call.model)
+
+
+def _chosen(gw: Gateway, call: Call, way: Way, upstream: Upstream, queued: bool) -> Upstream:
+    """The replica chosen, and why (for the request's record)."""
+    assert gw.table is not None  # loaded: the request found its route in it
+    route = gw.table.find(call.model)
+    if route is not None:
+        way.why = gw.explain(route, upstream.replica, {t.replica: t.outcome for t in way.tries}, call.affinity,
+                             call.session, queued)
+    return upstream
+
+
+def _tried(call: Call, way: Way, upstream: Upstream, sent: float, outcome: str) -> None:
+    """What became of the request at a replica it was sent to (`sent`: time.monotonic() then), in its record."""
+    way.tries.append(Try(upstream.replica, (sent - call.started) * 1000, (time.monotonic() - call.started) * 1000,
+                         outcome))
 
 
 def _route(table: Table, call: Call) -> ModelRoute:
@@ -123,26 +141,32 @@ async def send(gw: Gateway, call: Call, way: Way, surface: Surface, payload: byt
         way.replica = upstream.replica
         gw.start(upstream.replica)
         metrics.of(call.model).inflight.inc()
+        sent = time.monotonic()
         try:
             response = await gw.engines.post(upstream.host, upstream.port, f"/v1/{surface.path}", payload,
                                              upstream.authorization, call.engine_headers)
         except ConnectTimeout:
             done(gw, call, way, upstream)
             gw.cannot_connect(upstream.replica)
+            _tried(call, way, upstream, sent, "did not accept the connection")
             last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} did not accept the connection")
             continue
         except ReadTimeout:
             done(gw, call, way, upstream)
+            _tried(call, way, upstream, sent, "did not answer in time")
             raise GatewayError(504, "upstream_timeout", f"replica {upstream.replica} did not answer in time") from None
         except UpstreamError as exc:  # refused, reset, closed before an answer: nothing reached the client
             done(gw, call, way, upstream)
             if isinstance(exc, (ConnectFailed, Unreachable)):
                 gw.cannot_connect(upstream.replica)
-            last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} failed: {describe(exc)}")
+            _tried(call, way, upstream, sent, f"failed: {(said := describe(exc))}")
+            last_error = GatewayError(502, "upstream_error", f"replica {upstream.replica} failed: {said}")
             continue
         except BaseException:  # cancelled: the client went away before the engine answered; the count must not leak
             done(gw, call, way, upstream)
+            _tried(call, way, upstream, sent, "cancelled: the client went away")
             raise
+        _tried(call, way, upstream, sent, f"answered {response.status}")
         if response.status in RETRYABLE_STATUS or response.status in KEY_REFUSED:
             response.close()
             done(gw, call, way, upstream)

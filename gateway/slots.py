@@ -95,6 +95,7 @@ async def admit(gw: Gateway, call: Call, way: Way, route: ModelRoute, tried: set
             metrics.QUEUED.labels(call.model, priority).dec()
         if waiting:
             gw.wait_end(call.model)
+    way.position = way.position if way.lease.position is None else way.lease.position
     metrics.ADMITTED.labels(call.model, priority).inc()
     metrics.QUEUE_WAIT.labels(call.model, priority).observe(time.monotonic() - began)
     assert gw.table is not None  # loaded: the request found its route in it

@@ -137,6 +137,7 @@ async def _proxy(call: Call, request: Request, endpoint: str) -> Answer | Stream
         if route.routing == PREFIX:
             session = next((v for h in surface.session_headers if (v := request.header(h))), "")
             call.affinity = affinity.session_key(session) if session else surface.prefix_key(body)
+            call.session = bool(session)
         changed = bool(surface.token_fields) and cap_tokens(body, (route.max_tokens, call.key.max_tokens),
                                                              surface.token_fields)
         if call.key.tpm:

@@ -23,7 +23,10 @@ def record(request_id: str, ago: float = 0.0, **fields) -> RequestRecord:
 
 def row(request_id: str) -> records.Row:
     return records.Row(request_id, "ab" * 16, 1_700_000_000.25, None, "qwen", "fast", "messages", True, 200, "",
-                       "batch", 2.5, "qwen-1", 1, 30.0, 90.0, 11, 7, "10.1.2.3")
+                       "batch", 2.5, "qwen-1", 2, 30.0, 90.0, 11, 7, "10.1.2.3", "cd" * 8, "ef" * 8, 3,
+                       records.Why("prefix", "", "qwen-1 (0 in flight)", (("qwen-0", "tried: answered 503"),)),
+                       (records.Try("qwen-0", 2.5, 4.0, "answered 503"), records.Try("qwen-1", 4.5, 6.0, "answered 200")),
+                       4, 12.5, 50.25)
 
 
 def test_records_wait_in_memory_until_taken_and_a_failed_write_keeps_them_first(monkeypatch):
@@ -38,8 +41,12 @@ def test_records_wait_in_memory_until_taken_and_a_failed_write_keeps_them_first(
     records.write([row("w")])
     written = RequestRecord.objects.values().get()
     assert written["at"].isoformat() == "2023-11-14T22:13:20.250000+00:00"
-    assert {k: written[k] for k in records.Row._fields if k != "at"} == {
-        k: v for k, v in row("w")._asdict().items() if k != "at"}
+    sent = row("w")._asdict()
+    assert {k: written[k] for k in records.Row._fields if k not in ("at", "route", "tries")} == {
+        k: v for k, v in sent.items() if k not in ("at", "route", "tries")}
+    assert written["route"] == {"policy": "prefix", "hit": "", "chosen": "qwen-1 (0 in flight)",
+                                "passed": [["qwen-0", "tried: answered 503"]]}  # JSON, on SQLite and PostgreSQL
+    assert written["tries"] == [["qwen-0", 2.5, 4.0, "answered 503"], ["qwen-1", 4.5, 6.0, "answered 200"]]
 
 
 @override_settings(LLMGW_REQUEST_LOG_DAYS=7, LLMGW_REQUEST_LOG_ROWS=3)
