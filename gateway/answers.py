@@ -58,6 +58,9 @@ ONCE_BYTES = 1 << 20  # a whole answer larger than this is passed on as it comes
 ERROR_BYTES = 64 << 10  # of an engine's error answer, read for its words; the rest is not wanted
 USAGE_TAIL = 64 << 10  # of a passed-on answer, kept to find its usage in (the engines put it near the end)
 _USAGE_FIELD = re.compile(rb'[{,]\s*"(prompt_tokens|completion_tokens|input_tokens|output_tokens)"\s*:\s*(\d+)')
+# what the engine says of its cache and its time: llama.cpp's `timings`, OpenAI's, Anthropic's cached tokens
+_ENGINE_FIELD = re.compile(rb'[{,]\s*"(cache_n|cached_tokens|cache_read_input_tokens|prompt_ms|predicted_ms)"\s*:'
+                           rb'\s*([0-9]{1,12}(?:\.[0-9]{1,9})?)[,}\s]')
 
 
 def _pass_on(gw: Gateway, call: Call, used: Used, upstream: Upstream, response: EngineAnswer, head: bytes
@@ -94,6 +97,7 @@ def _pass_on(gw: Gateway, call: Call, used: Used, upstream: Upstream, response: 
                     used.prompt = int(value)
                 else:
                     used.completion = int(value)
+            engine_said(used, {name.decode(): float(value) for name, value in _ENGINE_FIELD.findall(tail)})
         except (ReadTimeout, UpstreamError) as exc:  # the status went out: all that is left is to stop
             log.warning("replica %s broke off a large answer: %s", upstream.replica, describe(exc))
             status = 502
@@ -111,6 +115,42 @@ def _take_usage(used: Used, surface: Surface, content: bytes) -> None:
     usage = surface.usage(body) if isinstance(body, dict) else None
     if usage is not None:
         used.prompt, used.completion, used.usage_known = usage.prompt, usage.completion, True
+    if isinstance(body, dict):
+        engine_said(used, _engine_fields(body))
+
+
+def _engine_fields(data: dict[str, object]) -> dict[str, object]:
+    """What an answer (or a stream's event) says of the engine's cache and time, by the names engine_said reads:
+    llama.cpp's `timings`, and the cached tokens OpenAI's, the Responses API's and Anthropic's usage name."""
+    said: dict[str, object] = {}
+    timings = data.get("timings")
+    if isinstance(timings, dict):
+        said.update((k, timings.get(k)) for k in ("cache_n", "prompt_ms", "predicted_ms"))
+    usage = data.get("usage")
+    if not isinstance(usage, dict) and isinstance(response := data.get("response"), dict):
+        usage = response.get("usage")  # the Responses API's stream: its last event's response
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+        said["cached_tokens"] = details.get("cached_tokens") if isinstance(details, dict) else None
+        said["cache_read_input_tokens"] = usage.get("cache_read_input_tokens")
+    return said
+
+
+def engine_said(used: Used, said: dict[str, object]) -> None:
+    """The engine's figures for the record: prompt tokens its cache served, its time on the prompt and generating
+    (nothing it did not say, nor what is not a number)."""
+    def number(name: str) -> float | None:
+        value = said.get(name)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
+
+    cached = next((n for n in map(number, ("cache_n", "cached_tokens", "cache_read_input_tokens")) if n is not None),
+                  None)
+    if cached is not None:
+        used.cached = int(cached)
+    if (prompt_ms := number("prompt_ms")) is not None:
+        used.prompt_ms = prompt_ms
+    if (generation_ms := number("predicted_ms")) is not None:
+        used.generation_ms = generation_ms
 
 
 async def stream(gw: Gateway, call: Call, used: Used, surface: Surface, payload: bytes, wants_usage: bool
@@ -221,6 +261,7 @@ def _keep_event(used: Used, surface: Surface, event: bytes, wants_usage: bool) -
         said = surface.event_usage(data, used.prompt, used.completion) if isinstance(data, dict) else None
         if said is None:
             continue
+        engine_said(used, _engine_fields(data))
         used.prompt, used.completion, whole = said
         used.usage_known = used.usage_known or whole
         if not wants_usage and not data.get("choices"):

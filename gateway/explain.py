@@ -22,8 +22,6 @@ def explain(ready: Sequence[str], *, chosen: str, walk: Iterable[str] | None, lo
     what became of it. `queued`: admission granted the slot (its queue chose among the replicas with one free)."""
     loads = {name: load_of(name) for name in ready}
     policy = PREFIX if walk is not None else LEAST
-    if queued:
-        policy += ", queued"
     passed: list[tuple[str, str]] = []
 
     def why_not(name: str, busy: str) -> str:

@@ -29,7 +29,7 @@ class Why(NamedTuple):
     """Why a request went to its replica (gateway/explain.py): the routing's policy, whether its prefix's or its
     session's replica took it, the one chosen (with its load), and those passed over before it, each with why."""
 
-    policy: str  # "prefix", "least in flight"; ", queued" when admission granted the slot
+    policy: str  # "prefix" or "least in flight"
     hit: str  # "prefix", "session" (the replica its key maps to took it) or "" (another, or no such key)
     chosen: str  # "replica (N in flight)"
     passed: tuple[tuple[str, str], ...]  # (replica, why passed over)

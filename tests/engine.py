@@ -44,6 +44,16 @@ class Engine:
         self.model = args.model_name or (os.path.basename(args.model_path) if args.model_path else "test-model")
         self.generating = 0  # requests at once (--parallel: at most that many)
         self.lock = threading.Lock()
+        self.last_prompt = ""  # llama-server's cache, roughly: the prompt it saw last
+
+    def timings(self, prompt: str, prompt_tokens: int, completion_tokens: int) -> dict:
+        """What llama-server says of its cache and time: the same prompt again is served from its cache but for its
+        last token; 0.1 ms per prompt token, and --delay-ms per token generated."""
+        with self.lock:
+            cached = max(0, prompt_tokens - 1) if prompt == self.last_prompt else 0
+            self.last_prompt = prompt
+        return {"cache_n": cached, "prompt_n": prompt_tokens - cached, "prompt_ms": (prompt_tokens - cached) * 0.1,
+                "predicted_n": completion_tokens, "predicted_ms": completion_tokens * float(self.args.delay_ms)}
 
     @property
     def loading(self) -> bool:
@@ -251,6 +261,8 @@ class Handler(BaseHTTPRequestHandler):
         words, finish = self.engine.words(body.get("max_tokens", body.get("max_completion_tokens")))
         prompt_tokens = _count(body.get("messages") if chat else body.get("prompt"))
         usage = self._usage(prompt_tokens, len(words))
+        timings = self.engine.timings(json.dumps(body.get("messages") if chat else body.get("prompt")), prompt_tokens,
+                                      len(words))
         kind = "chat.completion" if chat else "text_completion"
         base = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
@@ -264,7 +276,7 @@ class Handler(BaseHTTPRequestHandler):
                 choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            self._send_json(200, {**base, "object": kind, "choices": [choice], "usage": usage})
+            self._send_json(200, {**base, "object": kind, "choices": [choice], "usage": usage, "timings": timings})
             return
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -284,7 +296,7 @@ class Handler(BaseHTTPRequestHandler):
             self._event(chunk(word if i == 0 else " " + word, None))
         self._event(chunk(None, finish))
         if (body.get("stream_options") or {}).get("include_usage"):
-            self._event({**base, "object": chunk_kind, "choices": [], "usage": usage})
+            self._event({**base, "object": chunk_kind, "choices": [], "usage": usage, "timings": timings})
         self._end_stream()
 
     def chat(self, body: dict) -> None:

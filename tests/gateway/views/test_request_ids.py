@@ -11,7 +11,7 @@ import httpx2
 import openai
 import pytest
 
-from tests.gateway.views.harness import MESSAGES, Client, openai_error, post
+from tests.gateway.views.harness import MESSAGES, Client, openai_error, post, read
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
@@ -112,6 +112,10 @@ async def test_each_request_leaves_its_record_with_its_id_trace_and_what_became_
     from gateway.runtime import runtime
 
     _, engine = await echoed(cluster, **{"X-Request-Id": "rec-1"})
+    await echoed(cluster, **{"X-Request-Id": "rec-again"})  # the same prompt: the engine's cache serves it
+    streamed = await post(Client(Authorization=f"Bearer {cluster.secret}"), "chat/completions",
+                          {"model": "qwen", "messages": MESSAGES, "stream": True}, **{"X-Request-Id": "rec-stream"})
+    await read(streamed)  # its usage (and the engine's timings) asked for by the gateway, the client not told
     refused = await post(Client(Authorization=f"Bearer {cluster.secret}"), "chat/completions",
                          {"model": "nope", "messages": MESSAGES}, **{"X-Request-Id": "rec-2"})
     assert refused.status_code == 404
@@ -132,3 +136,14 @@ async def test_each_request_leaves_its_record_with_its_id_trace_and_what_became_
         "completion_tokens": 5, "client": "127.0.0.1"}
     assert (lost["status"], lost["error"], lost["model"], lost["asked"], lost["replica"], lost["attempts"]) == (
         404, "model_not_found", "nope", "nope", "", 0)
+    # what the engine said of its cache and time (llama.cpp's `timings`, as tests/engine.py says them), its spans
+    again = await sync_to_async(RequestRecord.objects.get)(request_id="rec-again")
+    assert (again.cached_tokens, again.prompt_ms, again.generation_ms) == (2, 0.1, 0.0)
+    stream = await sync_to_async(RequestRecord.objects.get)(request_id="rec-stream")
+    assert (stream.streamed, stream.cached_tokens, stream.prompt_ms, stream.completion_tokens) == (True, 2, 0.1, 5)
+    first = await sync_to_async(RequestRecord.objects.get)(request_id="rec-1")
+    assert first.span_id == TRACEPARENT.fullmatch(engine["traceparent"])[2] and first.parent_id == ""
+    assert first.position is None and [t[0] for t in first.tries] == [served["replica"]] and first.tries[0][3] == (
+        "answered 200")
+    assert first.route == {"policy": "prefix", "hit": "prefix", "chosen": f"{served['replica']} (0 in flight)",
+                           "passed": []}

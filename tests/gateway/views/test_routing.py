@@ -8,6 +8,7 @@ from prometheus_client import REGISTRY
 from cluster import notify
 from cluster.models import Model
 from gateway.affinity import Ring, choose, session_key
+from gateway.models import RequestRecord
 from gateway.runtime import runtime
 from gateway.surfaces import SURFACES
 from ground.ports import free_port
@@ -59,6 +60,11 @@ async def test_every_turn_of_a_conversation_goes_to_one_replica_and_conversation
         key = SURFACES["chat/completions"].prefix_key({"messages": turns(f"report {conversation}", 1)[0]})
         assert replicas == {choose(ring, key, lambda name: 0)}
     assert not runtime().local
+    # and each record says so: its prefix's replica took it, none passed over
+    await runtime().books()
+    routes = await sync_to_async(lambda: [r.route for r in RequestRecord.objects.filter(model="trio")])()
+    assert len(routes) == 48 and all(r["policy"] == "prefix" and r["hit"] == "prefix" and not r["passed"]
+                                     for r in routes), routes[:3]
 
 
 async def test_a_conversations_replica_that_refuses_connections_passes_it_to_the_next(cluster, client):
@@ -81,6 +87,16 @@ async def test_a_conversations_replica_that_refuses_connections_passes_it_to_the
         response = await ask(client, messages)
         assert response.status_code == 200, response.content
         assert response["X-Llmgw-Replica"] == order[1]  # the next on the ring, every turn
+    # each request's record says why it went where it went: the first tried its key's replica, which failed; the
+    # next ones passed over it, unreachable lately
+    await runtime().books()
+    kept = await sync_to_async(lambda: list(RequestRecord.objects.order_by("at", "id").values("route", "tries")))()
+    first, second = kept[-3], kept[-2]
+    assert [(t[0], t[3]) for t in first["tries"]] == [(names[0], first["tries"][0][3]), (order[1], "answered 200")]
+    assert first["tries"][0][3].startswith("failed: ") and first["tries"][0][1] <= first["tries"][0][2]
+    assert first["route"] == {"policy": "prefix", "hit": "", "chosen": f"{order[1]} (0 in flight)",
+                              "passed": [[names[0], f"tried: {first['tries'][0][3]}"]]}
+    assert second["route"]["passed"] == [[names[0], "unreachable lately"]] and len(second["tries"]) == 1
     grew = {name: sample(name) - before[name] for name in METRICS}
     # the first was sent twice (the dead replica, then the next); the dead one was passed over after that, for a
     # while: each found a ready replica at once
@@ -115,6 +131,11 @@ async def test_least_inflight_spreads_a_conversation_and_names_the_replica_too(c
         assert response.status_code == 200
         seen.add(response["X-Llmgw-Replica"])
     assert seen == set(names)  # one after another, each idle: a random pick among all three
+    await runtime().books()
+    route = await sync_to_async(lambda: RequestRecord.objects.filter(model="trio").first().route)()
+    assert route["policy"] == "least in flight" and route["hit"] == "" and len(route["passed"]) == 2
+    assert {name for name, _ in route["passed"]} | {route["chosen"].split()[0]} == set(names)
+    assert all(why.startswith("0 in flight") for _, why in route["passed"])  # as idle: admission's pick, or chance
 
 
 async def test_an_answer_from_no_replica_says_so(cluster, client):
@@ -140,3 +161,6 @@ async def test_an_agents_session_stays_on_one_replica_whatever_its_requests_open
                 assert response.status_code == 200, response.content
                 went.add(response["X-Llmgw-Replica"])
             assert went == {choose(ring, session_key(f"session-{session}"), lambda name: 0)}, (header, went)
+    await runtime().books()
+    hits = await sync_to_async(lambda: {r.route["hit"] for r in RequestRecord.objects.filter(model="trio")})()
+    assert hits == {"session"}  # the session's replica took each, whatever it opened with
