@@ -49,10 +49,10 @@ from dashboard.forms import (
     UserAddForm,
     valid,
 )
-from gateway import budgets, records
+from gateway import budgets, records, timeline
 from gateway import operations as gateway_operations
 from gateway.admission import CLASSES, DEFAULT_CLASS
-from gateway.models import ApiKey
+from gateway.models import ApiKey, RequestRecord
 from ground.facts import BUILD_WHEEL, INSTALL_WHEEL
 
 PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirror", "keys", "requests", "users",
@@ -245,7 +245,10 @@ def _events(request) -> dict:
         rows = rows.filter(kind__startswith=kind)
     if subject:
         rows = rows.filter(subject__icontains=subject)
-    return {"events": rows[:200], "kind": kind, "subject": subject}
+    # each with the requests it broke, when it is a replica's failure (as their records say)
+    shown = [(e, records.broken_by(e.subject, e.created_at, 10) if e.kind == "replica.failed" else [])
+             for e in rows[:200]]
+    return {"events": shown, "kind": kind, "subject": subject}
 
 
 def _requests(request) -> dict:
@@ -263,7 +266,34 @@ def _requests(request) -> dict:
     shown = records.listed().filter(request_id=given["id"]).first() if given["id"] else None
     if given["id"] and shown is None:
         messages.error(request, f"no request with id {given['id'][:128]!r} is on record")
-    return {"requests": rows, "shown": shown, **given}
+    return {"requests": rows, "shown": shown, **given, **(_request_shown(shown) if shown is not None else {})}
+
+
+PICTURE_LEFT, PICTURE_WIDTH, PICTURE_ROW = 260, 720, 24  # the timeline's picture: its label column, bars, rows
+
+
+@dataclass
+class PhaseBar:
+    phase: timeline.Phase
+    x: float
+    width: float
+    y: int
+
+
+def _request_shown(r: RequestRecord) -> dict:
+    """A request's page: its timeline in words and as a picture (where its time went), why its replica, and the
+    Events of the replicas it was sent to around its time."""
+    total = max(r.total_ms, 1.0)
+    bars = [PhaseBar(p, PICTURE_LEFT + p.start_ms / total * PICTURE_WIDTH,
+                max(2.0, (p.end_ms - p.start_ms) / total * PICTURE_WIDTH), 8 + i * PICTURE_ROW)
+            for i, p in enumerate(timeline.phases(r))]
+    replicas = {t[0] for t in r.tries if isinstance(t, list) and t} | ({r.replica} if r.replica else set())
+    window = (r.at - timedelta(minutes=10), r.at + timedelta(milliseconds=r.total_ms) + timedelta(minutes=10))
+    events = (Event.objects.filter(subject__in=replicas, created_at__range=window).order_by("-created_at", "-id")[:20]
+              if replicas else [])
+    return {"steps": timeline.timeline(r), "bars": bars, "why": timeline.why(r.route), "replica_events": events,
+            "replicas_of": sorted(replicas), "engine_said": timeline.engine_said(r),
+            "picture_height": 16 + len(bars) * PICTURE_ROW, "picture_left": PICTURE_LEFT}
 
 
 def _settings(request) -> dict:

@@ -22,7 +22,8 @@ from rest_framework.response import Response
 from cluster.api.base import NamedViewSet, NameField, StrictSerializer, datetime_param, text_param
 from cluster.api.errors import refused
 from cluster.api.schema import UNKNOWN_FILTER
-from gateway import budgets, operations, records
+from cluster.models import Event
+from gateway import budgets, operations, records, timeline
 from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import ApiKey, RequestRecord
 from gateway.operations import BUDGET_TOKENS, CONCURRENCY, KEY_LIMIT
@@ -225,16 +226,56 @@ class UsageViewSet(viewsets.GenericViewSet[Any]):  # no model: its rows are usag
         return self.get_paginated_response(self.get_serializer(page, many=True).data)
 
 
+class StepSerializer(serializers.Serializer[timeline.Step]):
+    at_ms = serializers.FloatField(help_text="from the request's arrival")
+    what = serializers.CharField()
+
+
+class PhaseSerializer(serializers.Serializer[timeline.Phase]):
+    name = serializers.CharField()
+    start_ms = serializers.FloatField()
+    end_ms = serializers.FloatField()
+    kind = serializers.ChoiceField(["queue", "failed", "prompt", "generation", "engine"])
+
+
+class RouteSerializer(serializers.Serializer[dict[str, Any]]):
+    policy = serializers.CharField(help_text="prefix or least in flight")
+    hit = serializers.CharField(help_text="prefix or session: the replica its key maps to took it; empty: another")
+    chosen = serializers.CharField(help_text="the replica, with its requests in flight as it was chosen")
+    passed = serializers.ListField(child=serializers.ListField(child=serializers.CharField(), min_length=2,
+                                                               max_length=2),
+                                   help_text="[replica, why passed over] for each passed over before it")
+
+
 class RequestRecordSerializer(serializers.ModelSerializer[RequestRecord]):
     key: serializers.SlugRelatedField[ApiKey] = serializers.SlugRelatedField(
         slug_field="name", read_only=True, allow_null=True, help_text="the client key's name (null: none llmgw knew)")
+    route = serializers.SerializerMethodField(help_text="why that replica (empty: none was chosen)")
+    tries = serializers.JSONField(read_only=True, help_text=(
+        "each replica it was sent to, in order: [replica, sent at ms, ended at ms (from its arrival), outcome]"))
+    timeline = serializers.SerializerMethodField(help_text="what happened, in order (gateway/timeline.py)")
+    phases = serializers.SerializerMethodField(help_text="where its time went: queue, failed attempts, prompt, "
+                                                         "generation")
 
     class Meta:
         model = RequestRecord
-        fields = ["request_id", "trace_id", "at", "key", "model", "asked", "surface", "streamed", "status", "error",
-                  "priority", "waited_ms", "replica", "attempts", "ttft_ms", "total_ms", "prompt_tokens",
-                  "completion_tokens", "client"]
+        fields = ["request_id", "trace_id", "span_id", "parent_id", "at", "key", "model", "asked", "surface",
+                  "streamed", "status", "error", "priority", "waited_ms", "position", "replica", "attempts", "route",
+                  "tries", "ttft_ms", "total_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "prompt_ms",
+                  "generation_ms", "client", "timeline", "phases"]
         read_only_fields = fields
+
+    @extend_schema_field(RouteSerializer(allow_null=True))
+    def get_route(self, record: RequestRecord) -> dict[str, Any] | None:
+        return record.route or None
+
+    @extend_schema_field(StepSerializer(many=True))
+    def get_timeline(self, record: RequestRecord) -> list[dict[str, Any]]:
+        return [step._asdict() for step in timeline.timeline(record)]
+
+    @extend_schema_field(PhaseSerializer(many=True))
+    def get_phases(self, record: RequestRecord) -> list[dict[str, Any]]:
+        return [phase._asdict() for phase in timeline.phases(record)]
 
 
 @extend_schema_view(
@@ -248,6 +289,10 @@ class RequestRecordSerializer(serializers.ModelSerializer[RequestRecord]):
             OpenApiParameter("slower_than", {"type": "string", "pattern": records.SLOWER_THAN.pattern},
                              description="only requests that took longer than this (2s, 500ms; a number: seconds)"),
             OpenApiParameter("since", OpenApiTypes.DATETIME, description="only those from this ISO 8601 time on"),
+            OpenApiParameter("replica", {"type": "string", "minLength": 1},
+                             description="only those this replica answered (the last they were sent to)"),
+            OpenApiParameter("event", {"type": "integer", "minimum": 1},
+                             description="only those a replica's failure broke: the id of its replica.failed Event"),
         ]
     ),
 )
@@ -263,13 +308,26 @@ class RequestRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
         if self.action != "list":
             return records.listed()
         params = self.request.query_params
-        key, model = (text_param(self.request, name, required_text=True) for name in ("key", "model"))
+        key, model, replica = (text_param(self.request, name, required_text=True)
+                               for name in ("key", "model", "replica"))
         since = datetime_param("since", params["since"]) if "since" in params else None
         try:
-            return records.listed(key=key or "", model=model or "", status=params.get("status"),
-                                  slower_than=params.get("slower_than"), since=since)
+            found = records.listed(key=key or "", model=model or "", status=params.get("status"),
+                                   slower_than=params.get("slower_than"), since=since, replica=replica or "")
         except records.FilterError as exc:
             raise serializers.ValidationError({exc.name: [exc.message]}) from None
+        if "event" in params:
+            found = found.filter(request_id__in=self._broken_by(params["event"]))
+        return found
+
+    @staticmethod
+    def _broken_by(said: str) -> list[str]:
+        """The requests the replica failure Event `said` (its id) broke."""
+        event = Event.objects.filter(pk=int(said), kind="replica.failed").first() if (
+            said.isascii() and said.isdigit() and len(said) <= 18) else None
+        if event is None:
+            raise serializers.ValidationError({"event": [f"no replica.failed Event has id {said[:40]!r}"]})
+        return records.broken_by(event.subject, event.created_at)
 
     def get_object(self) -> RequestRecord:
         record = self.get_queryset().filter(request_id=self.kwargs["request_id"]).first()

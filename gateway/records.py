@@ -119,15 +119,18 @@ class FilterError(ValueError):
 
 
 def listed(key: str = "", model: str = "", status: str | None = None, slower_than: str | None = None,
-           since: dt.datetime | None = None) -> QuerySet[RequestRecord]:
+           since: dt.datetime | None = None, replica: str = "") -> QuerySet[RequestRecord]:
     """The records newest first, those of a key (its name), a model, an answer's status (429) or class (5xx),
-    slower than a time (2s, 500ms; a number: seconds), from a time on (None: not asked; "" is asked and wrong);
-    FilterError for one it cannot read. The API, the CLI (through it) and the dashboard filter alike."""
+    slower than a time (2s, 500ms; a number: seconds), from a time on (None: not asked; "" is asked and wrong),
+    answered by a replica (the last it was sent to); FilterError for one it cannot read. The API, the CLI (through
+    it) and the dashboard filter alike."""
     found = RequestRecord.objects.select_related("key").order_by("-at", "-id")
     if key:
         found = found.filter(key__name=key)
     if model:
         found = found.filter(model=model)
+    if replica:
+        found = found.filter(replica=replica)
     if status is not None:
         wanted = status.lower()
         if not STATUS_FILTER.fullmatch(wanted):
@@ -142,6 +145,25 @@ def listed(key: str = "", model: str = "", status: str | None = None, slower_tha
     if since is not None:
         found = found.filter(at__gte=since)
     return found
+
+
+BROKEN_BEFORE = dt.timedelta(seconds=60)  # a failure Event is written after what it broke: the agent said it
+BROKEN_AFTER = dt.timedelta(seconds=10)
+LONGEST = dt.timedelta(hours=6)  # the longest request a failure is looked for in
+
+
+def broken_by(replica: str, when: dt.datetime, limit: int = 50) -> list[str]:
+    """The requests a replica's failure at `when` broke, as their records say: answered 5xx from it, their end
+    from a minute before the failure's Event to a few seconds after (the newest first, at most `limit`)."""
+    ids = []
+    for rid, at, total_ms in (listed(replica=replica, status="5xx")
+                              .filter(at__gte=when - LONGEST, at__lte=when + BROKEN_AFTER)
+                              .values_list("request_id", "at", "total_ms")):
+        if at + dt.timedelta(milliseconds=total_ms) >= when - BROKEN_BEFORE:
+            ids.append(rid)
+            if len(ids) == limit:
+                break
+    return ids
 
 
 def write(taken: list[Row]) -> None:

@@ -28,7 +28,11 @@ def recorded():
         RequestRecord(request_id="turn/1", at=now - timedelta(seconds=30), key=key, model="qwen", asked="fast",
                       surface="chat/completions", streamed=True, status=200, priority="interactive", waited_ms=3.0,
                       replica="qwen-a", attempts=1, ttft_ms=240.0, total_ms=2400.0, prompt_tokens=900,
-                      completion_tokens=120, client="10.0.0.7", trace_id="4bf92f3577b34da6a3ce929d0e0e4736"),
+                      completion_tokens=120, client="10.0.0.7", trace_id="4bf92f3577b34da6a3ce929d0e0e4736",
+                      span_id="00f067aa0ba902b7", position=3, cached_tokens=850, prompt_ms=180.0, generation_ms=2100.0,
+                      route={"policy": "prefix", "hit": "", "chosen": "qwen-a (1 in flight)",
+                             "passed": [["qwen-b", "tried: failed: connection refused"]]},
+                      tries=[["qwen-b", 2.0, 2.5, "failed: connection refused"], ["qwen-a", 3.0, 30.0, "answered 200"]]),
         RequestRecord(request_id="req_0123", at=now - timedelta(seconds=10), key=key, model="qwen",
                       surface="messages", status=503, error="no_replica_ready", total_ms=5000.0, attempts=0),
     ])
@@ -48,8 +52,25 @@ def test_show_prints_one_requests_figures(recorded):
     shown = run("ctl", "requests", "show", "turn/1")
     assert "request turn/1  trace 4bf92f3577b34da6a3ce929d0e0e4736" in shown
     for said in ("agent (interactive)", "qwen (asked as fast), /v1/chat/completions streamed", "replica   qwen-a after 1",
-                 "first     240ms", "total     2.40s", "900 prompt, 120 completion", "from 10.0.0.7"):
+                 "first     240ms", "total     2.40s", "900 prompt (850 cached), 120 completion", "from 10.0.0.7",
+                 "span 00f067aa0ba902b7", "(queued at position 3)", "engine    prompt 180ms, generation 2.10s"):
         assert said in shown, shown
+    # the timeline: arrived → queued → admitted → each attempt, the replica chosen and why → first token → end
+    told = shown[shown.index("timeline\n"):].splitlines()[1:]
+    assert [line.split(None, 1)[1] for line in told] == [
+        "arrived from 10.0.0.7: /v1/chat/completions streamed for qwen (asked as fast), class interactive",
+        "queued at position 3 in its model's queue",
+        "admitted: a replica and a slot after 2 ms",
+        "attempt 1: sent to qwen-b",
+        "attempt 1: qwen-b failed: connection refused",
+        "replica qwen-a chosen: prefix; passed over qwen-b (tried: failed: connection refused)",
+        "attempt 2: sent to qwen-a",
+        "attempt 2: qwen-a answered 200",
+        "first token",
+        "the engine: 900 prompt tokens (850 from its cache) in 180 ms, 120 generated in 2.10 s",
+        "ended: 200 after 2.40 s, 900+120 tokens",
+    ], told
+    assert told[0].split()[0] == "0ms" and told[-1].split()[0] == "2.40s"
 
 
 @pytest.mark.parametrize("args, said", [

@@ -23,7 +23,8 @@ def requests_cmd(o, out):
             raise CliError("ctl requests takes filters, or `show ID`")
         return _show(o, words[1], out)
     page = o["api"].get("requests/", key=o["key"], model=o["model"], status=o["status"],
-                        slower_than=o["slower_than"], since=parse_when(o["since"], "--since"), limit=o["limit"])
+                        slower_than=o["slower_than"], since=parse_when(o["since"], "--since"), replica=o["replica"],
+                        event=o["event"], limit=o["limit"])
     rows = page["results"]
     if o.get("json"):
         return as_json(rows, out)
@@ -42,16 +43,27 @@ def _show(o, request_id: str, out):
     if o.get("json"):
         return as_json(r, out)
     asked = f" (asked as {r['asked']})" if r["asked"] and r["asked"] != r["model"] else ""
+    route = r.get("route") or {}
     lines = [
-        f"request {r['request_id']}  trace {r['trace_id'] or '-'}",
+        f"request {r['request_id']}  trace {r['trace_id'] or '-'}  span {r.get('span_id') or '-'}"
+        + (f" (parent {r['parent_id']})" if r.get("parent_id") else ""),
         f"  at        {moment(r['at']):%Y-%m-%d %H:%M:%S.%f} UTC from {r['client'] or '-'}",
         f"  key       {r['key'] or '-'} ({r['priority'] or '-'})",
         f"  model     {r['model'] or '-'}{asked}, /v1/{r['surface']}{' streamed' if r['streamed'] else ''}",
         f"  answer    {r['status']}{' ' + r['error'] if r['error'] else ''}",
-        f"  replica   {r['replica'] or '-'} after {r['attempts']} attempt(s)",
-        f"  waited    {_ms(r['waited_ms'])} for a replica and a slot",
+        f"  replica   {r['replica'] or '-'} after {r['attempts']} attempt(s)"
+        + (f": {route['policy']}" + (f", its {route['hit']}'s replica" if route.get("hit") else "") if route else ""),
+        f"  waited    {_ms(r['waited_ms'])} for a replica and a slot"
+        + (f" (queued at position {r['position']})" if r.get("position") is not None else ""),
         f"  first     {_ms(r['ttft_ms'])}",
         f"  total     {_ms(r['total_ms'])}",
-        f"  tokens    {r['prompt_tokens']} prompt, {r['completion_tokens']} completion",
+        f"  tokens    {r['prompt_tokens']} prompt ({r.get('cached_tokens', 0)} cached), {r['completion_tokens']} "
+        f"completion",
     ]
+    if r.get("prompt_ms") is not None or r.get("generation_ms") is not None:
+        lines.append(f"  engine    prompt {_ms(r.get('prompt_ms'))}, generation {_ms(r.get('generation_ms'))}")
+    steps = r.get("timeline") or []
+    if steps:
+        lines.append("timeline")
+        lines += [f"  {_ms(step['at_ms']):>8}  {step['what']}" for step in steps]
     out.write("\n".join(lines) + "\n")

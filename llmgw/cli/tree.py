@@ -425,6 +425,9 @@ def build(parser) -> None:
     p.add_argument("--status", default=None, help="an answer's status (429) or class (5xx)")
     p.add_argument("--slower-than", default=None, metavar="TIME", help="took longer than this: 2s, 500ms")
     p.add_argument("--since", default=None, help="date (and time)")
+    p.add_argument("--replica", default=None, help="those this replica answered")
+    p.add_argument("--event", type=int, default=None, metavar="ID",
+                   help="those a replica's failure broke (the id of its replica.failed Event)")
     p.add_argument("--limit", type=int, default=50, help="the newest this many (default 50)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=requests_cmd)

@@ -9,6 +9,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from gateway import records
+from cluster.models import Event
 from gateway.models import ApiKey, RequestRecord
 from tests.rest import API, refused
 
@@ -89,6 +90,33 @@ def test_a_viewer_lists_them_newest_first_filtered_by_key_model_status_slowness_
     shown = viewer.get(f"{API}/requests/slow/").json()
     assert shown["key"] == "ci" and shown["streamed"] is True and shown["ttft_ms"] == 300.0
     assert viewer.get(f"{API}/requests/same/").json()["model"] == "smol"  # the newest with that id
+    assert listed(viewer, "?replica=smol-1") == ["broken"]
+
+
+def test_one_is_told_as_its_timeline_and_its_phases(viewer, recorded):
+    RequestRecord.objects.filter(request_id="slow").update(
+        position=1, route={"policy": "least in flight", "hit": "", "chosen": "qwen-1 (2 in flight)",
+                           "passed": [["qwen-2", "3 in flight"]]}, tries=[["qwen-1", 20.0, 290.0, "answered 200"]],
+        cached_tokens=2, prompt_ms=250.0, generation_ms=2100.0)
+    shown = viewer.get(f"{API}/requests/slow/").json()
+    assert (shown["position"], shown["cached_tokens"], shown["route"]["passed"]) == (1, 2, [["qwen-2", "3 in flight"]])
+    assert [s["what"].split(":")[0] for s in shown["timeline"]] == [
+        "arrived from -", "queued at position 1 in its model's queue", "admitted", "replica qwen-1 chosen",
+        "attempt 1", "attempt 1", "first token", "the engine", "ended"]
+    assert [(p["kind"], p["start_ms"], p["end_ms"]) for p in shown["phases"]] == [
+        ("queue", 0.0, 20.0), ("prompt", 20.0, 300.0), ("generation", 300.0, 2500.0)]
+    assert viewer.get(f"{API}/requests/fast/").json()["route"] is None  # none was chosen on record
+
+
+def test_a_replicas_failure_event_lists_the_requests_it_broke(viewer, recorded):
+    failed = Event.objects.create(kind="replica.failed", actor="agent:a", subject="smol-1", message="smol-1 failed")
+    long_before = Event.objects.create(kind="replica.failed", actor="agent:a", subject="smol-1", message="earlier",
+                                       created_at=timezone.now() - timedelta(hours=1))
+    assert listed(viewer, f"?event={failed.id}") == ["broken"]
+    assert listed(viewer, f"?event={long_before.id}") == []  # what broke an hour later was not its doing
+    ready = Event.objects.create(kind="replica.ready", actor="agent:a", subject="smol-1", message="ready")
+    for said in (ready.id, 10**30, "x"):
+        refused(viewer.get(f"{API}/requests/?event={said}"), 400, "event")
 
 
 @pytest.mark.parametrize("query, field", [("?status=600", "status"), ("?status=5x", "status"),
