@@ -8,8 +8,8 @@ from django.test import override_settings
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from gateway import records
 from cluster.models import Event
+from gateway import records
 from gateway.models import ApiKey, RequestRecord
 from tests.rest import API, refused
 
