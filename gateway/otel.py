@@ -19,16 +19,14 @@ import logging
 import os
 import threading
 from collections import deque
-
-from opentelemetry import trace
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
-from opentelemetry.util.types import AttributeValue
+from typing import TYPE_CHECKING, cast
 
 from gateway.records import KEPT, Row
+
+if TYPE_CHECKING:  # the SDK's tracing and exporter are imported only where spans are made
+    from opentelemetry.sdk.trace import SpanProcessor
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+    from opentelemetry.util.types import AttributeValue
 
 log = logging.getLogger("llmgw.gateway")
 ENDPOINTS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -48,17 +46,23 @@ def start() -> Spans | None:
     if not wanted():
         return None
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     return Spans(BatchSpanProcessor(OTLPSpanExporter()))
 
 
-class _Given(IdGenerator):
-    """The ids a request already has (the engine was told its span as its parent) for the span made next; random
-    ones for the rest (its children)."""
+class _Given:
+    """The SDK's IdGenerator: the ids a request already has (the engine was told its span as its parent) for the
+    span made next; random ones for the rest (its children)."""
 
     def __init__(self) -> None:
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
         self.trace_id = self.span_id = 0
         self._random = RandomIdGenerator()
+
+    def is_trace_id_random(self) -> bool:
+        return True  # asked only of a trace llmgw began, whose id is random (gateway/tracing.py)
 
     def generate_trace_id(self) -> int:
         given, self.trace_id = self.trace_id, 0
@@ -134,11 +138,15 @@ class Spans:
     their own, given to `processor` (the SDK's batch processor in front of the OTLP exporter)."""
 
     def __init__(self, processor: SpanProcessor) -> None:
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+
         self.ids = _Given()
         resource = Resource.create()
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: "llmgw"}))
-        self.provider = TracerProvider(resource=resource, id_generator=self.ids, shutdown_on_exit=False)
+        self.provider = TracerProvider(resource=resource, id_generator=cast("IdGenerator", self.ids),
+                                       shutdown_on_exit=False)
         self.provider.add_span_processor(processor)
         self.tracer = self.provider.get_tracer("llmgw.gateway")
         self.waiting: deque[Row] = deque(maxlen=KEPT)  # past KEPT (an exporter stuck), the oldest are dropped
@@ -164,6 +172,9 @@ class Spans:
 
     def make(self, row: Row) -> None:
         """The request's span and its children, ended at the times its record says."""
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
         parent = None
         if row.parent_id and (trace_id := _hex(row.trace_id)) and (parent_id := _hex(row.parent_id)):
             remote = SpanContext(trace_id, parent_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
@@ -181,7 +192,8 @@ class Spans:
                                    start_time=_ns(row.at)).end(_ns(row.at, row.waited_ms))
         for attempt in row.tries:
             status = _answered(attempt.outcome)
-            said: dict[str, AttributeValue] = {"llmgw.replica": attempt.replica, "llmgw.attempt.outcome": attempt.outcome}
+            said: dict[str, AttributeValue] = {"llmgw.replica": attempt.replica,
+                                               "llmgw.attempt.outcome": attempt.outcome}
             if status is not None:
                 said["http.response.status_code"] = status
             child = self.tracer.start_span(f"attempt {attempt.replica}", context=within, kind=SpanKind.CLIENT,

@@ -151,7 +151,8 @@ async def exported(receiver: Receiver, request_id: str, timeout: float = 10.0) -
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with receiver.lock:
-            found = [(r, s) for r, s in receiver.spans if attributes(s.attributes).get("llmgw.request_id") == request_id]
+            found = [(resource, span) for resource, span in receiver.spans
+                     if attributes(span.attributes).get("llmgw.request_id") == request_id]
         if found:
             return found[0]
         await asyncio.sleep(0.02)
