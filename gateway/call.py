@@ -160,8 +160,12 @@ class Call:
         if self.gw is not None:
             first = used.first_chunk - self.started if used.first_chunk is not None else None
             self.gw.ledger.count(status, used.prompt + used.completion, first_chunk=first)
-            if self.gw.records is not None:
-                self.gw.records.add(self.record(status, ended))
+            if self.gw.records is not None or self.gw.spans is not None:
+                row = self.record(status, ended)
+                if self.gw.records is not None:
+                    self.gw.records.add(row)
+                if self.gw.spans is not None:
+                    self.gw.spans.add(row)
         access.info(
             "request=%s key=%s model=%s replica=%s status=%s duration_ms=%.1f prompt_tokens=%d completion_tokens=%d",
             self.request_id or "-",

@@ -29,7 +29,7 @@ from redis.typing import EncodableT, FieldT
 
 from cluster import events, inflight, notify, redis_options
 from cluster.models import Model
-from gateway import affinity, records, usage
+from gateway import affinity, otel, records, usage
 from gateway import table as routing
 from gateway.accounting import Ledger
 from gateway.admission import Admission, capacity
@@ -149,6 +149,7 @@ class Gateway:
         self._clock_measured = float("-inf")
         self.ledger = Ledger()
         self.records = Records() if settings.LLMGW_REQUEST_LOG else None  # None: no request records written
+        self.spans = otel.start()  # None: no OTLP endpoint set, no spans made (gateway/otel.py)
         self.reach = Reach(self.redis)  # how long a request waits on Redis, and whether it is away
         self.admission = Admission(self.redis, self.reach)
         self.limits = Limits(self.redis, self.reach)
@@ -196,6 +197,11 @@ class Gateway:
             await asyncio.wait_for(self._last_books(), CLOSE_WAIT)
         except Exception as exc:  # the database or Redis away: this process's last counts are lost with it
             log.warning("stopping without this process's last usage written (%s)", exc or type(exc).__name__)
+        if self.spans is not None:
+            try:  # its last spans exported (a thread: the SDK's flush blocks)
+                await asyncio.wait_for(asyncio.to_thread(self.spans.close), CLOSE_WAIT)
+            except TimeoutError:
+                log.warning("stopping with this process's last spans not exported after %.1f s", CLOSE_WAIT)
         await self.admission.aclose()
         await self.budgets.aclose()
         await self.reach.aclose()
