@@ -6,6 +6,9 @@ tells every web process's gateway to reload its routing table after commit.
 
 from __future__ import annotations
 
+import csv
+import io
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal, TypedDict
 
@@ -47,6 +50,9 @@ class KeyFields(TypedDict, total=False):
     max_concurrency: int | None
     budget_tokens: int | None
     budget_period: str
+
+
+USAGE_COLUMNS = ("key", "model", "hour", "requests", "prompt_tokens", "completion_tokens")  # and the CSV's header
 
 
 class UsageRow(TypedDict):
@@ -275,3 +281,20 @@ def usage_report(key: str | None = None, model: str | None = None, since: dateti
         }
         for r in (summed if limit is None else summed[:limit])
     ]
+
+
+def usage_csv(rows: Iterable[Mapping[str, object]]) -> str:
+    """Usage rows (usage_report's, or the API's as serialized) as CSV: the header row, then a row each; an hour in
+    ISO 8601 UTC as the API writes it (2026-12-05T10:00:00Z)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(USAGE_COLUMNS)
+    for row in rows:
+        writer.writerow([_csv_value(row[column]) for column in USAGE_COLUMNS])
+    return out.getvalue()
+
+
+def _csv_value(value: object) -> object:
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    return value
