@@ -219,7 +219,8 @@ class UsageCSVRenderer(renderers.BaseRenderer):
         response = (renderer_context or {}).get("response")
         if response is not None and response.status_code >= 400:
             response["Content-Type"] = "application/json"
-            return renderers.JSONRenderer().render(data)
+            said: bytes = renderers.JSONRenderer().render(data)
+            return said
         return operations.usage_csv(data["results"] if isinstance(data, dict) else data).encode()
 
 
