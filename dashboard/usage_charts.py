@@ -18,12 +18,12 @@ from ground.units import about
 
 HOURS, DAYS = 48, 30  # what the page shows: the last 48 hours by hour, the last 30 days by day
 WIDTH, HEIGHT = 400, 180
-LEFT, RIGHT, TOP, BOTTOM = 40, 6, 8, 22  # the plot's margins: the y axis' labels on the left, the x axis' below
+LEFT, RIGHT, TOP, BOTTOM = 42, 6, 8, 24  # the plot's margins: the y axis' labels on the left, the x axis' below
 PALETTE = ("#1f5fbf", "#137a4b", "#d97706", "#7a3cc4", "#0e7490", "#c2410c", "#8a6100", "#98a2b3")
 MOST = 8  # series on a plot: past it, the smallest are summed as OTHERS (in the palette's last, grey)
 OTHERS = "(the rest)"  # no key or model is named with parentheses
 REQUESTS, ERRORS = "#1f5fbf", "#b42318"
-BAR_ROW = 36  # the budget plot: a key's line of text and its bar
+BAR_ROW = 40  # the budget plot: a key's line of text and its bar
 
 
 @dataclass(frozen=True)
@@ -143,8 +143,8 @@ class Frame:
                          f'<text class="y" x="{LEFT - 4}" y="{y + 4}" text-anchor="end">{figure(value)}</text>')
         for i in self.window.labelled():
             x = round(LEFT + (i + 0.5) * self.slot, 2)
-            anchor = "end" if x > WIDTH - 24 else "middle"
-            drawn.append(f'<text class="x" x="{x}" y="{HEIGHT - 6}" text-anchor="{anchor}">'
+            anchor = "end" if x > WIDTH - 28 else "middle"
+            drawn.append(f'<text class="x" x="{x}" y="{HEIGHT - 5}" text-anchor="{anchor}">'
                          f'{self.window.label(self.window.starts[i])}</text>')
         return drawn
 
@@ -205,9 +205,9 @@ def budgets_plot(budgets: list[Budget]) -> Plot | None:
         share = min(budget.spent / budget.tokens, 1.0)
         said = (f"{budget.key}: {about(budget.spent)} of {about(budget.tokens)} this {budget.period} "
                 f"({round(100 * budget.spent / budget.tokens)}%)")
-        parts.append(f'<text class="name" x="1" y="{y + 13}">{escape(said)}</text>'
-                     f'<rect class="track" x="1" y="{y + 18}" width="{width}" height="12" rx="6" fill="#e4e7ec"/>'
-                     f'<rect x="1" y="{y + 18}" width="{round(width * share, 2)}" height="12" rx="6" '
+        parts.append(f'<text class="name" x="1" y="{y + 15}">{escape(said)}</text>'
+                     f'<rect class="track" x="1" y="{y + 22}" width="{width}" height="12" rx="6" fill="#e4e7ec"/>'
+                     f'<rect x="1" y="{y + 22}" width="{round(width * share, 2)}" height="12" rx="6" '
                      f'fill="{ERRORS if share >= 1 else REQUESTS}" data-key="{escape(budget.key)}">'
                      f'<title>{escape(said)}, resets {budget.resets_at:%Y-%m-%d %H:%M} UTC</title></rect>')
     svg = _svg("Spend against each key's budget, this period", parts, height=BAR_ROW * len(budgets))
