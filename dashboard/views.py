@@ -253,10 +253,11 @@ def _usage(request) -> dict:
     except OperationError as exc:  # a key that does not exist
         messages.error(request, str(exc))
         rows = []
-    keys = budgets.with_spent(ApiKey.objects.filter(revoked_at__isnull=True, budget_tokens__isnull=False)
-                              .filter(**({"name": key} if key else {})).order_by("name"), now)
+    with_budget = ApiKey.objects.filter(revoked_at__isnull=True, budget_tokens__isnull=False).order_by("name")
+    if key:
+        with_budget = with_budget.filter(name=key)
     spend = [usage_charts.Budget(k.name, b["spent"], b["tokens"], b["period"], b["resets_at"])
-             for k in keys if (b := budgets.status(k, now))]
+             for k in budgets.with_spent(with_budget, now) if (b := budgets.status(k, now))]
     plots = usage_charts.usage_plots(shown, rows, records.errors_per(by, shown.since, key, model), spend)
     models = set(Model.objects.values_list("name", flat=True)) | {str(r["model"]) for r in rows} | ({model} - {""})
     return {"plots": plots, "by": by, "key": key, "model": model, "hours": usage_charts.HOURS,
