@@ -13,6 +13,14 @@ if TYPE_CHECKING:
 WIDTH, HEIGHT = 360, 90
 
 
+def nice_top(peak: float) -> float:
+    """The y axis' top: the peak rounded up to 1, 2 or 5 times a power of ten, at least 1."""
+    if peak <= 1:
+        return 1.0
+    magnitude = 10 ** math.floor(math.log10(peak))
+    return float(next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= peak))
+
+
 @dataclass
 class Chart:
     title: str
@@ -22,12 +30,7 @@ class Chart:
 
     @property
     def top(self) -> float:
-        """The y axis' top: the peak rounded up to 1, 2 or 5 times a power of ten, at least 1."""
-        peak = max(self.values, default=0)
-        if peak <= 1:
-            return 1.0
-        magnitude = 10 ** math.floor(math.log10(peak))
-        return next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= peak)
+        return nice_top(max(self.values, default=0))
 
     def _xy(self) -> list[tuple[float, float]]:
         n = len(self.values)

@@ -46,7 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ctl keys create": ("key-create", "POST /api/v1/keys/"),
     "ctl keys set": ("key-set", "PATCH /api/v1/keys/{name}/"),
     "ctl keys revoke": ("key-revoke", "POST /api/v1/keys/{name}/revoke/"),
-    "ctl usage": ("keys", "GET /api/v1/usage/"),
+    "ctl usage": ("usage", "GET /api/v1/usage/"),  # and Usage: Download CSV (`usage-csv`), as `?format=csv`
     "ctl requests": ("requests", "GET /api/v1/requests/"),
     "ctl events": ("events", "GET /api/v1/events/"),
 }

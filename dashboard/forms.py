@@ -279,6 +279,14 @@ class RequestsFilterForm(ButtonForm):
     id = forms.CharField(required=False)
 
 
+class UsageFilterForm(ButtonForm):
+    """The Usage page's filters: by hour (the last 48 hours) or by day (the last 30 days), a key, a model."""
+
+    by = forms.ChoiceField(choices=[("hour", "hour"), ("day", "day")], required=False)
+    key = forms.CharField(required=False)
+    model = forms.CharField(required=False)
+
+
 class EventsFilterForm(ButtonForm):
     """The Events page's filters: the kinds beginning so, the subjects containing that."""
 

@@ -32,6 +32,7 @@ urlpatterns = [
     path("keys/create/", views.key_create, name="key-create"),
     path("keys/set/", views.key_set, name="key-set"),
     path("keys/<str:name>/revoke/", views.key_revoke, name="key-revoke"),
+    path("usage/csv/", views.usage_csv, name="usage-csv"),
     path("users/add/", views.user_add, name="user-add"),
     path("settings/set/", views.settings_set, name="settings-set"),
     path("settings/engine-key/", views.engine_key_show, name="engine-key-show"),

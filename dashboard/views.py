@@ -17,17 +17,18 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.db.models import Count
-from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, HttpResponseForbidden
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils import timezone
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_GET, require_POST
 
 from cluster import operations, peers, queries
 from cluster.clients import agents_url
 from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Profile, Replica
 from cluster.operations import OperationError
 from cluster.roles import ROLES, WRITE_ROLES, can_change, role_of
+from dashboard import usage_charts
 from dashboard.forms import (
     EngineAddForm,
     EngineSetForm,
@@ -46,6 +47,7 @@ from dashboard.forms import (
     ReplicasRestartForm,
     RequestsFilterForm,
     SettingsForm,
+    UsageFilterForm,
     UserAddForm,
     valid,
 )
@@ -55,8 +57,8 @@ from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import ApiKey, RequestRecord
 from ground.facts import BUILD_WHEEL, INSTALL_WHEEL
 
-PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirror", "keys", "requests", "users",
-         "events", "settings")
+PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirror", "keys", "usage", "requests",
+         "users", "events", "settings")
 ADMIN_PAGES = frozenset({"users"})  # in the nav of admins only; anyone else is told so on the page
 
 
@@ -229,6 +231,57 @@ def _keys(request) -> dict:
             "priorities": CLASSES, "default_priority": DEFAULT_CLASS}
 
 
+def _usage_filters(request) -> tuple[str, str, str, str]:
+    """The Usage page's filters (by, key, model) and what was wrong with them ("": nothing; that filter dropped)."""
+    form = UsageFilterForm(request.GET)
+    problem = "" if form.is_valid() else form.problem()
+    given = form.cleaned_data  # the fields that were valid
+    return given.get("by") or "hour", given.get("key", ""), given.get("model", ""), problem
+
+
+def _usage(request) -> dict:
+    """Tokens per key and per model, requests and errors, per hour (the last 48) or day (the last 30), as plots;
+    each key's spend of its budget."""
+    by, key, model, problem = _usage_filters(request)
+    if problem:
+        messages.error(request, problem)
+    now = timezone.now()
+    shown = usage_charts.window(by, now)
+    try:
+        rows = gateway_operations.usage_report(key=key or None, model=model or None, since=shown.since, by=by,
+                                               limit=None)
+    except OperationError as exc:  # a key that does not exist
+        messages.error(request, str(exc))
+        rows = []
+    with_budget = ApiKey.objects.filter(revoked_at__isnull=True, budget_tokens__isnull=False).order_by("name")
+    if key:
+        with_budget = with_budget.filter(name=key)
+    spend = [usage_charts.Budget(k.name, b["spent"], b["tokens"], b["period"], b["resets_at"])
+             for k in budgets.with_spent(with_budget, now) if (b := budgets.status(k, now))]
+    plots = usage_charts.usage_plots(shown, rows, records.errors_per(by, shown.since, key, model), spend)
+    models = set(Model.objects.values_list("name", flat=True)) | {str(r["model"]) for r in rows} | ({model} - {""})
+    return {"plots": plots, "by": by, "key": key, "model": model, "hours": usage_charts.HOURS,
+            "days": usage_charts.DAYS, "keys": ApiKey.objects.order_by("name").values_list("name", flat=True),
+            "models": sorted(models)}
+
+
+@login_required
+@require_GET
+def usage_csv(request):
+    """What the Usage page plots, as rows: the API's usage as CSV (`/api/v1/usage/?format=csv`), a download."""
+    by, key, model, problem = _usage_filters(request)
+    if problem:
+        return HttpResponseBadRequest(problem, content_type="text/plain")
+    since = usage_charts.window(by, timezone.now()).since
+    try:
+        rows = gateway_operations.usage_report(key=key or None, model=model or None, since=since, by=by)
+    except OperationError as exc:
+        return HttpResponse(str(exc), status=404, content_type="text/plain")
+    response = HttpResponse(gateway_operations.usage_csv(rows), content_type="text/csv; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="llmgw-usage-by-{by}-from-{since:%Y-%m-%d}.csv"'
+    return response
+
+
 def _users(request) -> dict:
     if role_of(request.user) != "admin":
         return {"users": None}
@@ -303,8 +356,8 @@ def _settings(request) -> dict:
 
 CONTEXT = {
     "overview": _overview, "nodes": _nodes, "models": _models, "replicas": _replicas, "profiles": _profiles,
-    "engines": _engines, "mirror": _mirror, "keys": _keys, "requests": _requests, "users": _users, "events": _events,
-    "settings": _settings,
+    "engines": _engines, "mirror": _mirror, "keys": _keys, "usage": _usage, "requests": _requests, "users": _users,
+    "events": _events, "settings": _settings,
 }
 
 

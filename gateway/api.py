@@ -13,8 +13,14 @@ from typing import Any
 from django.db.models import QuerySet
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, extend_schema_view
-from rest_framework import exceptions, mixins, serializers, status, viewsets
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_field,
+    extend_schema_view,
+)
+from rest_framework import exceptions, mixins, renderers, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -25,7 +31,7 @@ from cluster.api.schema import UNKNOWN_FILTER
 from cluster.models import Event
 from gateway import budgets, operations, records, timeline
 from gateway.admission import CLASSES, DEFAULT_CLASS
-from gateway.models import ApiKey, RequestRecord
+from gateway.models import USAGE_BY, ApiKey, RequestRecord
 from gateway.operations import BUDGET_TOKENS, CONCURRENCY, KEY_LIMIT
 
 KEY_STATES = ["active", "revoked", "expired"]
@@ -201,28 +207,70 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewS
         return self.shown(key)
 
 
+class UsageCSVRenderer(renderers.BaseRenderer):
+    """The usage as CSV (`?format=csv`, or `Accept: text/csv`): a header row, then a row per key, model and hour;
+    a refusal stays JSON, as every refusal of the API is."""
+
+    media_type = "text/csv"
+    format = "csv"
+    charset = "utf-8"
+
+    def render(self, data: Any, accepted_media_type: str | None = None,
+               renderer_context: Mapping[str, Any] | None = None) -> bytes:
+        response = (renderer_context or {}).get("response")
+        if response is not None and response.status_code >= 400:
+            response["Content-Type"] = "application/json"
+            said: bytes = renderers.JSONRenderer().render(data)
+            return said
+        return operations.usage_csv(data["results"] if isinstance(data, dict) else data).encode()
+
+
+USAGE_FORMATS = ("json", "csv")
+
+
 @extend_schema_view(
     list=extend_schema(
-        responses={200: UsageSerializer(many=True), **UNKNOWN_FILTER},
+        responses={(200, "application/json"): UsageSerializer(many=True),
+                   (200, "text/csv"): OpenApiResponse(OpenApiTypes.STR, description=(
+                       "a header row (key, model, hour, requests, prompt_tokens, completion_tokens), then a row "
+                       "each; every row unless limit or offset is given")),
+                   (422, "application/json"): UNKNOWN_FILTER[422]},
         parameters=[
             OpenApiParameter("key", {"type": "string", "minLength": 1}, description="only this key's usage (a key name)"),
             OpenApiParameter("model", {"type": "string", "minLength": 1}, description="only this model's usage"),
             OpenApiParameter("since", OpenApiTypes.DATETIME, description="only the hours from this ISO 8601 time on"),
+            OpenApiParameter("by", {"type": "string", "enum": list(USAGE_BY)},
+                             description="a row per hour (the default) or per day (`hour`: the day's start, UTC)"),
+            OpenApiParameter("format", {"type": "string", "enum": list(USAGE_FORMATS)},
+                             description="csv: the rows as CSV (as `Accept: text/csv`)"),
         ]
     )
 )
 class UsageViewSet(viewsets.GenericViewSet[Any]):  # no model: its rows are usage_report's
-    """Requests and tokens per key, model and hour, newest first. The gateway's counts reach it within a minute."""
+    """Requests and tokens per key, model and hour (or day), newest first, as JSON or CSV. The gateway's counts
+    reach it within a minute."""
 
     serializer_class = UsageSerializer
+    renderer_classes = [renderers.JSONRenderer, renderers.BrowsableAPIRenderer, UsageCSVRenderer]
+
+    def perform_content_negotiation(self, request: Request, force: bool = False) -> Any:
+        wanted = request.query_params.get("format")
+        if not force and wanted is not None and wanted not in USAGE_FORMATS:
+            raise serializers.ValidationError({"format": [f"json or csv, not {wanted[:40]!r}"]})
+        return super().perform_content_negotiation(request, force=force)
 
     def list(self, request: Request) -> Response:
         params = request.query_params
         since = datetime_param("since", params["since"]) if "since" in params else None
         key, model = (text_param(request, name, required_text=True) for name in ("key", "model"))
+        by = params.get("by", "hour")
+        if by not in USAGE_BY:
+            raise serializers.ValidationError({"by": [f"hour or day, not {by[:40]!r}"]})
         with refused():  # a key that does not exist: 422
-            rows = operations.usage_report(key=key, model=model, since=since)
+            rows = operations.usage_report(key=key, model=model, since=since, by=by)
         page = self.paginate_queryset(rows)  # type: ignore[arg-type]  # DRF's paginators take a list too
+        if request.accepted_renderer.format == "csv" and not {"limit", "offset"} & set(params):
+            return Response(self.get_serializer(rows, many=True).data)  # a download: every row
         return self.get_paginated_response(self.get_serializer(page, many=True).data)
 
 

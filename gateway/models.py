@@ -49,6 +49,9 @@ class ApiKey(models.Model):
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > timezone.now())
 
 
+USAGE_BY = ("hour", "day")  # what usage is summed by, as the API, the CLI and the dashboard show it
+
+
 class Usage(models.Model):
     """Tokens and requests per key, model and hour."""
 

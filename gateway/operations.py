@@ -6,10 +6,15 @@ tells every web process's gateway to reload its routing table after commit.
 
 from __future__ import annotations
 
-from datetime import datetime
+import csv
+import io
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
 from typing import Any, Literal, TypedDict
 
 from django.db import transaction
+from django.db.models import F, Sum
+from django.db.models.functions import TruncDay
 from django.utils import timezone
 
 from cluster import notify
@@ -19,7 +24,7 @@ from cluster.models import Model
 from cluster.operations.validation import Bounds, check_name, created, get_named
 from gateway import budgets
 from gateway.admission import CLASSES, DEFAULT_CLASS
-from gateway.models import ApiKey, Usage
+from gateway.models import USAGE_BY, ApiKey, Usage
 
 # what set_key changes
 KEY_SETTINGS = ("priority", "rpm", "tpm", "max_tokens", "models", "expires_at", "budget_tokens", "budget_period",
@@ -45,6 +50,9 @@ class KeyFields(TypedDict, total=False):
     max_concurrency: int | None
     budget_tokens: int | None
     budget_period: str
+
+
+USAGE_COLUMNS = ("key", "model", "hour", "requests", "prompt_tokens", "completion_tokens")  # and the CSV's header
 
 
 class UsageRow(TypedDict):
@@ -243,9 +251,13 @@ def revoke_key(name: str, actor: str) -> ApiKey:
     return key
 
 
-def usage_report(key: str | None = None, model: str | None = None, since: datetime | None = None) -> list[UsageRow]:
-    """Tokens per key, model and hour, newest first."""
-    rows = Usage.objects.select_related("key")
+def usage_report(key: str | None = None, model: str | None = None, since: datetime | None = None, by: str = "hour",
+                 limit: int | None = 5000) -> list[UsageRow]:
+    """Requests and tokens per key, model and hour, newest first; `by="day"`: per day (its `hour` the day's start,
+    UTC). At most `limit` rows (None: every row, as the dashboard's plots sum them)."""
+    if by not in USAGE_BY:
+        raise OperationError(f"usage is summed by {' or '.join(USAGE_BY)}, not {by!r}")
+    rows = Usage.objects.all()
     if key:
         if not ApiKey.objects.filter(name=key).exists():
             raise NotFound(f"no key named {key!r}")
@@ -254,14 +266,35 @@ def usage_report(key: str | None = None, model: str | None = None, since: dateti
         rows = rows.filter(model=model)
     if since:
         rows = rows.filter(hour__gte=since.replace(minute=0, second=0, microsecond=0))
+    start = TruncDay("hour", tzinfo=UTC) if by == "day" else F("hour")
+    summed = (rows.annotate(start=start).values("key__name", "model", "start")
+              .annotate(r=Sum("requests"), p=Sum("prompt_tokens"), c=Sum("completion_tokens"))
+              .order_by("-start", "key__name", "model"))
     return [
         {
-            "key": r.key.name,
-            "model": r.model,
-            "hour": r.hour,
-            "requests": r.requests,
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.completion_tokens,
+            "key": r["key__name"],
+            "model": r["model"],
+            "hour": r["start"],
+            "requests": r["r"],
+            "prompt_tokens": r["p"],
+            "completion_tokens": r["c"],
         }
-        for r in rows.order_by("-hour", "key__name", "model")[:5000]
+        for r in (summed if limit is None else summed[:limit])
     ]
+
+
+def usage_csv(rows: Iterable[Mapping[str, object]]) -> str:
+    """Usage rows (usage_report's, or the API's as serialized) as CSV: the header row, then a row each; an hour in
+    ISO 8601 UTC as the API writes it (2026-12-05T10:00:00Z)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(USAGE_COLUMNS)
+    for row in rows:
+        writer.writerow([_csv_value(row[column]) for column in USAGE_COLUMNS])
+    return out.getvalue()
+
+
+def _csv_value(value: object) -> object:
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    return value

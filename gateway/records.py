@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Field, QuerySet
+from django.db.models import Count, Field, QuerySet
+from django.db.models.functions import TruncDay, TruncHour
 from django.utils import timezone
 
 from gateway.models import RequestRecord
@@ -164,6 +165,19 @@ def broken_by(replica: str, when: dt.datetime, limit: int = 50) -> list[str]:
             if len(ids) == limit:
                 break
     return ids
+
+
+def errors_per(by: str, since: dt.datetime, key: str = "", model: str = "") -> dict[dt.datetime, int]:
+    """The answers of 400 and more per hour or day (`by`; its start, UTC) from `since` on, of a key (its name) and
+    a model if given: the errors, which the usage (gateway.models.Usage) does not count."""
+    found = RequestRecord.objects.filter(at__gte=since, status__gte=400)
+    if key:
+        found = found.filter(key__name=key)
+    if model:
+        found = found.filter(model=model)
+    start = TruncDay("at", tzinfo=dt.UTC) if by == "day" else TruncHour("at", tzinfo=dt.UTC)
+    counted = found.annotate(start=start).values("start").annotate(n=Count("id")).order_by()
+    return {row["start"]: row["n"] for row in counted}
 
 
 def write(taken: list[Row]) -> None:

@@ -518,3 +518,14 @@ def test_a_change_that_adds_many_replicas_at_once_needs_yes(cluster):
     answer = httpx.patch(f"{url}/api/v1/models/smol/", json={"replicas": 1000},
                          headers={"Authorization": f"Bearer {token}"})
     assert answer.status_code == 200 and Model.objects.get(name="smol").replicas == 1000
+
+
+def test_usage_as_csv_is_the_same_from_anywhere(cluster):
+    from gateway.models import ApiKey, Usage
+
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0)
+    Usage.objects.create(key=ApiKey.objects.get(name="team"), model="smol", hour=hour, requests=2, prompt_tokens=30,
+                         completion_tokens=4)
+    far = remote(cluster, "ctl", "usage", "--csv")
+    assert far == run("ctl", "usage", "--csv")
+    assert far.splitlines()[1] == f"team,smol,{hour:%Y-%m-%dT%H}:00:00Z,2,30,4"

@@ -46,8 +46,9 @@ class Api:
     def where(self) -> str:
         return "this host's llmgw" if self.local else self.base_url
 
-    def request(self, method: str, path: str, *, doing: str = "", **kwargs) -> Any:
-        """The answer's JSON (None for 204). `doing` names the action for a role's refusal: "stop serving"."""
+    def request(self, method: str, path: str, *, doing: str = "", text: bool = False, **kwargs) -> Any:
+        """The answer's JSON (None for 204; its text with `text`, as for `format=csv`). `doing` names the action
+        for a role's refusal: "stop serving"."""
         try:
             response = self.http.request(method, "/api/v1/" + path.lstrip("/"), **kwargs)
         except httpx.TimeoutException:
@@ -57,6 +58,8 @@ class Api:
         self.status = response.status_code
         if response.status_code == 204:
             return None
+        if text and response.is_success:
+            return response.text
         body = _json(response)
         if response.is_success and body is not _NOT_JSON:
             return body
@@ -64,6 +67,11 @@ class Api:
 
     def get(self, path: str, **params) -> Any:
         return self.request("GET", path, params={k: v for k, v in params.items() if v is not None})
+
+    def text(self, path: str, accept: str, **params) -> str:
+        """A GET's answer as text of the media type `accept` (text/csv); a refusal is JSON, said in one line."""
+        return self.request("GET", path, text=True, headers={"Accept": accept},
+                            params={k: v for k, v in params.items() if v is not None})
 
     def post(self, path: str, body: dict | None = None, doing: str = "") -> Any:
         return self.request("POST", path, json=body or {}, doing=doing)

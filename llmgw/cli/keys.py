@@ -99,12 +99,16 @@ def keys_revoke(o, out):
 
 
 def usage_list(o, out):
-    rows = o["api"].rows("usage/", key=o["key"], model=o["model"], since=parse_when(o["since"], "--since"))
+    query = {"key": o["key"], "model": o["model"], "since": parse_when(o["since"], "--since"), "by": o.get("by")}
+    if o.get("csv"):  # the server's CSV as it writes it, header row first
+        return out.write(o["api"].text("usage/", "text/csv", **query))
+    rows = o["api"].rows("usage/", **query)
     if o.get("json"):
         return as_json(rows, out)
+    daily = o.get("by") == "day"
     table(
-        ["HOUR", "KEY", "MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS"],
-        [[f"{moment(r['hour']):%Y-%m-%d %H:00}", r["key"], r["model"], r["requests"], r["prompt_tokens"],
-          r["completion_tokens"]] for r in rows],
+        ["DAY" if daily else "HOUR", "KEY", "MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS"],
+        [[f"{moment(r['hour']):%Y-%m-%d}" if daily else f"{moment(r['hour']):%Y-%m-%d %H:00}", r["key"], r["model"],
+          r["requests"], r["prompt_tokens"], r["completion_tokens"]] for r in rows],
         out,
     )

@@ -432,11 +432,15 @@ def build(parser) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=requests_cmd)
 
-    p = ctl.add_parser("usage", help="tokens per key, model and hour")
+    p = ctl.add_parser("usage", help="tokens per key, model and hour (or day)")
     p.add_argument("--key", default=None)
     p.add_argument("--model", default=None)
     p.add_argument("--since", default=None, help="date (and time)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--by", choices=("hour", "day"), default=None, help="a row per hour (the default) or per day (UTC)")
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true")
+    shown.add_argument("--csv", action="store_true", help="as CSV, header row first (key, model, hour, requests, "
+                       "prompt_tokens, completion_tokens)")
     p.set_defaults(func=usage_list)
 
     engine = ctl.add_parser("engine", help="add an engine or change what one serves").add_subparsers(

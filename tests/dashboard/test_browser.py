@@ -111,3 +111,42 @@ def test_every_page_fits_a_phone_and_its_nav_reaches_every_page(browser, live_se
                 assert box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"], (page, field.get_attribute("name"))
     finally:
         context.close()
+
+
+def test_the_usage_plots_fit_a_phone_in_one_column_and_the_day_switch_redraws_them(browser, live_server):
+    """At 390 px the plots stack in one column, each as wide as its card and no wider than the screen, and the
+    page does not scroll sideways; By day redraws them (htmx) with a day's bars in place of an hour's."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from gateway.models import ApiKey, Usage
+
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0)
+    key = ApiKey.objects.create(name="a-key-with-a-long-name-for-a-team", prefix="sk-llmgw-lo", key_hash="a" * 64,
+                                budget_tokens=10_000, budget_period="day")
+    Usage.objects.bulk_create([Usage(key=key, model="qwen2.5-coder-32b-instruct-q4-k-m", hour=hour - timedelta(hours=h),
+                                     requests=1 + h, prompt_tokens=100 * h, completion_tokens=10) for h in range(0, 40, 3)])
+    context, tab = signed_in(browser, live_server, "viewer", PHONE)
+    try:
+        tab.goto("/usage/")
+        cards = tab.locator("[data-testid=usage-plot]")
+        assert cards.count() == 4
+        boxes = [cards.nth(i).bounding_box() for i in range(4)]
+        assert len({round(b["x"]) for b in boxes}) == 1 and all(b["x"] + b["width"] <= PHONE["width"] for b in boxes)
+        assert boxes == sorted(boxes, key=lambda b: b["y"])  # one under the other
+        for svg in tab.locator("[data-testid=usage-plot] svg").all():
+            box = svg.bounding_box()
+            assert 250 < box["width"] <= PHONE["width"] and box["height"] > 0
+        width = tab.evaluate("() => [document.documentElement.scrollWidth, window.innerWidth]")
+        assert width[0] <= width[1], width
+        hourly = tab.locator("[data-plot=tokens-by-key] rect").count()
+        tab.locator("fieldset.switch label", has_text="By day").click()
+        tab.wait_for_selector("#live[data-by=day]")
+        assert "by=day" in tab.url
+        daily = tab.locator("[data-plot=tokens-by-key] rect").count()
+        assert hourly == 14 and daily in (2, 3), (hourly, daily)  # 40 hours fall on two or three days
+        assert tab.evaluate("() => document.documentElement.scrollWidth <= window.innerWidth")
+        assert "by=day" in tab.locator("a.download").get_attribute("href")
+    finally:
+        context.close()

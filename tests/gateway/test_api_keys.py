@@ -412,6 +412,8 @@ def test_usage_newest_first_with_every_field(viewer, usage):
         ("since=2026-03-02", []),
         ("model=nothing-here", []),
         ("limit=1&offset=1", [("alice", "smol", "11")]),
+        ("by=day", [("alice", "qwen", "00"), ("alice", "smol", "00"), ("bob", "qwen", "00")]),
+        ("by=hour&format=json", ALL),
     ],
 )
 def test_usage_filters(viewer, usage, query, expected):
@@ -427,10 +429,28 @@ def test_usage_filters(viewer, usage, query, expected):
         ("model=", 400, ["model", "name a model"]),
         ("since=yesterday", 400, ["since", "ISO 8601"]),
         ("since=2026-13-01T00:00:00Z", 400, ["since", "ISO 8601"]),
+        ("by=week", 400, ["by", "hour or day"]),
+        ("format=xml", 400, ["format", "json or csv"]),
+        ("format=csv&key=nobody", 422, ["no key named 'nobody'"]),  # a refusal stays JSON
+        ("format=csv&by=week", 400, ["by"]),
     ],
 )
 def test_usage_bad_filters_are_refused(viewer, usage, query, status, words):
     refused(viewer.get(f"{API}/usage/?{query}"), status, *words)
+
+
+def test_usage_as_csv_is_every_row_with_a_header(viewer, usage):
+    response = viewer.get(f"{API}/usage/?format=csv&by=day&key=alice")
+    assert response.status_code == 200 and response["Content-Type"] == "text/csv; charset=utf-8"
+    assert response.content.decode().splitlines() == [
+        "key,model,hour,requests,prompt_tokens,completion_tokens",
+        "alice,qwen,2026-03-01T00:00:00Z,4,40,9",
+        "alice,smol,2026-03-01T00:00:00Z,2,4,4",
+    ]
+    asked = viewer.get(f"{API}/usage/", HTTP_ACCEPT="text/csv").content.decode().splitlines()
+    assert len(asked) == 5 and asked[1] == "alice,qwen,2026-03-01T11:00:00Z,1,10,2"
+    assert len(viewer.get(f"{API}/usage/?format=csv&limit=2").content.decode().splitlines()) == 3  # a page
+    refused(APIClient().get(f"{API}/usage/?format=csv"), 401, "credentials")  # JSON, as every refusal
 
 
 # The system

@@ -129,3 +129,18 @@ def test_a_filter_it_cannot_read_is_a_400_naming_it(viewer, recorded, query, fie
 def test_one_not_on_record_is_a_404_and_nobody_unknown_sees_any(viewer, recorded):
     refused(viewer.get(f"{API}/requests/nope/"), 404, "nope")
     assert APIClient().get(f"{API}/requests/").status_code in (401, 403)
+
+
+def test_errors_per_hour_and_day_are_the_answers_of_400_and_more():
+    key = ApiKey.objects.create(name="agent", prefix="sk-llmgw-ag", key_hash="5" * 64)
+    now = timezone.now()
+    hour = now.replace(minute=0, second=0, microsecond=0)
+    RequestRecord.objects.bulk_create([
+        record("a", status=502, key=key, model="qwen"), record("b", status=429, model="qwen"),
+        record("c", status=200, key=key, model="qwen"), record("d", ago=3600, status=500, key=key, model="smol"),
+    ])
+    since = now - timedelta(hours=2)
+    assert records.errors_per("hour", since) == {hour: 2, hour - timedelta(hours=1): 1}
+    assert records.errors_per("hour", since, key="agent", model="qwen") == {hour: 1}
+    days = records.errors_per("day", since)
+    assert sum(days.values()) == 3 and all(d.hour == 0 and d.tzinfo is not None for d in days)

@@ -7,6 +7,7 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.db import connection
 
+from cluster.errors import OperationError
 from gateway import operations, usage
 from gateway.accounting import Ledger
 from gateway.models import ApiKey, Usage
@@ -94,6 +95,23 @@ def test_usage_recorded_is_what_the_report_shows(keys):
         {"key": "alice", "model": "qwen", "hour": at(HOUR), "requests": 1, "prompt_tokens": 10, "completion_tokens": 5}
     ]
     assert [r["key"] for r in operations.usage_report(since=at(HOUR) + timedelta(minutes=90))] == ["bob"]
+
+
+def test_usage_by_day_sums_a_days_hours_in_utc(keys):
+    alice, bob = keys
+    day = at(HOUR).replace(hour=0)
+    Usage.objects.bulk_create([
+        Usage(key=alice, model="qwen", hour=day + timedelta(hours=1), requests=2, prompt_tokens=10, completion_tokens=1),
+        Usage(key=alice, model="qwen", hour=day + timedelta(hours=23), requests=3, prompt_tokens=20, completion_tokens=2),
+        Usage(key=alice, model="qwen", hour=day + timedelta(hours=24), requests=1, prompt_tokens=5, completion_tokens=5),
+        Usage(key=bob, model="smol", hour=day + timedelta(hours=5), requests=7, prompt_tokens=70, completion_tokens=7),
+    ])
+    report = operations.usage_report(by="day")
+    assert [(r["key"], r["hour"], r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in report] == [
+        ("alice", day + timedelta(days=1), 1, 5, 5), ("alice", day, 5, 30, 3), ("bob", day, 7, 70, 7)]
+    assert len(operations.usage_report(by="hour", limit=None)) == 4 and len(operations.usage_report(limit=2)) == 2
+    with pytest.raises(OperationError):
+        operations.usage_report(by="week")
 
 
 @pytest.mark.django_db(transaction=True)
