@@ -25,6 +25,8 @@ class ApiKey(models.Model):
     budget_tokens = models.PositiveBigIntegerField(null=True, blank=True)
     budget_period = models.CharField(max_length=8, blank=True, default="")  # day, week or month (UTC)
     max_concurrency = models.PositiveIntegerField(null=True, blank=True)  # its requests in flight at once
+    # its requests' bodies kept in their records (gateway/records.py; LLMGW_REQUEST_LOG_BODY_BYTES each, admins see)
+    log_bodies = models.BooleanField(default=False)
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)  # flushed from Redis, not written per request
@@ -101,6 +103,10 @@ class RequestRecord(models.Model):
     cached_tokens = models.PositiveIntegerField(default=0)  # of its prompt, served from the engine's cache
     prompt_ms = models.FloatField(null=True, blank=True)  # the engine's time on the prompt (prefill), as it said
     generation_ms = models.FloatField(null=True, blank=True)  # the engine's time generating, as it said
+    # what the client sent and was answered, when its key logs bodies (ApiKey.log_bodies): at most
+    # LLMGW_REQUEST_LOG_BODY_BYTES of each, as UTF-8; only an admin sees them
+    request_body = models.TextField(blank=True, default="")
+    response_body = models.TextField(blank=True, default="")
 
     class Meta:
         ordering = ["-at", "-id"]
