@@ -9,6 +9,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 
 from gateway import metrics
 from gateway.call import Call, Used
@@ -27,6 +28,8 @@ async def once(gw: Gateway, call: Call, used: Used, surface: Surface, payload: b
     """A whole answer: held and sent as one when it is small (ONCE_BYTES), else passed on as it comes, with no more
     of it in memory than the engine connection's buffer (an answer of many embeddings or log-probabilities)."""
     upstream, response = await send(gw, call, call.way, surface, payload)
+    if call.request_body is not None:
+        used.body = bytearray()
     passing = False
     try:
         try:
@@ -43,6 +46,8 @@ async def once(gw: Gateway, call: Call, used: Used, surface: Surface, payload: b
             return _pass_on(gw, call, used, upstream, response, content)
         if status == 200:
             _take_usage(used, surface, content)  # before its slot goes back: the key's service counts it
+            if used.body is not None:
+                used.keep(content, gw.body_bytes)
     finally:
         if not passing:
             response.release()  # read to the end: back to the pool; else closed
@@ -104,7 +109,7 @@ def _pass_on(gw: Gateway, call: Call, used: Used, upstream: Upstream, response: 
         finally:
             settle(status)
 
-    return Streamed(chunks(), settle, response.content_type)
+    return Streamed(_kept(chunks(), used, gw.body_bytes), settle, response.content_type)
 
 
 def _take_usage(used: Used, surface: Surface, content: bytes) -> None:
@@ -156,6 +161,8 @@ def engine_said(used: Used, said: dict[str, object]) -> None:
 async def stream(gw: Gateway, call: Call, used: Used, surface: Surface, payload: bytes, wants_usage: bool
                  ) -> Answer | Streamed:
     upstream, response = await send(gw, call, call.way, surface, payload)
+    if call.request_body is not None:
+        used.body = bytearray()
     if response.status != 200:
         try:
             content = await response.read()
@@ -231,7 +238,21 @@ async def stream(gw: Gateway, call: Call, used: Used, surface: Surface, payload:
         finally:
             settle(200 if status == 499 and state["done_sent"] else status)
 
-    return Streamed(events(), settle)
+    return Streamed(_kept(events(), used, gw.body_bytes), settle)
+
+
+def _kept(chunks: AsyncGenerator[bytes, None], used: Used, limit: int) -> AsyncGenerator[bytes, None]:
+    """The answer's chunks, kept for its record as they pass when its key logs bodies (else as they are)."""
+    if used.body is None:
+        return chunks
+
+    async def keeping() -> AsyncGenerator[bytes, None]:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                used.keep(chunk, limit)
+                yield chunk
+
+    return keeping()
 
 
 def _ending(surface: Surface, complete: Callable[[bytes], bytes] | None, exc: GatewayError) -> bytes:

@@ -29,6 +29,7 @@ from cluster.api.base import NamedViewSet, NameField, StrictSerializer, datetime
 from cluster.api.errors import refused
 from cluster.api.schema import UNKNOWN_FILTER
 from cluster.models import Event
+from cluster.roles import role_of
 from gateway import budgets, operations, records, timeline
 from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.models import USAGE_BY, ApiKey, RequestRecord
@@ -310,8 +311,21 @@ class RequestRecordSerializer(serializers.ModelSerializer[RequestRecord]):
         fields = ["request_id", "trace_id", "span_id", "parent_id", "at", "key", "model", "asked", "surface",
                   "streamed", "status", "error", "priority", "waited_ms", "position", "replica", "attempts", "route",
                   "tries", "ttft_ms", "total_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "prompt_ms",
-                  "generation_ms", "client", "timeline", "phases"]
+                  "generation_ms", "client", "timeline", "phases", "request_body", "response_body"]
         read_only_fields = fields
+        extra_kwargs = {
+            "request_body": {"help_text": "what the client sent, when its key logs bodies (cut at "
+                                          "LLMGW_REQUEST_LOG_BODY_BYTES); admins only: absent for anyone else"},
+            "response_body": {"help_text": "what it was answered (a stream's events), as far as kept; admins only"},
+        }
+
+    def to_representation(self, instance: RequestRecord) -> dict[str, Any]:
+        shown: dict[str, Any] = super().to_representation(instance)
+        request = self.context.get("request")
+        if request is None or role_of(request.user) != "admin":  # the bodies are an admin's to see
+            shown.pop("request_body", None)
+            shown.pop("response_body", None)
+        return shown
 
     @extend_schema_field(RouteSerializer(allow_null=True))
     def get_route(self, record: RequestRecord) -> dict[str, Any] | None:

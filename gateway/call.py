@@ -57,6 +57,17 @@ class Used:
     cached: int = 0  # prompt tokens the engine's cache served (llama.cpp's timings.cache_n, OpenAI's cached_tokens)
     prompt_ms: float | None = None  # the engine's time on the prompt, as it said (llama.cpp's timings)
     generation_ms: float | None = None  # the engine's time generating, as it said
+    body: bytearray | None = None  # what the client was answered, when its key logs bodies (as far as it is kept)
+    body_cut: bool = False  # there was more of it than is kept
+
+    def keep(self, part: bytes, limit: int) -> None:
+        """Part of the answer as the client gets it, kept for the record up to `limit` bytes."""
+        assert self.body is not None  # keeping: its key logs bodies
+        room = limit - len(self.body)
+        if len(part) > room:
+            self.body_cut = True
+        if room > 0:
+            self.body += part[:room]
 
     def count_cut_short(self, prompt_about: int) -> None:
         """A stream that ended before the engine said what it used (the client closed it, say) still used what the
@@ -97,6 +108,9 @@ class Call:
     way: Way = field(default_factory=Way)  # where it went (choosing and sending)
     used: Used = field(default_factory=Used)  # what it used (its answer)
     status: int = 0
+    # its key logs bodies (views): what the client sent, and the error it was answered with, if it was refused
+    request_body: bytes | None = None
+    error_body: bytes = b""
 
     @property
     def label(self) -> str:
@@ -129,7 +143,16 @@ class Call:
             None if used.first_chunk is None else (used.first_chunk - self.started) * 1000,
             (ended - self.started) * 1000, used.prompt, used.completion, self.client[:64],
             self.trace.span_id if self.trace else "", self.trace.parent_id if self.trace else "", way.position,
-            way.why, tuple(way.tries), used.cached, used.prompt_ms, used.generation_ms)
+            way.why, tuple(way.tries), used.cached, used.prompt_ms, used.generation_ms, *self._bodies())
+
+    def _bodies(self) -> tuple[str, str]:
+        """What the client sent and was answered, for the record, as far as kept (nothing: its key keeps none)."""
+        if self.request_body is None or self.gw is None:
+            return "", ""
+        limit = self.gw.body_bytes
+        answered, cut = (bytes(self.used.body), self.used.body_cut) if self.used.body is not None else (
+            self.error_body[:limit], len(self.error_body) > limit)
+        return _text(self.request_body[:limit], len(self.request_body) > limit, limit), _text(answered, cut, limit)
 
     def finish(self, status: int) -> None:
         self.status = status
@@ -179,3 +202,9 @@ class Call:
         )
 
 
+
+
+def _text(body: bytes, cut: bool, limit: int) -> str:
+    """A body as the record keeps it: UTF-8 (what is not, replaced), said where it was cut."""
+    text = body.decode(errors="replace").replace("\x00", "\ufffd")  # PostgreSQL's text holds no NUL
+    return f"{text}\n[… cut at {limit} bytes]" if cut else text

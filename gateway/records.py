@@ -79,6 +79,8 @@ class Row(NamedTuple):
     cached_tokens: int
     prompt_ms: float | None
     generation_ms: float | None
+    request_body: str  # what the client sent, when its key logs bodies (else "")
+    response_body: str  # what it was answered, as far as kept
 
 
 class Records:

@@ -149,6 +149,7 @@ class Gateway:
         self._clock_measured = float("-inf")
         self.ledger = Ledger()
         self.records = Records() if settings.LLMGW_REQUEST_LOG else None  # None: no request records written
+        self.body_bytes = settings.LLMGW_REQUEST_LOG_BODY_BYTES  # of each body a key that logs them has kept
         self.spans = otel.start()  # None: no OTLP endpoint set, no spans made (gateway/otel.py)
         self.reach = Reach(self.redis)  # how long a request waits on Redis, and whether it is away
         self.admission = Admission(self.redis, self.reach)

@@ -116,6 +116,8 @@ async def _proxy(call: Call, request: Request, endpoint: str) -> Answer | Stream
         call.rank = admission.rank_of(call.key.priority, request.header("x-llmgw-priority"))
         raw, body = _parse(await request.read_body(), surface)
         call.model = call.asked = body["model"]
+        if call.key.log_bodies:  # kept in its record (never a header: its key is in them)
+            call.request_body = raw
         route = table.find(call.model)
         if route is None:
             await gw.look_again("model")  # a model added a moment ago, before the change reached this process
@@ -169,8 +171,11 @@ async def _proxy(call: Call, request: Request, endpoint: str) -> Answer | Stream
         if exc.code in slots.REFUSALS and call.key is not None:
             slots.refused_for_key(gw, call, exc)
         call.error = exc.code
+        answer = surface.error(exc)
+        if call.request_body is not None:
+            call.error_body = answer.body
         call.finish(exc.status)
-        return surface.error(exc)
+        return answer
     except (asyncio.CancelledError, HungUp):  # the client went away before the answer: still one access-log line
         call.finish(499)
         raise

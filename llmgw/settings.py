@@ -353,6 +353,8 @@ LLMGW_GATEWAY_REFRESH = envint("LLMGW_GATEWAY_REFRESH", 5)  # seconds between ro
 LLMGW_REQUEST_LOG = envbool("LLMGW_REQUEST_LOG", True)
 LLMGW_REQUEST_LOG_DAYS = max(0, envint("LLMGW_REQUEST_LOG_DAYS", 7))
 LLMGW_REQUEST_LOG_ROWS = max(0, envint("LLMGW_REQUEST_LOG_ROWS", 1_000_000))
+# of a request's body and of its answer's, kept in its record when its key logs bodies (ApiKey.log_bodies)
+LLMGW_REQUEST_LOG_BODY_BYTES = max(0, envint("LLMGW_REQUEST_LOG_BODY_BYTES", 32768))
 LLMGW_GATEWAY_TRIES = envint("LLMGW_GATEWAY_TRIES", 3)  # replicas tried before the answer's first byte
 # `prefix` routing: a replica takes a request while its in-flight count stays within this x the mean (docs/routing.md)
 LLMGW_ROUTING_LOAD_FACTOR = envfloat("LLMGW_ROUTING_LOAD_FACTOR", LOAD_FACTOR, 1.0, 100.0)

@@ -32,7 +32,8 @@ def recorded():
                       span_id="00f067aa0ba902b7", position=3, cached_tokens=850, prompt_ms=180.0, generation_ms=2100.0,
                       route={"policy": "prefix", "hit": "", "chosen": "qwen-a (1 in flight)",
                              "passed": [["qwen-b", "tried: failed: connection refused"]]},
-                      tries=[["qwen-b", 2.0, 2.5, "failed: connection refused"], ["qwen-a", 3.0, 30.0, "answered 200"]]),
+                      tries=[["qwen-b", 2.0, 2.5, "failed: connection refused"], ["qwen-a", 3.0, 30.0, "answered 200"]],
+                      request_body='{"model": "fast",\n "stream": true}', response_body="data: [DONE]"),
         RequestRecord(request_id="req_0123", at=now - timedelta(seconds=10), key=key, model="qwen",
                       surface="messages", status=503, error="no_replica_ready", total_ms=5000.0, attempts=0),
     ])
@@ -56,7 +57,7 @@ def test_show_prints_one_requests_figures(recorded):
                  "span 00f067aa0ba902b7", "(queued at position 3)", "engine    prompt 180ms, generation 2.10s"):
         assert said in shown, shown
     # the timeline: arrived → queued → admitted → each attempt, the replica chosen and why → first token → end
-    told = shown[shown.index("timeline\n"):].splitlines()[1:]
+    told = shown[shown.index("timeline\n"):shown.index("request body\n")].splitlines()[1:]
     assert [line.split(None, 1)[1] for line in told] == [
         "arrived from 10.0.0.7: /v1/chat/completions streamed for qwen (asked as fast), class interactive",
         "queued at position 3 in its model's queue",
@@ -71,6 +72,7 @@ def test_show_prints_one_requests_figures(recorded):
         "ended: 200 after 2.40 s, 900+120 tokens",
     ], told
     assert told[0].split()[0] == "0ms" and told[-1].split()[0] == "2.40s"
+    assert shown.endswith('request body\n  {"model": "fast",\n   "stream": true}\nresponse body\n  data: [DONE]\n')
 
 
 @pytest.mark.parametrize("args, said", [

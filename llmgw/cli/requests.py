@@ -66,4 +66,7 @@ def _show(o, request_id: str, out):
     if steps:
         lines.append("timeline")
         lines += [f"  {_ms(step['at_ms']):>8}  {step['what']}" for step in steps]
+    for name in ("request_body", "response_body"):  # an admin's, for a key that logs bodies
+        if r.get(name):
+            lines += [name.replace("_", " "), *("  " + line for line in r[name].splitlines())]
     out.write("\n".join(lines) + "\n")

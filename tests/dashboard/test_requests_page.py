@@ -66,3 +66,13 @@ def test_a_request_is_shown_whole_and_a_filter_it_cannot_read_is_said(look):
 def test_a_replicas_failure_event_names_the_requests_it_broke(look):
     body = look.get("/events/").content.decode()
     assert 'broke 1 request: <a class="mono" href="/requests/?id=bad-2">bad-2</a>' in body
+
+
+def test_only_an_admin_sees_the_bodies_on_the_page(look):
+    from tests.factories import session_for
+
+    RequestRecord.objects.filter(request_id="ok-1").update(request_body='{"model": "qwen", "messages": []}',
+                                                           response_body="data: [DONE]")
+    assert "Request body" not in look.get("/requests/?id=ok-1").content.decode()
+    body = session_for("admin").get("/requests/?id=ok-1").content.decode()
+    assert "Request body" in body and "&quot;messages&quot;: []" in body and "data: [DONE]" in body

@@ -21,10 +21,10 @@ def row(**changed) -> Row:
         surface="chat/completions", streamed=True, status=200, error="", priority="interactive", waited_ms=40.0,
         replica="local/smollm2/1", attempts=2, ttft_ms=120.0, total_ms=500.0, prompt_tokens=11, completion_tokens=5,
         client="127.0.0.1", span_id=SPAN, parent_id=PARENT, position=3,
-        route=Why("least in flight, queued", "prefix", "local/smollm2/1 (0 in flight)", ()),
+        route=Why("prefix", "prefix", "local/smollm2/1 (0 in flight)", ()),
         tries=(Try("local/smollm2/0", 40.0, 60.0, "connect failed: refused"),
                Try("local/smollm2/1", 61.0, 499.0, "answered 200")),
-        cached_tokens=4, prompt_ms=30.0, generation_ms=300.0)
+        cached_tokens=4, prompt_ms=30.0, generation_ms=300.0, request_body="", response_body="")
     return made._replace(**changed)
 
 
@@ -58,7 +58,7 @@ def test_a_request_is_a_server_span_with_the_ids_the_engine_was_told_and_the_cli
         "gen_ai.usage.cache_read.input_tokens": 4, "gen_ai.response.time_to_first_chunk": 0.12,
         "http.response.status_code": 200, "client.address": "127.0.0.1", "llmgw.request_id": "req-1",
         "llmgw.key_id": 7, "llmgw.priority": "interactive", "llmgw.attempts": 2, "llmgw.replica": "local/smollm2/1",
-        "llmgw.route.policy": "least in flight, queued", "llmgw.route.hit": "prefix",
+        "llmgw.route.policy": "prefix", "llmgw.route.hit": "prefix",
         "llmgw.route.chosen": "local/smollm2/1 (0 in flight)", "llmgw.queue.position": 3,
         "llmgw.queue.waited_ms": 40.0, "llmgw.prompt_ms": 30.0, "llmgw.generation_ms": 300.0}
 

@@ -27,7 +27,7 @@ def row(request_id: str) -> records.Row:
                        "batch", 2.5, "qwen-1", 2, 30.0, 90.0, 11, 7, "10.1.2.3", "cd" * 8, "ef" * 8, 3,
                        records.Why("prefix", "", "qwen-1 (0 in flight)", (("qwen-0", "tried: answered 503"),)),
                        (records.Try("qwen-0", 2.5, 4.0, "answered 503"), records.Try("qwen-1", 4.5, 6.0, "answered 200")),
-                       4, 12.5, 50.25)
+                       4, 12.5, 50.25, '{"model": "qwen"}', "data: {}\n\n")
 
 
 def test_records_wait_in_memory_until_taken_and_a_failed_write_keeps_them_first(monkeypatch):
@@ -144,3 +144,13 @@ def test_errors_per_hour_and_day_are_the_answers_of_400_and_more():
     assert records.errors_per("hour", since, key="agent", model="qwen") == {hour: 1}
     days = records.errors_per("day", since)
     assert sum(days.values()) == 3 and all(d.hour == 0 and d.tzinfo is not None for d in days)
+
+
+def test_only_an_admin_sees_the_bodies(viewer, operator, admin, recorded):
+    RequestRecord.objects.filter(request_id="fast").update(request_body='{"model": "qwen"}', response_body="{}")
+    for someone in (viewer, operator):
+        shown = someone.get(f"{API}/requests/fast/").json()
+        assert "request_body" not in shown and "response_body" not in shown
+        assert all("request_body" not in r for r in someone.get(f"{API}/requests/").json()["results"])
+    shown = admin.get(f"{API}/requests/fast/").json()
+    assert (shown["request_body"], shown["response_body"]) == ('{"model": "qwen"}', "{}")

@@ -147,3 +147,43 @@ async def test_each_request_leaves_its_record_with_its_id_trace_and_what_became_
         "answered 200")
     assert first.route == {"policy": "prefix", "hit": "prefix", "chosen": f"{served['replica']} (0 in flight)",
                            "passed": []}
+
+
+async def test_a_key_that_logs_bodies_has_them_kept_cut_at_the_limit_and_never_a_header(cluster):
+    from asgiref.sync import sync_to_async
+
+    from cluster import notify
+    from gateway.models import ApiKey, RequestRecord
+    from gateway.runtime import runtime
+    from tests.gateway.views.harness import add_key
+
+    logged = await sync_to_async(add_key)("logged")
+    await sync_to_async(lambda: ApiKey.objects.filter(name="logged").update(log_bodies=True))()
+    await sync_to_async(notify.routing_changed)()
+    keyed, unlogged = Client(Authorization=f"Bearer {logged}"), Client(Authorization=f"Bearer {cluster.secret}")
+    sent = {"model": "qwen", "messages": MESSAGES}
+    assert (await post(keyed, "chat/completions", sent, **{"X-Request-Id": "b-once"})).status_code == 200
+    streamed = await post(keyed, "chat/completions", {**sent, "stream": True}, **{"X-Request-Id": "b-stream"})
+    passed = await read(streamed)
+    await post(keyed, "chat/completions", {**sent, "model": "nope"}, **{"X-Request-Id": "b-refused"})
+    await post(unlogged, "chat/completions", sent, **{"X-Request-Id": "b-not"})
+    runtime().body_bytes = 40  # as LLMGW_REQUEST_LOG_BODY_BYTES=40 would
+    await post(keyed, "chat/completions", sent, **{"X-Request-Id": "b-cut"})
+    await runtime().books()
+
+    def bodies(rid):
+        return RequestRecord.objects.values_list("request_body", "response_body").get(request_id=rid)
+
+    once_sent, once_answered = await sync_to_async(bodies)("b-once")
+    assert json.loads(once_sent) == sent and json.loads(once_answered)["choices"][0]["message"]["content"]
+    stream_sent, stream_answered = await sync_to_async(bodies)("b-stream")
+    assert json.loads(stream_sent)["stream"] is True and stream_answered == passed.decode()  # as the client got it
+    refused_sent, refused_answered = await sync_to_async(bodies)("b-refused")
+    assert json.loads(refused_answered)["error"]["code"] == "model_not_found"
+    assert await sync_to_async(bodies)("b-not") == ("", "")  # its key keeps none
+    cut_sent, cut_answered = await sync_to_async(bodies)("b-cut")
+    assert cut_sent == json.dumps(sent)[:40] + "\n[… cut at 40 bytes]" and cut_answered.endswith("\n[… cut at 40 bytes]")
+    every = "".join(await sync_to_async(lambda: [a + b for a, b in RequestRecord.objects.values_list(
+        "request_body", "response_body")])())
+    # never a header: the client's key is in none (the test engine's echo shows the engine's own key it was sent)
+    assert logged not in every and cluster.secret not in every and "sk-llmgw" not in every
