@@ -1,6 +1,10 @@
 """Prometheus metrics of this web process (prometheus-client). Scrape every web process, or sum behind a proxy."""
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 UNKNOWN_MODEL = "unknown"  # the label of every model name llmgw does not serve
 # LLM latencies: a cached prompt's first token in tens of milliseconds, a cold long prompt's in seconds, a long
@@ -28,6 +32,30 @@ QUEUE_WAIT = Histogram("llmgw_queue_wait_seconds", "Time a request waited for a 
 ADMITTED = Counter("llmgw_admitted_requests_total", "Requests given a slot", ["model", "priority"])
 REJECTED = Counter("llmgw_rejected_requests_total", "Requests refused: the queue, the key's budget or concurrency",
                    ["model", "priority", "reason"])
+
+
+
+class Replicas:
+    """`llmgw_replicas{model, state}`: the fleet's replicas, read from the database at each scrape, so every web
+    process says the same figures (take one, or `max`, never their sum). A collector of one scrape's figures."""
+
+    def __init__(self, by_state: dict[str, dict[str, int]]):
+        self.by_state = by_state
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("llmgw_replicas", "Replicas of each model in each state (the whole fleet's)",
+                                   labels=["model", "state"])
+        for model, states in self.by_state.items():
+            for state, n in states.items():
+                family.add_metric([model, state], n)
+        yield family
+
+
+def exposition(replicas: dict[str, dict[str, int]]) -> bytes:
+    """What `/metrics` answers: this process's series, then the fleet's replicas by state."""
+    fleet = CollectorRegistry(auto_describe=False)
+    fleet.register(Replicas(replicas))
+    return generate_latest() + generate_latest(fleet)
 
 
 class ModelMetrics:
