@@ -26,6 +26,7 @@ INFLIGHT = Gauge("llmgw_inflight_requests", "Requests in flight in this process"
 TOKENS = Counter("llmgw_tokens_total", "Tokens, from the engines' usage", ["model", "kind"])
 # admission (gateway/admission.py), by model and class (interactive, standard, batch); a rejection by reason
 # (queue_full, queue_timeout, budget_exceeded, concurrency_limit)
+PRIORITIES = ("interactive", "standard", "batch")  # admission.CLASSES (tests/gateway/test_metrics.py)
 QUEUED = Gauge("llmgw_queue_waiting_requests", "Requests waiting for a slot in this process", ["model", "priority"])
 QUEUE_WAIT = Histogram("llmgw_queue_wait_seconds", "Time a request waited for a slot (0: one was free)",
                        ["model", "priority"], buckets=(0.001, *BUCKETS))
@@ -62,7 +63,8 @@ class ModelMetrics:
     """One model's series, looked up once: `labels()` takes a lock and builds a key on every call, and a request
     touches seven of them."""
 
-    __slots__ = ("model", "latency", "first_token", "waited", "attempts", "inflight", "prompt", "completion", "_requests")
+    __slots__ = ("model", "latency", "first_token", "waited", "attempts", "inflight", "prompt", "completion", "_requests",
+                 "queued")
 
     def __init__(self, model: str):
         self.model = model
@@ -74,6 +76,8 @@ class ModelMetrics:
         self.prompt = TOKENS.labels(model, "prompt")
         self.completion = TOKENS.labels(model, "completion")
         self._requests: dict[int, Counter] = {}
+        # a series at 0 from the model's first request, not from its first wait: a dashboard shows 0, not no data
+        self.queued = {priority: QUEUED.labels(model, priority) for priority in PRIORITIES}
 
     def requests(self, status: int) -> Counter:
         series = self._requests.get(status)

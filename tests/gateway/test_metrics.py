@@ -12,7 +12,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.models import Replica
-from gateway import metrics
+from gateway import admission, metrics
 from gateway.call import Call
 from tests.factories import make_model, make_node, make_replica
 from tests.gateway.views.harness import Client
@@ -41,6 +41,14 @@ def test_requests_served_by_many_replicas_are_one_series():
         call.finish(200)
     (series,) = _requests("bounded")
     assert series.labels == {"model": "bounded", "status": "200"} and series.value == 3
+
+
+def test_a_model_has_its_queues_series_from_its_first_request():
+    assert metrics.PRIORITIES == admission.CLASSES
+    metrics.of("never-waited")
+    waiting = {s.labels["priority"]: s.value for family in REGISTRY.collect() for s in family.samples
+               if s.name == "llmgw_queue_waiting_requests" and s.labels["model"] == "never-waited"}
+    assert waiting == {"interactive": 0, "standard": 0, "batch": 0}
 
 
 def test_the_replicas_by_state_are_one_series_per_model_and_state():
