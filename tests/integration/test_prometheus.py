@@ -33,6 +33,8 @@ def queries(dashboard: dict) -> dict[str, str]:
     for panel in [*dashboard["panels"], *(p for row in dashboard["panels"] for p in row.get("panels", []))]:
         assert panel["type"] == "row" or panel.get("targets"), f"{panel['title']}: a panel with no query"
         for target in panel.get("targets", []):
+            # the data source the importer picks, never one of the machine it was exported from
+            assert target["datasource"]["uid"] == "${DS_PROMETHEUS}", (panel["title"], target["datasource"])
             expr = target["expr"]
             for name, value in GRAFANA.items():
                 expr = expr.replace(name, value)
@@ -125,7 +127,7 @@ def test_every_query_of_the_dashboard_reads_what_llmgw_exports(system, prometheu
         found = queries(dashboard)
         assert len(found) >= 12, found
         variable = next(v for v in dashboard["templating"]["list"] if v["name"] == "model")
-        (read,) = re.fullmatch(r"label_values\((\w+), model\)", variable["definition"]).groups()
+        (read,) = re.fullmatch(r"label_values\((\w+), model\)", variable["query"]).groups()
         assert read in exported and "prom-chat" in httpx.get(
             prometheus + "/api/v1/label/model/values", params={"match[]": read}, timeout=10).json()["data"]
         empty, shown = {}, {}
