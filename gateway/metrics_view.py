@@ -3,15 +3,19 @@ llmgw API token (from `llmgw user add`). This process's series, and the fleet's 
 database (gateway/metrics.py)."""
 
 import hmac
+import logging
 
 from channels.db import database_sync_to_async
 from django.conf import settings
+from django.db import DatabaseError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from cluster.queries import replicas_by_state
 from gateway.errors import error_response
 from gateway.http import Answer, Request
 from gateway.metrics import exposition
+
+log = logging.getLogger("llmgw.gateway")
 
 
 def _token_ok(token: str) -> bool:
@@ -33,4 +37,10 @@ async def metrics_view(request: Request) -> Answer:
 
 def _read(token: str) -> dict[str, dict[str, int]] | None:
     """The fleet's replicas by state for a good token (one trip to a thread for both), else None."""
-    return replicas_by_state() if _token_ok(token) else None
+    if not _token_ok(token):
+        return None
+    try:
+        return replicas_by_state()
+    except DatabaseError as exc:  # the database away (a failover): this process's own series still go out
+        log.warning("metrics: no replicas by state, the database is away: %s", exc)
+        return {}
