@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.db import connections
 from django.utils import timezone
 from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
@@ -89,3 +90,23 @@ def a_fleet() -> None:
     long_ago = make_replica(chat, node, S.FAILED)  # over: no longer listed
     Replica.objects.filter(pk=long_ago.pk).update(state_changed_at=timezone.now() - timedelta(hours=1))
     make_replica(idle, None, S.PENDING)
+
+
+@pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
+async def test_metrics_go_out_with_the_database_away(settings, tmp_path, caplog):
+    """A failover: the process's own series still go out, without the replicas it cannot count."""
+    settings.LLMGW_METRICS_TOKEN = "scrape-me"
+    database = connections.settings["default"]
+    name = database["NAME"]
+    await sync_to_async(connections.close_all)()
+    database["NAME"] = str(tmp_path / "gone" / "db.sqlite3")  # a directory that is not there: no connection
+    try:
+        answered = await Client(Authorization="Bearer scrape-me").get("/metrics")
+    finally:
+        await sync_to_async(connections.close_all)()
+        database["NAME"] = name
+    assert answered.status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(answered.content.decode())}
+    assert "llmgw_requests" in families and not families["llmgw_replicas"].samples
+    assert "no replicas by state, the database is away" in caplog.text
