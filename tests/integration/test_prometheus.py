@@ -6,6 +6,7 @@ A panel that asks for a metric llmgw does not export, or a label value it never 
 import json
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import httpx
@@ -84,7 +85,7 @@ def prometheus(system, tmp_path_factory):
         yield url
     finally:
         system.procs.pop("prometheus", None)
-        proc.stop()
+        proc.stop(signal.SIGKILL)  # its data is thrown away: no need of the seconds its clean shutdown takes
 
 
 def _ready(url: str) -> bool:
@@ -118,7 +119,8 @@ def test_every_query_of_the_dashboard_reads_what_llmgw_exports(system, prometheu
                 model="prom-chat", messages=hello)
         assert refused.value.code == "budget_exceeded"
 
-        # two scrapes since the refusal, the last request: every rate has two samples to go on
+        # two scrapes since the refusal, the last request: every rate has two samples to go on (Prometheus hands
+        # its targets to the scrapers 5 s after it starts, the most of this test's time)
         scraped = 'sum(count_over_time(llmgw_rejected_requests_total{model="prom-chat"}[1m])) >= 2'
         wait_for(lambda: query(prometheus, scraped)["result"], 30, what="two scrapes of the refusal")
 
