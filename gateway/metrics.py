@@ -1,4 +1,5 @@
-"""Prometheus metrics of this web process (prometheus-client). Scrape every web process, or sum behind a proxy."""
+"""Prometheus metrics of this web process (prometheus-client), and the fleet's replicas by state as the database
+counts them at each scrape. Scrape every web process, or sum behind a proxy."""
 
 from collections.abc import Iterator
 
@@ -33,7 +34,6 @@ QUEUE_WAIT = Histogram("llmgw_queue_wait_seconds", "Time a request waited for a 
 ADMITTED = Counter("llmgw_admitted_requests_total", "Requests given a slot", ["model", "priority"])
 REJECTED = Counter("llmgw_rejected_requests_total", "Requests refused: the queue, the key's budget or concurrency",
                    ["model", "priority", "reason"])
-
 
 
 class Replicas:

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.models import Replica
 from gateway import admission, metrics
 from gateway.call import Call
-from tests.factories import make_model, make_node, make_replica
+from tests.factories import make_model, make_node, make_replica, seed_defaults
 from tests.gateway.views.harness import Client
 
 # priority: 3 classes; reason: 4 refusals; state: a replica's 8
@@ -84,6 +84,7 @@ async def test_metrics_count_the_fleets_replicas_by_state_at_each_scrape(setting
 
 
 def a_fleet() -> None:
+    seed_defaults()  # a transactional test before this one flushed the migrations' profile and engines
     node, chat, idle = make_node("n1"), make_model("chat"), make_model("idle")
     for state in (S.READY, S.READY, S.DRAINING, S.FAILED, S.STOPPED):
         make_replica(chat, node, state)
