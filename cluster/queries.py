@@ -188,6 +188,15 @@ def replicas_listed(include_over: bool = False) -> QuerySet[Replica]:
     return rows.filter(~Q(state__in=Replica.TERMINAL) | Q(state=Replica.State.FAILED, state_changed_at__gte=since))
 
 
+def replicas_by_state() -> dict[str, dict[str, int]]:
+    """Every model's replicas in each state, every state named (0: none), counted over the replicas
+    `replicas_listed()` lists: those not over, and the recent failures. For `/metrics`' `llmgw_replicas`."""
+    rows = replicas_listed().order_by().values_list("model__name", "state").annotate(n=Count("id"))
+    counted = {(name, state): n for name, state, n in rows.values_list("model__name", "state", "n")}
+    return {name: {state: counted.get((name, state), 0) for state in Replica.State.values}
+            for name in Model.objects.order_by("name").values_list("name", flat=True)}
+
+
 def cluster_settings_shown(cluster: ClusterSettings | None = None) -> dict:
     """The cluster settings as `ctl settings` and `GET /api/v1/settings/` show them (never the engine key)."""
     cluster = cluster or ClusterSettings.load()

@@ -1,6 +1,11 @@
-"""Prometheus metrics of this web process (prometheus-client). Scrape every web process, or sum behind a proxy."""
+"""Prometheus metrics of this web process (prometheus-client), and the fleet's replicas by state as the database
+counts them at each scrape. Scrape every web process, or sum behind a proxy."""
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 UNKNOWN_MODEL = "unknown"  # the label of every model name llmgw does not serve
 # LLM latencies: a cached prompt's first token in tens of milliseconds, a cold long prompt's in seconds, a long
@@ -22,6 +27,7 @@ INFLIGHT = Gauge("llmgw_inflight_requests", "Requests in flight in this process"
 TOKENS = Counter("llmgw_tokens_total", "Tokens, from the engines' usage", ["model", "kind"])
 # admission (gateway/admission.py), by model and class (interactive, standard, batch); a rejection by reason
 # (queue_full, queue_timeout, budget_exceeded, concurrency_limit)
+PRIORITIES = ("interactive", "standard", "batch")  # admission.CLASSES (tests/gateway/test_metrics.py)
 QUEUED = Gauge("llmgw_queue_waiting_requests", "Requests waiting for a slot in this process", ["model", "priority"])
 QUEUE_WAIT = Histogram("llmgw_queue_wait_seconds", "Time a request waited for a slot (0: one was free)",
                        ["model", "priority"], buckets=(0.001, *BUCKETS))
@@ -30,11 +36,35 @@ REJECTED = Counter("llmgw_rejected_requests_total", "Requests refused: the queue
                    ["model", "priority", "reason"])
 
 
+class Replicas:
+    """`llmgw_replicas{model, state}`: the fleet's replicas, read from the database at each scrape, so every web
+    process says the same figures (take one, or `max`, never their sum). A collector of one scrape's figures."""
+
+    def __init__(self, by_state: dict[str, dict[str, int]]):
+        self.by_state = by_state
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("llmgw_replicas", "Replicas of each model in each state (the whole fleet's)",
+                                   labels=["model", "state"])
+        for model, states in self.by_state.items():
+            for state, n in states.items():
+                family.add_metric([model, state], n)
+        yield family
+
+
+def exposition(replicas: dict[str, dict[str, int]]) -> bytes:
+    """What `/metrics` answers: this process's series, then the fleet's replicas by state."""
+    fleet = CollectorRegistry(auto_describe=False)
+    fleet.register(Replicas(replicas))
+    return generate_latest() + generate_latest(fleet)
+
+
 class ModelMetrics:
     """One model's series, looked up once: `labels()` takes a lock and builds a key on every call, and a request
     touches seven of them."""
 
-    __slots__ = ("model", "latency", "first_token", "waited", "attempts", "inflight", "prompt", "completion", "_requests")
+    __slots__ = ("model", "latency", "first_token", "waited", "attempts", "inflight", "prompt", "completion", "_requests",
+                 "queued")
 
     def __init__(self, model: str):
         self.model = model
@@ -46,6 +76,8 @@ class ModelMetrics:
         self.prompt = TOKENS.labels(model, "prompt")
         self.completion = TOKENS.labels(model, "completion")
         self._requests: dict[int, Counter] = {}
+        # a series at 0 from the model's first request, not from its first wait: a dashboard shows 0, not no data
+        self.queued = {priority: QUEUED.labels(model, priority) for priority in PRIORITIES}
 
     def requests(self, status: int) -> Counter:
         series = self._requests.get(status)

@@ -70,7 +70,7 @@ async def admit(gw: Gateway, call: Call, way: Way, route: ModelRoute, tried: set
     def waits() -> None:  # counted in the metrics; the autoscaler counts it too (cluster.inflight)
         nonlocal waiting, queued
         queued = True
-        metrics.QUEUED.labels(call.model, priority).inc()
+        metrics.of(call.model).queued[priority].inc()
         if route.autoscaled:
             waiting = True
             gw.spawn(gw.wait_begin(call.model))
@@ -92,7 +92,7 @@ async def admit(gw: Gateway, call: Call, way: Way, route: ModelRoute, tried: set
         return chosen
     finally:
         if queued:
-            metrics.QUEUED.labels(call.model, priority).dec()
+            metrics.of(call.model).queued[priority].dec()
         if waiting:
             gw.wait_end(call.model)
     way.position = way.position if way.lease.position is None else way.lease.position
