@@ -345,7 +345,7 @@ def _request_shown(r: RequestRecord) -> dict:
     events = (Event.objects.filter(subject__in=replicas, created_at__range=window).order_by("-created_at", "-id")[:20]
               if replicas else [])
     return {"steps": timeline.timeline(r), "bars": bars, "why": timeline.why(r.route), "replica_events": events,
-            "replicas_of": sorted(replicas), "engine_said": timeline.engine_said(r),
+            "replicas_of": sorted(replicas), "engine_figures": timeline.engine_figures(r),
             "picture_height": 16 + len(bars) * PICTURE_ROW, "picture_left": PICTURE_LEFT}
 
 

@@ -69,7 +69,7 @@ def why(route: dict[str, object]) -> str:
     return said
 
 
-def engine_said(r: Recorded) -> str:
+def engine_figures(r: Recorded) -> str:
     """The engine's own figures: its cache, its time on the prompt and generating."""
     parts = []
     if r.prompt_tokens or r.cached_tokens:
@@ -98,7 +98,7 @@ def timeline(r: Recorded) -> list[Step]:
         steps.append(Step(ended, f"attempt {i + 1}: {replica} {outcome}"))
     if r.ttft_ms is not None:
         steps.append(Step(r.ttft_ms, "first token"))
-    if tries and (said := engine_said(r)):
+    if tries and (said := engine_figures(r)):
         steps.append(Step(r.total_ms, f"the engine: {said}"))
     steps.append(Step(r.total_ms, f"ended: {r.status}{' ' + r.error if r.error else ''}"
                                   f" after {_ms(r.total_ms)}, {r.prompt_tokens}+{r.completion_tokens} tokens"))
