@@ -76,6 +76,7 @@ class KeyInfo:
     budget_tokens: int | None = None  # tokens per budget period (gateway/budgets.py)
     budget_period: str = ""
     max_concurrency: int | None = None  # its requests in flight at once
+    log_bodies: bool = False  # its requests' bodies are kept in their records
 
 
 @dataclass(frozen=True)
@@ -175,9 +176,10 @@ def load() -> Table:
             budget_tokens=k["budget_tokens"],
             budget_period=k["budget_period"],
             max_concurrency=k["max_concurrency"],
+            log_bodies=k["log_bodies"],
         )
         for k in ApiKey.objects.values("id", "name", "prefix", "key_hash", "allowed_models", "rpm", "tpm", "max_tokens",
                                    "expires_at", "revoked_at", "priority", "budget_tokens", "budget_period",
-                                   "max_concurrency")
+                                   "max_concurrency", "log_bodies")
     }
     return Table(serving_stopped=cluster.serving_stopped, models=models, keys=keys, aliases=aliases)
