@@ -220,6 +220,21 @@ class Budget(forms.Field):
         return {"budget_tokens": tokens, "budget_period": period}
 
 
+class YesNo(forms.Field):
+    """A switch: `yes` (a ticked box's value) or `no`; blank (an unticked box): not given, as it is."""
+
+    def __init__(self, label: str):
+        super().__init__(label=label, required=False)
+
+    def to_python(self, value: Any) -> bool | None:
+        raw = str(value or "").strip().lower()
+        if not raw:
+            return None
+        if raw not in ("yes", "no"):
+            raise ValidationError(f"{self.label}: yes or no, not {raw[:20]!r}", code="invalid")
+        return raw == "yes"
+
+
 class ShellWords(forms.Field):
     """Words as a shell splits them ('--flash-attn on --jinja')."""
 
@@ -397,7 +412,8 @@ class MirrorUploadForm(ButtonForm):
 
 
 class KeySetForm(ButtonForm):
-    """Change a key: what is filled in; `none` clears a limit or the budget, `never` the expiry, `all` the models."""
+    """Change a key: what is filled in; `none` clears a limit or the budget, `never` the expiry, `all` the models;
+    log_bodies `yes` or `no` (a new key's box: ticked, yes; unticked, not given, so off)."""
 
     name = forms.CharField(required=False)
     priority = Choice("priority", CLASSES)
@@ -408,6 +424,7 @@ class KeySetForm(ButtonForm):
     max_concurrency = Count("max concurrency", CONCURRENCY, none=NONE)
     expires_days = Count("expires in days", EXPIRY_DAYS, none=("never",))
     budget = Budget(required=False)
+    log_bodies = YesNo("log request and response bodies")
 
     renamed = {"expires_days": "expires_at"}
     apart = frozenset({"name", "budget"})

@@ -42,6 +42,9 @@ BUDGET_TOKENS_HELP = ("tokens (prompt and completion) it may use per budget peri
                       "budget_period)")
 BUDGET_PERIOD_HELP = "the budget's period, a calendar day, week (from Monday) or month in UTC; \"\": no budget"
 CONCURRENCY_HELP = "most of its requests in flight or waiting at once, refused with a 429 past it; null: no limit"
+LOG_BODIES_HELP = ("its requests' bodies and their answers' are kept in the requests' records, each truncated past "
+                   "LLMGW_REQUEST_LOG_BODY_BYTES (32768 unless set), shown to admins only and pruned with the record; "
+                   "headers never are. Off by default")
 
 
 class KeyBudgetSerializer(serializers.Serializer[Mapping[str, object]]):
@@ -65,6 +68,7 @@ class ApiKeySerializer(serializers.ModelSerializer[ApiKey]):
     priority = serializers.ChoiceField(choices=CLASSES, read_only=True, help_text=PRIORITY_HELP)
     state = serializers.SerializerMethodField(help_text="active, revoked or expired")
     budget = serializers.SerializerMethodField(help_text="its token budget and what it spent of it; null: none")
+    log_bodies = serializers.BooleanField(read_only=True, help_text=LOG_BODIES_HELP)
 
     class Meta:
         model = ApiKey
@@ -78,6 +82,7 @@ class ApiKeySerializer(serializers.ModelSerializer[ApiKey]):
             "priority",
             "budget",
             "max_concurrency",
+            "log_bodies",
             "expires_at",
             "revoked_at",
             "last_used_at",
@@ -127,6 +132,7 @@ class ApiKeyCreateSerializer(StrictSerializer):
                                             help_text=BUDGET_PERIOD_HELP)
     max_concurrency = serializers.IntegerField(
         **CONCURRENCY.limits, allow_null=True, default=None, help_text=CONCURRENCY_HELP)
+    log_bodies = serializers.BooleanField(default=False, help_text=LOG_BODIES_HELP)
 
 
 class ApiKeyUpdateSerializer(StrictSerializer):
@@ -152,6 +158,7 @@ class ApiKeyUpdateSerializer(StrictSerializer):
                                             help_text=BUDGET_PERIOD_HELP + "; alone, the tokens stay")
     max_concurrency = serializers.IntegerField(
         **CONCURRENCY.limits, allow_null=True, required=False, help_text=CONCURRENCY_HELP)
+    log_bodies = serializers.BooleanField(required=False, help_text=LOG_BODIES_HELP)
 
 
 class UsageSerializer(serializers.Serializer[operations.UsageRow]):

@@ -28,7 +28,7 @@ from gateway.models import USAGE_BY, ApiKey, Usage
 
 # what set_key changes
 KEY_SETTINGS = ("priority", "rpm", "tpm", "max_tokens", "models", "expires_at", "budget_tokens", "budget_period",
-                "max_concurrency")
+                "max_concurrency", "log_bodies")
 # the settings counted alike, with their names in a refusal
 COUNTS: tuple[tuple[Literal["rpm", "tpm", "max_tokens"], str], ...] = (
     ("rpm", "rpm"), ("tpm", "tpm"), ("max_tokens", "max tokens"))
@@ -50,6 +50,7 @@ class KeyFields(TypedDict, total=False):
     max_concurrency: int | None
     budget_tokens: int | None
     budget_period: str
+    log_bodies: bool
 
 
 USAGE_COLUMNS = ("key", "model", "hour", "requests", "prompt_tokens", "completion_tokens")  # and the CSV's header
@@ -93,6 +94,12 @@ def _check_models(models: object) -> list[str]:
     return sorted(set(models))
 
 
+def _check_log_bodies(log_bodies: object) -> bool:
+    if not isinstance(log_bodies, bool):  # a real bool: "false" or 0 from a careless front door would mislead
+        raise OperationError(f"log_bodies is true or false, not {str(log_bodies)[:40]!r}")
+    return log_bodies
+
+
 def _check_expiry(expires_at: datetime | None) -> datetime | None:
     if expires_at is not None and expires_at <= timezone.now():
         raise OperationError(f"the expiry {expires_at:%Y-%m-%d %H:%M} is in the past")
@@ -118,6 +125,7 @@ def create_key(
     budget_tokens: int | None = None,
     budget_period: str | None = None,
     max_concurrency: int | None = None,
+    log_bodies: bool = False,
 ) -> tuple[ApiKey, str]:
     """A new client key for /v1/. The secret is returned once and stored only as a hash."""
     check_name("key", name)
@@ -135,6 +143,7 @@ def create_key(
         raise OperationError("a budget needs its tokens, e.g. 2M/day")
     if max_concurrency is not None:
         CONCURRENCY.check("max concurrency", max_concurrency)
+    _check_log_bodies(log_bodies)
     secret = ApiKey.new_secret()
     with transaction.atomic():
         if ApiKey.objects.filter(name=name).exists():
@@ -151,6 +160,7 @@ def create_key(
             priority=priority,
             expires_at=expires_at,
             max_concurrency=max_concurrency,
+            log_bodies=log_bodies,
             **budget,
         ))
         limits = ", ".join(
@@ -164,6 +174,7 @@ def create_key(
                 f"priority {priority}" if priority != DEFAULT_CLASS else "",
                 _setting_shown("budget_tokens", key.budget_tokens, key.budget_period) if key.budget_tokens else "",
                 f"at most {max_concurrency} requests at once" if max_concurrency else "",
+                _setting_shown("log_bodies", True) if log_bodies else "",  # off, the default, goes unsaid
             )
             if part
         )
@@ -192,6 +203,8 @@ def set_key(name: str, actor: str, **values: Any) -> ApiKey:
     if "max_concurrency" in values:
         n = values["max_concurrency"]
         clean["max_concurrency"] = None if n is None else CONCURRENCY.check("max concurrency", n)
+    if "log_bodies" in values:
+        clean["log_bodies"] = _check_log_bodies(values["log_bodies"])
     with transaction.atomic():
         key: ApiKey = get_named(ApiKey.objects.select_for_update(), "key", name)
         if key.revoked_at is not None:
@@ -226,6 +239,8 @@ def _setting_shown(field: str, value: object, period: str = "") -> str:
         return f"budget {budgets.shown(tokens)}/{period}" if tokens else "no budget"
     if field == "max_concurrency":
         return f"at most {value} requests at once" if value else "requests at once no limit"
+    if field == "log_bodies":
+        return "bodies logged" if value else "bodies not logged"
     if field == "allowed_models" and isinstance(value, list):
         return f"models {', '.join(value)}" if value else "all models"
     if field == "expires_at":

@@ -290,8 +290,8 @@ def test_a_key_is_changed_and_says_what_changed_in_one_line(cluster):
 
     events = Event.objects.count()
     for args, error in (
-        ([], "nothing to change: give --priority, --rpm, --tpm, --max-tokens, --models, --expires, --budget or "
-             "--max-concurrency"),
+        ([], "nothing to change: give --priority, --rpm, --tpm, --max-tokens, --models, --expires, --budget, "
+             "--max-concurrency or --[no-]log-bodies"),
         (["--priority", "urgent"], "argument --priority: invalid choice: 'urgent' (choose from "),
         (["--rpm", "lots"], "argument --rpm: 'lots' is not a whole number or none"),
         (["--tpm", "0"], "argument --tpm: '0': at least 1"),
@@ -321,9 +321,10 @@ def test_a_keys_budget_and_concurrency_limit_are_set_and_listed_in_one_line_each
     hour = timezone.now().replace(minute=0, second=0, microsecond=0)
     Usage.objects.create(key=key, model="smol", hour=hour, requests=3, prompt_tokens=100_000, completion_tokens=20_000)
     listed = run("ctl", "keys", "list").splitlines()
-    assert re.match(r"NAME +PREFIX +MODELS +PRIORITY +RPM +TPM +MAX TOKENS +BUDGET +CONCURRENCY +EXPIRES ", listed[0])
-    assert re.search(r" - +120K/2M day +4 +never +active ", listed[1]), listed  # metered
-    assert re.search(r" - +- +never +active ", listed[2]), listed  # team: neither
+    assert re.match(r"NAME +PREFIX +MODELS +PRIORITY +RPM +TPM +MAX TOKENS +BUDGET +CONCURRENCY +BODIES +EXPIRES ",
+                    listed[0])
+    assert re.search(r" - +120K/2M day +4 +- +never +active ", listed[1]), listed  # metered
+    assert re.search(r" - +- +- +never +active ", listed[2]), listed  # team: neither
     (shown,) = [k for k in json.loads(run("ctl", "keys", "list", "--json")) if k["name"] == "metered"]
     assert (shown["budget"]["spent"], shown["budget"]["tokens"], shown["max_concurrency"]) == (120_000, 2_000_000, 4)
 
@@ -347,6 +348,40 @@ def test_a_keys_budget_and_concurrency_limit_are_set_and_listed_in_one_line_each
         run("ctl", "keys", "create", "other", "--budget", "2M/year")
     assert str(refused.value).endswith("not '2M/year'")
     assert Event.objects.count() == events and not ApiKey.objects.filter(name="other").exists()
+
+
+def test_a_keys_body_logging_is_turned_on_and_off_and_listed(cluster):
+    from gateway.models import ApiKey
+
+    said = run("ctl", "keys", "create", "logged", "--log-bodies")
+    assert said.startswith("key logged created (bodies logged); the key (shown once, keep it): sk-llmgw-")
+    assert ApiKey.objects.get(name="logged").log_bodies is True
+    listed = run("ctl", "keys", "list").splitlines()
+    assert re.search(r" +CONCURRENCY +BODIES +EXPIRES ", listed[0]), listed
+    assert re.search(r" - +logged +never +active ", listed[1]), listed  # logged
+    assert re.search(r" - +- +never +active ", listed[2]), listed  # team: not
+    shown = {k["name"]: k["log_bodies"] for k in json.loads(remote(cluster, "ctl", "keys", "list", "--json"))}
+    assert shown == {"logged": True, "team": False}
+
+    assert remote(cluster, "ctl", "keys", "set", "logged", "--no-log-bodies") == "key logged changed: bodies not logged\n"
+    assert ApiKey.objects.get(name="logged").log_bodies is False
+    assert run("ctl", "keys", "set", "team", "--log-bodies", "--rpm", "5") == "key team changed: bodies logged, rpm 5\n"
+    assert ApiKey.objects.get(name="team").log_bodies is True
+    assert run("ctl", "keys", "set", "team", "--rpm", "6") == "key team changed: rpm 6\n"  # left out: it stays
+    assert ApiKey.objects.get(name="team").log_bodies is True
+    assert "bodies" not in run("ctl", "keys", "create", "plain").split(";")[0]
+    assert ApiKey.objects.get(name="plain").log_bodies is False
+
+    events = Event.objects.count()
+    for args, error in (
+        (["set", "team", "--log-bodies=no"], "argument --log-bodies/--no-log-bodies: ignored explicit argument 'no'"),
+        (["create", "other", "--log-bodies=yes"], "argument --log-bodies: ignored explicit argument 'yes'"),
+    ):
+        with pytest.raises(CommandError) as refused:
+            run("ctl", "keys", *args)
+        assert str(refused.value).endswith(error) and "\n" not in str(refused.value), str(refused.value)
+    assert Event.objects.count() == events and not ApiKey.objects.filter(name="other").exists()
+    assert ApiKey.objects.get(name="team").log_bodies is True
 
 
 @pytest.mark.integration  # a process of its own: this one has Django

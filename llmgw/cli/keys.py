@@ -29,11 +29,12 @@ def keys_create(o, out):
     body = {"name": o["name"], "models": o["models"] or [], "rpm": o["rpm"], "tpm": o["tpm"],
             "expires_at": parse_when(o["expires"], "--expires"), "max_tokens": o["max_tokens"],
             "priority": o.get("priority") or DEFAULT_PRIORITY, **_budget(o.get("budget")),
-            "max_concurrency": o.get("max_concurrency")}
+            "max_concurrency": o.get("max_concurrency"), "log_bodies": bool(o.get("log_bodies"))}
     key = o["api"].post("keys/", body, doing="create keys")
     parts = [f"priority {key['priority']}" if key["priority"] != DEFAULT_PRIORITY else "",
              f"budget {_budget_shown(key['budget'])}" if key["budget"] else "",
-             f"max concurrency {key['max_concurrency']}" if key["max_concurrency"] else ""]
+             f"max concurrency {key['max_concurrency']}" if key["max_concurrency"] else "",
+             "bodies logged" if key["log_bodies"] else ""]
     said = f" ({', '.join(part for part in parts if part)})" if any(parts) else ""
     out.write(f"key {key['name']} created{said}; the key (shown once, keep it): {key['key']}\n")
 
@@ -55,12 +56,14 @@ def _shown(field: str, key: dict) -> str:
         return f"expires {expires:%Y-%m-%d %H:%M}" if expires else "expires never"
     if field == "budget":
         return f"budget {_budget_shown(key['budget'])}"
+    if field == "log_bodies":
+        return "bodies logged" if key["log_bodies"] else "bodies not logged"
     value = key[field]
     return f"{field.replace('_', ' ')} {'none' if value is None else value}"
 
 
 def keys_set(o, out):
-    values = {field: o[field] for field in ("priority", "models") if o.get(field) is not None}
+    values = {field: o[field] for field in ("priority", "models", "log_bodies") if o.get(field) is not None}
     for limit in ("rpm", "tpm", "max_tokens", "max_concurrency"):  # None is a value here: no limit
         if o.get(limit, UNSET) is not UNSET:
             values[limit] = o[limit]
@@ -72,7 +75,7 @@ def keys_set(o, out):
         shown.append("budget")
     if not values:
         raise CliError("nothing to change: give --priority, --rpm, --tpm, --max-tokens, --models, --expires, "
-                       "--budget or --max-concurrency")
+                       "--budget, --max-concurrency or --[no-]log-bodies")
     key = o["api"].patch(f"keys/{o['name']}/", values, doing="change keys")
     out.write(f"key {key['name']} changed: {', '.join(_shown(field, key) for field in shown)}\n")
 
@@ -87,10 +90,11 @@ def keys_list(o, out):
         expires = moment(k["expires_at"])
         rows.append([k["name"], k["prefix"] + "…", ", ".join(k["models"]) or "all", k["priority"], k["rpm"] or "-",
                      k["tpm"] or "-", k["max_tokens"] or "-", _budget_shown(k["budget"], spent=True),
-                     k["max_concurrency"] or "-", f"{expires:%Y-%m-%d %H:%M}" if expires else "never",
+                     k["max_concurrency"] or "-", "logged" if k.get("log_bodies") else "-",
+                     f"{expires:%Y-%m-%d %H:%M}" if expires else "never",
                      k["state"], age(k["last_used_at"], at) + (" ago" if k["last_used_at"] else "")])
-    table(["NAME", "PREFIX", "MODELS", "PRIORITY", "RPM", "TPM", "MAX TOKENS", "BUDGET", "CONCURRENCY", "EXPIRES",
-           "STATE", "LAST USED"], rows, out)
+    table(["NAME", "PREFIX", "MODELS", "PRIORITY", "RPM", "TPM", "MAX TOKENS", "BUDGET", "CONCURRENCY", "BODIES",
+           "EXPIRES", "STATE", "LAST USED"], rows, out)
 
 
 def keys_revoke(o, out):

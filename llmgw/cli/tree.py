@@ -61,6 +61,8 @@ PRIORITY_HELP = ("its requests' class when they wait for a slot: interactive fir
 BUDGET_HELP = ("tokens (prompt and completion) it may use per calendar day, week or month in UTC, e.g. 2M/day or "
                "500K/week; past it, 429 until the period ends")
 CONCURRENCY_HELP = "most of its requests in flight or waiting at once; past it, 429"
+LOG_BODIES_HELP = ("keep its requests' bodies and their answers' in the requests' records (each cut at "
+                   "LLMGW_REQUEST_LOG_BODY_BYTES), shown to admins only; headers never")
 ALIAS_HELP = ("other names a request may give for the model, comma-separated: the vendor names agents ask for, e.g. "
               "claude-sonnet-4-5,gpt-5-codex")
 LOCAL = ("up", "agent", "service", "completion", "login", "logout")
@@ -394,8 +396,9 @@ def build(parser) -> None:
                    help=PRIORITY_HELP + f" (default {DEFAULT_PRIORITY})")
     p.add_argument("--budget", type=budget_arg, default=None, metavar="TOKENS/PERIOD", help=BUDGET_HELP)
     p.add_argument("--max-concurrency", type=limit_arg, default=None, metavar="N", help=CONCURRENCY_HELP)
+    p.add_argument("--log-bodies", action="store_true", help=LOG_BODIES_HELP + " (default: not kept)")
     p.set_defaults(func=keys_create)
-    p = keys.add_parser("set", help="change a key's priority, limits, budget, models or expiry")
+    p = keys.add_parser("set", help="change a key's priority, limits, budget, models, expiry or body logging")
     p.add_argument("name")
     p.add_argument("--priority", choices=PRIORITIES, default=None, help=PRIORITY_HELP)
     p.add_argument("--rpm", type=limit_arg, default=UNSET, metavar="N|none", help="requests per minute; none: no limit")
@@ -410,6 +413,8 @@ def build(parser) -> None:
                    help=BUDGET_HELP + "; none: no budget")
     p.add_argument("--max-concurrency", type=limit_arg, default=UNSET, metavar="N|none",
                    help=CONCURRENCY_HELP + "; none: no limit")
+    p.add_argument("--log-bodies", action=argparse.BooleanOptionalAction, default=None,
+                   help=LOG_BODIES_HELP + "; --no-log-bodies: no longer kept")
     p.set_defaults(func=keys_set)
     p = keys.add_parser("list", help="list keys")
     p.add_argument("--json", action="store_true")

@@ -169,8 +169,18 @@ def test_a_new_key_is_standard_unless_told():
     assert valid(KeyCreateForm(sent(name="team-a", priority="interactive"))).changes()["priority"] == "interactive"
 
 
+def test_a_keys_body_logging_is_yes_or_no_and_blank_leaves_it():
+    assert valid(KeyCreateForm(sent(name="k", log_bodies="yes"))).changes()["log_bodies"] is True
+    assert "log_bodies" not in valid(KeyCreateForm(sent(name="k"))).changes()  # an unticked box: off, the default
+    assert valid(KeySetForm(sent(name="k", log_bodies="no"))).changes() == {"log_bodies": False}
+    assert valid(KeySetForm(sent(name="k", log_bodies="Yes "))).changes() == {"log_bodies": True}
+    assert valid(KeySetForm(sent(name="k", log_bodies=""))).changes() == {}  # as it is
+
+
 @pytest.mark.parametrize("fields, said", [
     ({"name": "Team A"}, "invalid key name 'Team A'"),
+    ({"name": "k", "log_bodies": "on"}, "log request and response bodies: yes or no, not 'on'"),
+    ({"name": "k", "log_bodies": "1"}, "log request and response bodies: yes or no, not '1'"),
     ({"name": "k", "priority": "urgent"}, "priority is one of interactive, standard, batch, not 'urgent'"),
     ({"name": "k", "rpm": "lots"}, "requests per minute: 'lots' is not a whole number"),
     ({"name": "k", "tpm": "0"}, "tokens per minute must be a whole number from 1 to 2147483647, not 0"),

@@ -269,7 +269,7 @@ def test_keys_create_once_list_and_revoke(op):
 def keys_now() -> list:
     return list(ApiKey.objects.order_by("name").values_list(
         "name", "priority", "rpm", "tpm", "max_tokens", "allowed_models", "expires_at", "revoked_at", "budget_tokens",
-        "budget_period", "max_concurrency"))
+        "budget_period", "max_concurrency", "log_bodies"))
 
 
 def test_keys_create_with_a_priority_and_change_it(op):
@@ -330,6 +330,32 @@ def test_a_keys_budget_and_concurrency_limit_from_the_forms(op):
     assert ApiKey.objects.get(name="free").budget_tokens is None
 
 
+def test_a_keys_body_logging_from_the_forms_and_in_the_table(op):
+    page = op.get("/keys/").content.decode()
+    assert '<input type="checkbox" name="log_bodies" value="yes"> Log request and response bodies' in page  # create
+    assert '<select name="log_bodies"><option value="">as it is</option>' in page  # change
+    assert "copy it now" in op.post("/keys/create/", {"name": "logged", "log_bodies": "yes"}, **HTMX).content.decode()
+    op.post("/keys/create/", {"name": "plain"}, **HTMX)  # the box unticked: not sent
+    assert (ApiKey.objects.get(name="logged").log_bodies, ApiKey.objects.get(name="plain").log_bodies) == (True, False)
+    assert Event.objects.get(kind="key.created", subject="logged").message.endswith("bodies logged")
+    listing = op.get("/keys/", **HTMX).content.decode()
+    assert "<th>Bodies</th>" in listing
+    rows = dict(re.findall(r'<tr data-key="([a-z]+)">.*?<td class="bodies">(.*?)</td>', listing, re.S))
+    assert rows == {"logged": "logged", "plain": "—"}
+
+    body = op.post("/keys/set/", {"name": "logged", "log_bodies": "no"}, **HTMX).content.decode()
+    assert "key logged changed" in body
+    assert ApiKey.objects.get(name="logged").log_bodies is False
+    assert Event.objects.filter(kind="key.edited").latest("id").message.endswith("bodies not logged")
+    op.post("/keys/set/", {"name": "plain", "log_bodies": "yes"}, **HTMX)
+    op.post("/keys/set/", {"name": "plain", "log_bodies": "", "rpm": "7"}, **HTMX)  # as it is
+    assert (ApiKey.objects.get(name="plain").log_bodies, ApiKey.objects.get(name="plain").rpm) == (True, 7)
+    before, events = keys_now(), Event.objects.count()
+    body = op.post("/keys/create/", {"name": "other", "log_bodies": "maybe"}, **HTMX).content.decode()
+    assert "msg error" in body and "log request and response bodies: yes or no, not &#x27;maybe&#x27;" in body
+    assert (keys_now(), Event.objects.count()) == (before, events)
+
+
 def test_a_key_with_a_bad_budget_is_not_created(op):
     before, events = keys_now(), Event.objects.count()
     body = op.post("/keys/create/", {"name": "metered", "budget": "2M/year"}, **HTMX).content.decode()
@@ -353,6 +379,9 @@ def test_a_key_with_a_bad_budget_is_not_created(op):
     ({"name": "nightly", "budget": "day"}, "budget: a budget is TOKENS/PERIOD"),
     ({"name": "nightly", "max_concurrency": "0"}, "max concurrency must be a whole number from 1"),
     ({"name": "nightly", "max_concurrency": "many"}, "max concurrency: &#x27;many&#x27; is not a whole number"),
+    ({"name": "nightly", "log_bodies": "true"}, "log request and response bodies: yes or no, not &#x27;true&#x27;"),
+    ({"name": "nightly", "log_bodies": "yes", "rpm": "0"}, "requests per minute must be a whole number from 1"),
+    ({"name": "gone", "log_bodies": "yes"}, "key gone is revoked"),
 ])
 def test_a_refused_key_change_is_a_message_and_changes_nothing(op, form, said):
     op.post("/keys/create/", {"name": "nightly", "rpm": "10"}, **HTMX)

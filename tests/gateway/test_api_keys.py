@@ -17,7 +17,7 @@ from tests.rest import API, refused
 def state() -> dict:
     """Everything a keys, usage or system request could change: equal before and after a refused one."""
     keys = {k.name: (k.key_hash, k.revoked_at, k.rpm, k.tpm, k.max_tokens, k.priority, k.allowed_models, k.expires_at,
-                     k.budget_tokens, k.budget_period, k.max_concurrency)
+                     k.budget_tokens, k.budget_period, k.max_concurrency, k.log_bodies)
             for k in ApiKey.objects.all()}
     return {
         "keys": keys,
@@ -139,6 +139,7 @@ def test_list_shows_state_and_no_secrets(viewer):
         "priority",
         "budget",
         "max_concurrency",
+        "log_bodies",
         "expires_at",
         "revoked_at",
         "last_used_at",
@@ -263,6 +264,55 @@ def test_change_a_keys_budget_and_concurrency_limit(operator, method):
 )
 def test_budget_and_concurrency_refusals_change_nothing(operator, method, path, body, status, words):
     operations.create_key("ci", "test", max_concurrency=3)
+    operations.create_key("gone", "test")
+    operations.revoke_key("gone", "test")
+    before, rows = state(), row_counts()
+    refused(getattr(operator, method)(f"{API}/keys/{path}", body, format="json"), status, *words)
+    assert (state(), row_counts()) == (before, rows)
+
+
+def test_create_a_key_that_logs_bodies(operator):
+    shown = operator.post(f"{API}/keys/", {"name": "plain"}, format="json").json()
+    assert shown["log_bodies"] is False and ApiKey.objects.get(name="plain").log_bodies is False
+    response = operator.post(f"{API}/keys/", {"name": "logged", "log_bodies": True}, format="json")
+    assert response.status_code == 201, response.content
+    assert response.json()["log_bodies"] is True and ApiKey.objects.get(name="logged").log_bodies is True
+    assert Event.objects.get(kind="key.created", subject="logged").message.endswith("bodies logged")
+    assert operator.get(f"{API}/keys/logged/").json()["log_bodies"] is True
+    listed = {k["name"]: k["log_bodies"] for k in operator.get(f"{API}/keys/").json()["results"]}
+    assert listed == {"logged": True, "plain": False}
+
+
+@pytest.mark.parametrize("method", ["patch", "put"])
+def test_turn_a_keys_body_logging_on_and_off(operator, method):
+    operations.create_key("ci", "test", rpm=10)
+    change = getattr(operator, method)
+    shown = change(f"{API}/keys/ci/", {"log_bodies": True}, format="json").json()
+    assert (shown["log_bodies"], shown["rpm"]) == (True, 10)  # what is left out stays
+    assert ApiKey.objects.get(name="ci").log_bodies is True
+    assert Event.objects.get(kind="key.edited").message.endswith("edited: bodies logged")
+    assert change(f"{API}/keys/ci/", {"rpm": 20}, format="json").json()["log_bodies"] is True
+    shown = change(f"{API}/keys/ci/", {"log_bodies": False}, format="json").json()
+    assert shown["log_bodies"] is False and ApiKey.objects.get(name="ci").log_bodies is False
+    assert Event.objects.filter(kind="key.edited").first().message.endswith("edited: bodies not logged")
+
+
+@pytest.mark.parametrize(
+    "method, path, body, status, words",
+    [
+        ("post", "", {"name": "k", "log_bodies": "true"}, 400, ["log_bodies", "must be true or false"]),
+        ("post", "", {"name": "k", "log_bodies": 1}, 400, ["log_bodies", "must be true or false"]),
+        ("post", "", {"name": "k", "log_bodies": None}, 400, ["log_bodies", "may not be null"]),
+        ("patch", "ci/", {"log_bodies": "yes"}, 400, ["log_bodies", "must be true or false"]),
+        ("patch", "ci/", {"log_bodies": 0}, 400, ["log_bodies", "must be true or false"]),
+        ("put", "ci/", {"log_bodies": []}, 400, ["log_bodies", "must be true or false"]),
+        ("patch", "ci/", {"log_bodies": None}, 400, ["log_bodies", "may not be null"]),
+        ("patch", "ci/", {"log_bodies": True, "rpm": 0}, 400, ["rpm", "greater than or equal to 1"]),
+        ("patch", "gone/", {"log_bodies": True}, 409, ["key gone is revoked"]),
+    ],
+)
+def test_log_bodies_refusals_change_nothing(operator, method, path, body, status, words):
+    operations.create_key("ci", "test")
     operations.create_key("gone", "test")
     operations.revoke_key("gone", "test")
     before, rows = state(), row_counts()

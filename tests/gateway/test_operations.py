@@ -17,7 +17,8 @@ ACTOR = "test"
 
 def keys() -> dict:
     """Every key's settings, with row_counts(): equal before and after a refused change."""
-    fields = ("name", "priority", "rpm", "tpm", "max_tokens", "allowed_models", "expires_at", "revoked_at")
+    fields = ("name", "priority", "rpm", "tpm", "max_tokens", "allowed_models", "expires_at", "revoked_at",
+              "log_bodies")
     return {"keys": list(ApiKey.objects.order_by("name").values_list(*fields)), **row_counts()}
 
 
@@ -72,6 +73,32 @@ def test_set_key_changes_what_is_given_and_says_what(db, monkeypatch):
     assert sent == [1, 1]
 
 
+def test_bodies_are_off_by_default_kept_when_asked_and_the_events_say_so(db):
+    assert operations.create_key("plain", ACTOR)[0].log_bodies is False
+    assert "bodies" not in Event.objects.get(kind="key.created", subject="plain").message  # the default goes unsaid
+    key, _ = operations.create_key("logged", ACTOR, log_bodies=True)
+    assert key.log_bodies is True and ApiKey.objects.get(name="logged").log_bodies is True
+    assert Event.objects.get(kind="key.created", subject="logged").message.endswith("all models, bodies logged")
+
+    operations.set_key("plain", ACTOR, log_bodies=True)
+    assert ApiKey.objects.get(name="plain").log_bodies is True
+    assert Event.objects.filter(kind="key.edited").first().message.endswith("edited: bodies logged")
+    operations.set_key("plain", ACTOR, log_bodies=False, rpm=5)
+    assert ApiKey.objects.get(name="plain").log_bodies is False
+    assert Event.objects.filter(kind="key.edited").first().message.endswith("edited: rpm 5, bodies not logged")
+    operations.set_key("plain", ACTOR, log_bodies=False)  # unchanged: no Event
+    assert Event.objects.filter(kind="key.edited").count() == 2
+
+
+@pytest.mark.parametrize("value", ["true", "false", 1, 0, None, "yes"])
+def test_create_refuses_log_bodies_that_is_not_a_bool(db, value):
+    before = keys()
+    with pytest.raises(OperationError) as refused:
+        operations.create_key("k", ACTOR, log_bodies=value)
+    assert str(refused.value) == f"log_bodies is true or false, not {str(value)!r}"
+    assert keys() == before
+
+
 def test_set_key_with_nothing_different_writes_nothing(db, monkeypatch):
     operations.create_key("k1", ACTOR, rpm=10, priority="interactive")
     sent = []
@@ -102,6 +129,10 @@ def test_an_expired_key_may_be_given_a_new_expiry(db):
         ({"models": ["qwen", "nosuch"]}, NotFound, "no model named 'nosuch'"),
         ({"expires_at": timezone.now() - timedelta(days=1)}, OperationError, "is in the past"),
         ({"secret": "mine"}, OperationError, "a key has no setting secret"),
+        ({"log_bodies": "true"}, OperationError, "log_bodies is true or false, not 'true'"),
+        ({"log_bodies": 1}, OperationError, "log_bodies is true or false, not '1'"),
+        ({"log_bodies": None}, OperationError, "log_bodies is true or false, not 'None'"),
+        ({"log_bodies": True, "rpm": 0}, OperationError, "rpm must be a whole number"),
         # a valid change with a bad one: nothing at all
         ({"priority": "batch", "rpm": 5, "models": ["nosuch"]}, NotFound, "no model named 'nosuch'"),
     ],

@@ -1,4 +1,4 @@
-"""What the gateway routes by: the ready replicas, and how many are worth waiting for."""
+"""What the gateway routes by: the ready replicas, and how many are worth waiting for; the keys' settings."""
 
 from datetime import timedelta
 
@@ -6,7 +6,8 @@ import pytest
 from django.utils import timezone
 
 from cluster.models import ClusterSettings, Replica
-from gateway import table
+from gateway import operations, table
+from gateway.models import ApiKey
 from tests.factories import make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db
@@ -86,3 +87,12 @@ def test_a_model_is_found_by_name_then_by_alias_and_an_alias_never_shadows_a_nam
     assert loaded.find("claude-sonnet-4-5").name == "coder"  # the first model by name has an alias two have
     assert loaded.find("gpt-5-codex").name == "gpt-5-codex"  # the model's own name, not coder's alias
     assert loaded.find("old-alias") is None and loaded.find("Coder") is None
+
+
+def test_a_keys_settings_are_loaded_with_it(node):
+    operations.create_key("plain", "test")
+    operations.create_key("logged", "test", log_bodies=True, max_concurrency=3)
+    keys = {k.name: k for k in table.load().keys.values()}
+    assert (keys["plain"].log_bodies, keys["plain"].max_concurrency) == (False, None)
+    assert (keys["logged"].log_bodies, keys["logged"].max_concurrency) == (True, 3)
+    assert keys["logged"].id == ApiKey.objects.get(name="logged").pk

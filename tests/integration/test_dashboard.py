@@ -220,15 +220,18 @@ def test_create_a_batch_key_and_make_it_interactive_by_clicks(system, dash):
     create = dash.page.locator("#key-create-form")
     create.locator("input[name=name]").fill("dash-prio")
     create.locator("select[name=priority]").select_option("batch")
+    create.locator("input[name=log_bodies]").check()
     create.locator("button", has_text="Create key").click()
     dash.page.locator("#once-value").wait_for()
     dash.page.locator("tr[data-key=dash-prio] td.priority", has_text="batch").wait_for()
+    assert dash.page.locator("tr[data-key=dash-prio] td.bodies").inner_text().strip() == "logged"
     change = dash.page.locator("#key-set-form")
     change.locator("input[name=name]").fill("dash-prio")
     change.locator("select[name=priority]").select_option("interactive")
     change.locator("input[name=rpm]").fill("120")
     change.locator("input[name=budget]").fill("2M/day")
     change.locator("input[name=max_concurrency]").fill("3")
+    change.locator("select[name=log_bodies]").select_option("no")
     change.locator("button", has_text="Change key").click()
     dash.page.locator("tr[data-key=dash-prio] td.priority", has_text="interactive").wait_for()
     assert "key dash-prio changed" in dash.message()
@@ -237,6 +240,7 @@ def test_create_a_batch_key_and_make_it_interactive_by_clicks(system, dash):
     assert dash.page.locator("tr[data-key=dash-prio] td.concurrency").inner_text().strip() == "3"
     (key,) = [k for k in system.cli_json("ctl", "keys", "list") if k["name"] == "dash-prio"]
     assert (key["priority"], key["rpm"], key["state"], key["max_concurrency"]) == ("interactive", 120, "active", 3)
+    assert key["log_bodies"] is False and dash.page.locator("tr[data-key=dash-prio] td.bodies").inner_text() == "—"
     assert (key["budget"]["tokens"], key["budget"]["period"], key["budget"]["spent"]) == (2_000_000, "day", 0)
     assert dash.still_same_page()
 

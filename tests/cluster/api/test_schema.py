@@ -124,3 +124,14 @@ def test_schema_endpoint_serves_the_same_schema(db):
     served = response.json()
     validate(served)
     assert set(served["paths"]) >= {"/api/v1/models/", "/api/v1/status/"}
+
+
+def test_schema_gives_a_keys_log_bodies_as_a_boolean_never_required(schema):
+    components = schema["components"]["schemas"]
+    for path, method in (("/api/v1/keys/", "post"), ("/api/v1/keys/{name}/", "put"), ("/api/v1/keys/{name}/", "patch")):
+        request = schema["paths"][path][method]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        component = components[request.rsplit("/", 1)[1]]
+        assert component["properties"]["log_bodies"]["type"] == "boolean"
+        assert "LLMGW_REQUEST_LOG_BODY_BYTES" in component["properties"]["log_bodies"]["description"]
+        assert "log_bodies" not in component.get("required", [])  # left out: off when created, unchanged when set
+    assert components["ApiKey"]["properties"]["log_bodies"]["type"] == "boolean"
