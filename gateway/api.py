@@ -26,7 +26,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from cluster.api.base import NamedViewSet, NameField, StrictSerializer, datetime_param, text_param
-from cluster.api.errors import refused
+from cluster.api.errors import Refused, refused
 from cluster.api.schema import UNKNOWN_FILTER
 from cluster.models import Event
 from cluster.roles import role_of
@@ -347,9 +347,12 @@ class RequestRecordSerializer(serializers.ModelSerializer[RequestRecord]):
         return [phase._asdict() for phase in timeline.phases(record)]
 
 
+EVENT_ID_MAX = 2**63 - 1  # a database's largest id
+
+
 @extend_schema_view(
     list=extend_schema(
-        responses={200: RequestRecordSerializer(many=True)},
+        responses={200: RequestRecordSerializer(many=True), **UNKNOWN_FILTER},
         parameters=[
             OpenApiParameter("key", {"type": "string", "minLength": 1}, description="only this key's (a key name)"),
             OpenApiParameter("model", {"type": "string", "minLength": 1}, description="only this model's"),
@@ -360,7 +363,7 @@ class RequestRecordSerializer(serializers.ModelSerializer[RequestRecord]):
             OpenApiParameter("since", OpenApiTypes.DATETIME, description="only those from this ISO 8601 time on"),
             OpenApiParameter("replica", {"type": "string", "minLength": 1},
                              description="only those this replica answered (the last they were sent to)"),
-            OpenApiParameter("event", {"type": "integer", "minimum": 1},
+            OpenApiParameter("event", {"type": "integer", "minimum": 1, "maximum": EVENT_ID_MAX},
                              description="only those a replica's failure broke: the id of its replica.failed Event"),
         ]
     ),
@@ -392,10 +395,11 @@ class RequestRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
     @staticmethod
     def _broken_by(said: str) -> list[str]:
         """The requests the replica failure Event `said` (its id) broke."""
-        event = Event.objects.filter(pk=int(said), kind="replica.failed").first() if (
-            said.isascii() and said.isdigit() and len(said) <= 18) else None
+        if not (said.isascii() and said.isdigit() and 0 < int(said[:20]) <= EVENT_ID_MAX):
+            raise serializers.ValidationError({"event": [f"an Event's id, a whole number, not {said[:40]!r}"]})
+        event = Event.objects.filter(pk=int(said), kind="replica.failed").first()
         if event is None:
-            raise serializers.ValidationError({"event": [f"no replica.failed Event has id {said[:40]!r}"]})
+            raise Refused(f"no replica.failed Event has id {said}")
         return records.broken_by(event.subject, event.created_at)
 
     def get_object(self) -> RequestRecord:

@@ -115,7 +115,8 @@ def test_a_replicas_failure_event_lists_the_requests_it_broke(viewer, recorded):
     assert listed(viewer, f"?event={failed.id}") == ["broken"]
     assert listed(viewer, f"?event={long_before.id}") == []  # what broke an hour later was not its doing
     ready = Event.objects.create(kind="replica.ready", actor="agent:a", subject="smol-1", message="ready")
-    for said in (ready.id, 10**30, "x"):
+    refused(viewer.get(f"{API}/requests/?event={ready.id}"), 422, f"no replica.failed Event has id {ready.id}")
+    for said in (2**63, "x", "0", "²"):
         refused(viewer.get(f"{API}/requests/?event={said}"), 400, "event")
 
 
