@@ -76,7 +76,9 @@ class RequestRecord(models.Model):
     request_id = models.CharField(max_length=128, db_index=True)  # the client's X-Request-Id or the gateway's
     trace_id = models.CharField(max_length=32, blank=True, default="")  # its W3C trace
     at = models.DateTimeField(db_index=True)  # when it arrived
-    key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="requests")
+    # indexed by request_key_at (key first): an index of its own would cost every write and serve no read
+    key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="requests",
+                            db_index=False)
     model = models.CharField(max_length=128, blank=True, default="")  # the model's own name, or as asked if unknown
     asked = models.CharField(max_length=128, blank=True, default="")  # the name the client asked for (an alias)
     surface = models.CharField(max_length=32)  # chat/completions, completions, embeddings, messages, …
