@@ -6,6 +6,8 @@ this process knows), so it says why as the gateway saw it then; a few microsecon
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
@@ -20,6 +22,13 @@ def explain(ready: Sequence[str], *, chosen: str, walk: Iterable[str] | None, lo
     """Why `chosen` of the `ready` replicas. `walk`: the replicas in the order the request's key meets them on its
     model's ring (prefix routing), None for least in flight. `tried`: the replicas it was sent to before, each with
     what became of it. `queued`: admission granted the slot (its queue chose among the replicas with one free)."""
+    if walk is not None and not tried:  # most requests: the replica its key maps to took it, none passed over
+        first = next(iter(walk), None)
+        if first == chosen:
+            return _hit("session" if session else "prefix", chosen, load_of(chosen))
+        walk = itertools.chain((first,) if first is not None else (), walk)
+    elif walk is None and len(ready) == 1:  # the one replica there is
+        return _alone(chosen, load_of(chosen))
     loads = {name: load_of(name) for name in ready}
     policy = PREFIX if walk is not None else LEAST
     passed: list[tuple[str, str]] = []
@@ -49,3 +58,13 @@ def explain(ready: Sequence[str], *, chosen: str, walk: Iterable[str] | None, lo
                 passed.append((name, why_not(name, f"{n} in flight" if n > mine or queued
                                             else f"{n} in flight, as few (chosen at random)")))
     return Why(policy, hit, f"{chosen} ({loads.get(chosen, 0)} in flight)", tuple(passed))
+
+
+@functools.lru_cache(maxsize=4096)
+def _hit(hit: str, chosen: str, load: int) -> Why:
+    return Why(PREFIX, hit, f"{chosen} ({load} in flight)", ())
+
+
+@functools.lru_cache(maxsize=4096)
+def _alone(chosen: str, load: int) -> Why:
+    return Why(LEAST, "", f"{chosen} ({load} in flight)", ())

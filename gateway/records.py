@@ -198,8 +198,8 @@ def write(taken: list[Row]) -> None:
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.executemany(
             f"INSERT INTO {quote(RequestRecord._meta.db_table)} ({columns}) VALUES ({places})",
-            [(*row[:at], _time(row.at, sqlite), *row[at + 1:route], _route(row.route),
-              _encode([list(t) for t in row.tries]), *row[route + 2:]) for row in taken])
+            [(*row[:at], _time(row.at, sqlite), *row[at + 1:route], _route(row.route), _tries(row.tries),
+              *row[route + 2:]) for row in taken])
 
 
 _encode = json.JSONEncoder(separators=(",", ":")).encode
@@ -208,6 +208,16 @@ _encode = json.JSONEncoder(separators=(",", ":")).encode
 @functools.lru_cache(maxsize=4096)
 def _route(why: Why | None) -> str:
     return _encode(why.shown() if why else {})
+
+
+def _tries(tries: tuple[Try, ...]) -> str:
+    return "[" + ",".join(f"[{_text(t.replica)},{t.started_ms!r},{t.ended_ms!r},{_text(t.outcome)}]"
+                          for t in tries) + "]"
+
+
+@functools.lru_cache(maxsize=4096)
+def _text(value: str) -> str:
+    return _encode(value)
 
 
 def _time(at: float, sqlite: bool) -> object:
