@@ -162,6 +162,8 @@ def main(argv=None) -> int:
                         help="where --py-spy writes (default ./bench-profiles)")
     parser.add_argument("--baseline-tree", metavar="DIR", type=Path,
                         help="a checkout of another commit: target llmgw-base runs llmgw-uvicorn from it")
+    parser.add_argument("--database-url", metavar="URL",
+                        help="llmgw's database (an empty PostgreSQL one, say); default: SQLite in the temporary home")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, configs)")
     parser.add_argument("--json", metavar="FILE", help="also write every cell's numbers to FILE")
     parser.add_argument("--setup-llmgw", type=int, metavar="UPSTREAM_PORT", help=argparse.SUPPRESS)
@@ -222,7 +224,9 @@ def main(argv=None) -> int:
         if any(t.startswith("llmgw") for t in targets):
             home = workdir / "llmgw-home"
             home.mkdir()
-            env = dict(os.environ, LLMGW_HOME=str(home), DATABASE_URL=f"sqlite:///{home / 'db.sqlite3'}",
+            database = o.database_url or f"sqlite:///{home / 'db.sqlite3'}"
+            info["database"] = database.split("@")[-1]
+            env = dict(os.environ, LLMGW_HOME=str(home), DATABASE_URL=database,
                        PYTHONUNBUFFERED="1", DJANGO_SETTINGS_MODULE="llmgw.settings",
                        LLMGW_METRICS_TOKEN=metrics_token)
             env.pop("LLMGW_DEBUG", None)

@@ -137,7 +137,8 @@ class Call:
         way, used = self.way, self.used
         return Row(
             self.request_id, self.trace.trace_id if self.trace else "", time.time() - (ended - self.started),
-            self.key.id if self.key else None, self.model[:128], self.asked[:128], self.surface, self.streamed,
+            self.key.id if self.key else None, _clean(self.model[:128]), _clean(self.asked[:128]), self.surface,
+            self.streamed,
             status, self.error, admission.CLASSES[self.rank], None if way.waited is None else way.waited * 1000,
             way.replica if way.replica != "-" else "", way.attempts,
             None if used.first_chunk is None else (used.first_chunk - self.started) * 1000,
@@ -208,3 +209,8 @@ def _text(body: bytes, cut: bool, limit: int) -> str:
     """A body as the record keeps it: UTF-8 (what is not, replaced), said where it was cut."""
     text = body.decode(errors="replace").replace("\x00", "\ufffd")  # PostgreSQL's text holds no NUL
     return f"{text}\n[… cut at {limit} bytes]" if cut else text
+
+
+def _clean(name: str) -> str:
+    """A name as the client sent it, as a database keeps text: PostgreSQL's holds no NUL."""
+    return name.replace("\x00", "\ufffd") if "\x00" in name else name

@@ -24,6 +24,7 @@ from typing import Any, TypeVar, cast
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
+from django.db import DataError, IntegrityError
 from redis.asyncio import Redis
 from redis.typing import EncodableT, FieldT
 
@@ -235,6 +236,8 @@ class Gateway:
         if written:
             try:
                 await database_sync_to_async(records.write)(written)
+            except (DataError, IntegrityError) as exc:  # refused, not away: kept, they would be refused again
+                log.error("the database refused %d request records (%s); they are dropped", len(written), exc)
             except Exception as exc:
                 assert self.records is not None  # it gave what was written
                 self.records.keep(written)

@@ -119,6 +119,9 @@ async def test_each_request_leaves_its_record_with_its_id_trace_and_what_became_
     refused = await post(Client(Authorization=f"Bearer {cluster.secret}"), "chat/completions",
                          {"model": "nope", "messages": MESSAGES}, **{"X-Request-Id": "rec-2"})
     assert refused.status_code == 404
+    nul = await post(Client(Authorization=f"Bearer {cluster.secret}"), "chat/completions",
+                     {"model": "no\u0000pe", "messages": MESSAGES}, **{"X-Request-Id": "rec-nul"})
+    assert nul.status_code == 404  # and its record is written, on PostgreSQL too (its text holds no NUL)
     await runtime().books()  # what the process wrote every second anyway
 
     def kept(rid):
@@ -127,6 +130,7 @@ async def test_each_request_leaves_its_record_with_its_id_trace_and_what_became_
             "attempts", "prompt_tokens", "completion_tokens", "client", "trace_id", "total_ms", "waited_ms").get()
 
     served, lost = await sync_to_async(kept)("rec-1"), await sync_to_async(kept)("rec-2")
+    assert (await sync_to_async(kept)("rec-nul"))["asked"] == "no\ufffdpe"
     assert served["trace_id"] == TRACEPARENT.fullmatch(engine["traceparent"])[1]
     assert served["replica"] and served["total_ms"] > 0 and served["waited_ms"] is not None
     assert {k: served[k] for k in ("key__name", "model", "asked", "surface", "streamed", "status", "error",
