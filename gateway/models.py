@@ -113,4 +113,6 @@ class RequestRecord(models.Model):
     class Meta:
         ordering = ["-at", "-id"]
         indexes = [models.Index(fields=["key", "-at"], name="request_key_at"),
-                   models.Index(fields=["model", "-at"], name="request_model_at")]
+                   models.Index(fields=["model", "-at"], name="request_model_at"),
+                   # a replica's requests: the ones a failure broke (records.broken_by), `--replica`
+                   models.Index(fields=["replica", "-at"], name="request_replica_at")]

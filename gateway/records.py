@@ -154,7 +154,7 @@ def listed(key: str = "", model: str = "", status: str | None = None, slower_tha
 
 BROKEN_BEFORE = dt.timedelta(seconds=60)  # a failure Event is written after what it broke: the agent said it
 BROKEN_AFTER = dt.timedelta(seconds=10)
-LONGEST = dt.timedelta(hours=6)  # the longest request a failure is looked for in
+LONGEST = dt.timedelta(hours=1)  # the longest request a failure is looked for in
 
 
 def broken_by(replica: str, when: dt.datetime, limit: int = 50) -> list[str]:
