@@ -29,7 +29,10 @@ def _check_import_path(source: Path, actor: str) -> None:
 
 
 def import_model_file(path: str, actor: str, name: str | None = None) -> tuple[ModelFile, bool]:
-    source = Path(path).expanduser()
+    try:
+        source = Path(path).expanduser()
+    except RuntimeError:  # `~name` of a user this machine does not have
+        raise NotFound(f"no such file: {path}") from None
     _check_import_path(source, actor)
     if not source.exists():
         raise NotFound(f"no such file: {path}")

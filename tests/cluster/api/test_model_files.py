@@ -62,6 +62,7 @@ def test_import_garbage_that_says_gguf_is_a_clear_422(db, operator, tmp_path):
         ({"path": "/no/such/model.gguf"}, 422, ["import directories"]),
         ({"path": "/"}, 422, ["import directories"]),
         ({"path": "IMPORTS/missing.gguf"}, 422, ["no such file"]),
+        ({"path": "~no-such-user-\U0002aeee/model.gguf"}, 422, ["no such file"]),  # a home Python cannot find
         ({"path": "IMPORTS"}, 422, ["not a regular file"]),
         ({"path": ""}, 400, ["path", "blank"]),
         ({}, 400, ["path", "required"]),
