@@ -138,8 +138,7 @@ class Call:
         return Row(
             self.request_id, self.trace.trace_id if self.trace else "", time.time() - (ended - self.started),
             self.key.id if self.key else None, _clean(self.model[:128]), _clean(self.asked[:128]), self.surface,
-            self.streamed,
-            status, self.error, admission.CLASSES[self.rank], None if way.waited is None else way.waited * 1000,
+            self.streamed, status, self.error, admission.CLASSES[self.rank], None if way.waited is None else way.waited * 1000,
             way.replica if way.replica != "-" else "", way.attempts,
             None if used.first_chunk is None else (used.first_chunk - self.started) * 1000,
             (ended - self.started) * 1000, used.prompt, used.completion, self.client[:64],
@@ -203,11 +202,9 @@ class Call:
         )
 
 
-
-
 def _text(body: bytes, cut: bool, limit: int) -> str:
     """A body as the record keeps it: UTF-8 (what is not, replaced), said where it was cut."""
-    text = body.decode(errors="replace").replace("\x00", "\ufffd")  # PostgreSQL's text holds no NUL
+    text = _clean(body.decode(errors="replace"))
     return f"{text}\n[… cut at {limit} bytes]" if cut else text
 
 

@@ -47,7 +47,8 @@ class Try(NamedTuple):
     replica: str
     started_ms: float
     ended_ms: float
-    outcome: str  # "answered 200", "answered 503", "connect failed: …", "timed out", "broke off: …", "cancelled"
+    outcome: str  # "answered 200", "answered 503", "failed: …", "did not accept the connection", "did not answer in
+    # time", "cancelled: the client went away" (gateway/sending.py)
 
 
 class Row(NamedTuple):
@@ -195,8 +196,8 @@ def write(taken: list[Row]) -> None:
                         if isinstance(field := RequestRecord._meta.get_field(name), Field) and field.column)
     sqlite = connection.vendor == "sqlite"
     at, route = Row._fields.index("at"), Row._fields.index("route")
-    values: list[Any] = [(*row[:at], _time(row.at, sqlite), *row[at + 1:route], _route(row.route), _tries(row.tries),
-               *row[route + 2:]) for row in taken]
+    values: list[Any] = [(*row[:at], _time(row.at, sqlite), *row[at + 1:route], _route(row.route),
+                          _tries(row.tries), *row[route + 2:]) for row in taken]
     table = quote(RequestRecord._meta.db_table)
     with transaction.atomic(), connection.cursor() as cursor:
         if connection.vendor == "postgresql":
@@ -217,12 +218,12 @@ def _route(why: Why | None) -> str:
 
 
 def _tries(tries: tuple[Try, ...]) -> str:
-    return "[" + ",".join(f"[{_text(t.replica)},{t.started_ms!r},{t.ended_ms!r},{_text(t.outcome)}]"
+    return "[" + ",".join(f"[{_json_string(t.replica)},{t.started_ms!r},{t.ended_ms!r},{_json_string(t.outcome)}]"
                           for t in tries) + "]"
 
 
 @functools.lru_cache(maxsize=4096)
-def _text(value: str) -> str:
+def _json_string(value: str) -> str:
     return _encode(value.replace("\x00", "\ufffd"))  # PostgreSQL's JSON holds no NUL
 
 
