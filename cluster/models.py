@@ -260,6 +260,10 @@ class Model(models.Model):
     queue_limit = models.PositiveIntegerField(null=True, blank=True)
     max_wait_seconds = models.PositiveIntegerField(null=True, blank=True)
     routing = models.CharField(max_length=20, choices=Routing.choices, default=Routing.PREFIX)
+    # an answer whose engine fails mid-answer is resumed on another replica (issue 38): at most this many times
+    # per answer (0: never), and a streamed answer's engine silent this long counts as failed
+    resume_limit = models.PositiveSmallIntegerField(default=2)
+    stream_idle_timeout_seconds = models.PositiveIntegerField(default=30)  # at least 1
     # other names a request may give for it (ALIAS_PATTERN), sorted; none is a model's name or another's alias
     # (cluster/operations/models.py checks, under a lock); the gateway looks a name up first, so none shadows one
     aliases = models.JSONField(default=list, blank=True)
@@ -302,6 +306,13 @@ class Model(models.Model):
         idle = f", none after {format_duration(self.idle_after_seconds)} idle" if self.on_demand else ""
         return (f"{self.min_replicas} to {self.max_replicas} replicas at {self.target_inflight} requests in flight "
                 f"each (one replica fewer after {format_duration(self.scale_down_delay_seconds)} below that{idle})")
+
+    def resuming_text(self) -> str:
+        """How an answer whose engine fails mid-answer is resumed elsewhere, in an operator's words."""
+        if not self.resume_limit:
+            return "an answer never resumed on another replica"
+        return (f"an answer resumed on another replica at most {self.resume_limit} time(s) (a stream silent "
+                f"{format_duration(self.stream_idle_timeout_seconds)} counts as failed)")
 
     def capabilities(self) -> tuple[str, ...]:
         """What its replicas serve (ground.engines.CAPABILITIES), as its engine's driver reads its profile."""

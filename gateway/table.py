@@ -59,6 +59,8 @@ class ModelRoute:
     slots: int | None = None  # requests each replica takes at once (None: not known, admission leaves it be)
     queue_limit: int = 512  # requests that may wait for a slot
     max_wait: int = 120  # seconds one may wait for a slot
+    resume_limit: int = 2  # times one answer may be resumed on another replica after its engine fails (0: never)
+    stream_idle_timeout: float = 30.0  # seconds a streaming engine may send nothing before it counts as failed
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,9 @@ def load() -> Table:
                                   no_room.get(name, "") if name not in making_room else "", m.context(),
                                   m.max_logprobs, m.max_choices, tuple(m.aliases), m.slots(),
                                   m.queue_limit if m.queue_limit is not None else cluster.queue_limit,
-                                  m.max_wait_seconds if m.max_wait_seconds is not None else cluster.max_wait_seconds)
+                                  m.max_wait_seconds if m.max_wait_seconds is not None else cluster.max_wait_seconds,
+                                  resume_limit=m.resume_limit,
+                                  stream_idle_timeout=float(m.stream_idle_timeout_seconds))
     # each alias names one model (the operations check); were a race to give one to two, the first by name has it
     aliases = {alias: name for name in sorted(models, reverse=True) for alias in models[name].aliases}
     keys = {

@@ -32,7 +32,9 @@ from cluster.operations.validation import (
     MEMORY,
     QUEUE_LIMIT,
     REPLICAS,
+    RESUME_LIMIT,
     SCALING_SECONDS,
+    STREAM_IDLE_TIMEOUT,
     TARGET_INFLIGHT,
     WAIT_SECONDS,
     check_name,
@@ -130,6 +132,11 @@ def _model_values(values: dict[str, Any], actor: str) -> dict[str, Any]:
     for field, label in (("min_replicas", "min replicas"), ("max_replicas", "max replicas")):
         if values.get(field) is not None:
             clean[field] = REPLICAS.check(label, values[field])
+    if values.get("resume_limit") is not None:
+        clean["resume_limit"] = RESUME_LIMIT.check("resume limit", values["resume_limit"])
+    if values.get("stream_idle_timeout_seconds") is not None:
+        clean["stream_idle_timeout_seconds"] = STREAM_IDLE_TIMEOUT.check("stream idle timeout (seconds)",
+                                                                         values["stream_idle_timeout_seconds"])
     if values.get("target_inflight") is not None:
         clean["target_inflight"] = TARGET_INFLIGHT.check("target in flight", values["target_inflight"])
     for field, label in (("idle_after_seconds", "idle after"), ("scale_down_delay_seconds", "scale-down delay")):
@@ -226,9 +233,12 @@ def add_model(
     aliases: list[str] | None = None,
     queue_limit: int | None = None,
     max_wait_seconds: int | None = None,
+    resume_limit: int | None = None,
+    stream_idle_timeout_seconds: int | None = None,
 ) -> Model:
     """A new model: `replicas` fixed (1 unless given), or autoscaled between `min_replicas` and `max_replicas`;
-    `queue_limit` and `max_wait_seconds` None: the cluster's defaults."""
+    `queue_limit` and `max_wait_seconds` None: the cluster's defaults; `resume_limit` and
+    `stream_idle_timeout_seconds` None: the model's defaults (2 and 30)."""
     check_name("model", name)
     existing = Model.objects.filter(name=name).first()
     if existing:
@@ -257,6 +267,8 @@ def add_model(
                 "aliases": aliases or [],
                 "queue_limit": queue_limit,
                 "max_wait_seconds": max_wait_seconds,
+                "resume_limit": resume_limit,
+                "stream_idle_timeout_seconds": stream_idle_timeout_seconds,
             },
             actor,
         )
@@ -276,7 +288,8 @@ def add_model(
             f"model {name} added: {model.file.name} on {model.engine.name}, profile {model.profile.name}, "
             f"{model.scaling_text()}, {model.memory_estimate()} bytes each, "
             f"{'no cap on' if model.max_tokens is None else f'at most {model.max_tokens}'} tokens per completion, "
-            f"routed by {model.routing}{', also answering to ' + ', '.join(model.aliases) if model.aliases else ''}",
+            f"routed by {model.routing}, {model.resuming_text()}"
+            f"{', also answering to ' + ', '.join(model.aliases) if model.aliases else ''}",
             subject=name,
         )
         kick_reconciler()
