@@ -33,7 +33,9 @@ from cluster.operations.validation import (
     QUEUE_LIMIT,
     RECONCILE_INTERVAL,
     REPLICAS,
+    RESUME_LIMIT,
     SCALING_SECONDS,
+    STREAM_IDLE_TIMEOUT,
     TARGET_INFLIGHT,
     WAIT_SECONDS,
     Bounds,
@@ -343,10 +345,13 @@ class ModelSetForm(ButtonForm):
     routing = Choice("routing", Model.Routing.values)
     queue_limit = Count("queue limit", QUEUE_LIMIT, none=DEFAULT)
     max_wait = Duration("max wait", MAX_WAIT, none=DEFAULT)
+    resume_limit = Count("resume limit", RESUME_LIMIT)
+    stream_idle_timeout = Duration("stream idle timeout", STREAM_IDLE_TIMEOUT)
     confirm = forms.CharField(required=False)  # "yes": a change that needs confirming is confirmed
 
     renamed = {"idle_after": "idle_after_seconds", "scale_down_delay": "scale_down_delay_seconds",
-               "memory": "memory_bytes", "max_wait": "max_wait_seconds"}
+               "memory": "memory_bytes", "max_wait": "max_wait_seconds",
+               "stream_idle_timeout": "stream_idle_timeout_seconds"}
     sent_blank = frozenset({"nodes", "aliases", "queue_limit", "max_wait"})
     apart = frozenset({"confirm"})
 

@@ -20,7 +20,9 @@ from cluster.operations.validation import (
     MOST_REPLICAS,
     QUEUE_LIMIT,
     REPLICAS,
+    RESUME_LIMIT,
     SCALING_SECONDS,
+    STREAM_IDLE_TIMEOUT,
     TARGET_INFLIGHT,
     WAIT_SECONDS,
 )
@@ -57,6 +59,10 @@ QUEUE_LIMIT_HELP = ("requests that may wait for a slot of its replicas, refused 
                     " null: the cluster's default (settings)")
 MAX_WAIT_HELP = ("seconds a request may wait for a slot, answered with a 503 queue_timeout past it; null: the"
                  " cluster's default (settings)")
+RESUME_LIMIT_HELP = ("times one answer may be resumed on another replica when its engine fails mid-answer; 0: never"
+                     " (default 2)")
+STREAM_IDLE_TIMEOUT_HELP = ("seconds a streaming engine may send nothing before its answer counts as failed and is"
+                            " resumed on another replica (default 30)")
 
 
 class QueueShownSerializer(serializers.Serializer):
@@ -113,6 +119,8 @@ class ServedModelSerializer(serializers.ModelSerializer):
     )
     queue_limit = serializers.IntegerField(read_only=True, allow_null=True, help_text=QUEUE_LIMIT_HELP)
     max_wait_seconds = serializers.IntegerField(read_only=True, allow_null=True, help_text=MAX_WAIT_HELP)
+    resume_limit = serializers.IntegerField(read_only=True, help_text=RESUME_LIMIT_HELP)
+    stream_idle_timeout_seconds = serializers.IntegerField(read_only=True, help_text=STREAM_IDLE_TIMEOUT_HELP)
     queue = serializers.SerializerMethodField(
         help_text="its admission queue: requests waiting for a slot, the oldest's wait, and the bounds in effect"
     )
@@ -140,6 +148,8 @@ class ServedModelSerializer(serializers.ModelSerializer):
             "queue_limit",
             "max_wait_seconds",
             "queue",
+            "resume_limit",
+            "stream_idle_timeout_seconds",
             "min_replicas",
             "max_replicas",
             "target_inflight",
@@ -251,6 +261,9 @@ class ServedModelUpdateSerializer(ScalingFields):
                                            help_text=QUEUE_LIMIT_HELP)
     max_wait_seconds = serializers.IntegerField(required=False, **MAX_WAIT.limits,
                                                 allow_null=True, help_text=MAX_WAIT_HELP)
+    resume_limit = serializers.IntegerField(required=False, **RESUME_LIMIT.limits, help_text=RESUME_LIMIT_HELP)
+    stream_idle_timeout_seconds = serializers.IntegerField(required=False, **STREAM_IDLE_TIMEOUT.limits,
+                                                           help_text=STREAM_IDLE_TIMEOUT_HELP)
 
 
 class ServedModelCreateSerializer(ScalingFields):
@@ -280,3 +293,8 @@ class ServedModelCreateSerializer(ScalingFields):
                                            help_text=QUEUE_LIMIT_HELP)
     max_wait_seconds = serializers.IntegerField(**MAX_WAIT.limits, allow_null=True,
                                                 default=None, help_text=MAX_WAIT_HELP)
+    resume_limit = serializers.IntegerField(**RESUME_LIMIT.limits, allow_null=True, default=None,
+                                            help_text=RESUME_LIMIT_HELP + "; null: the default")
+    stream_idle_timeout_seconds = serializers.IntegerField(**STREAM_IDLE_TIMEOUT.limits, allow_null=True,
+                                                           default=None,
+                                                           help_text=STREAM_IDLE_TIMEOUT_HELP + "; null: the default")

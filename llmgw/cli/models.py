@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ground.confirmation import needs_confirmation
-from ground.units import format_age
+from ground.units import format_age, format_duration
 from llmgw.cli.args import UNSET, parse_size_arg
 from llmgw.cli.client import CliError
 from llmgw.cli.output import age, as_json, moment, now, size, table
@@ -20,15 +20,25 @@ def models_list(o, out):
         replicas = scaling["replicas_text"]  # the domain's one figure (cluster.queries.scaling_shown)
         idle = moment(scaling["idle_at"])
         rows.append(
-            [m["name"], m["engine"], m["profile"], ",".join(m["capabilities"]), m["routing"], scaling["mode"],
-             replicas, *_queue_columns(m.get("queue")),
+            [m["name"], m["engine"], m["profile"], ",".join(m["capabilities"]), m["routing"], _resuming(m),
+             scaling["mode"], replicas, *_queue_columns(m.get("queue")),
              age(scaling["last_request_at"], at) + " ago" if scaling["last_request_at"] else "-",
              ("in " + format_age((idle - at).total_seconds())) if idle and idle > at else ("now" if idle else "-"),
              size(m["memory_bytes"]), ",".join(m["aliases"]) or "-",
              "removing" if m["removing"] else m["placement_note"]]
         )
-    table(["NAME", "ENGINE", "PROFILE", "SERVES", "ROUTING", "MODE", "READY/WANT", "WAITING", "LONGEST WAIT",
+    table(["NAME", "ENGINE", "PROFILE", "SERVES", "ROUTING", "RESUME", "MODE", "READY/WANT", "WAITING", "LONGEST WAIT",
            "LAST REQUEST", "IDLE", "MEMORY", "ALIASES", "NOTE"], rows, out)
+
+
+def _resuming(model: dict) -> str:
+    """RESUME: how often one answer may be resumed on another replica when its engine fails, and how long a
+    streaming engine may stay silent before it counts as failed: `2, idle 30s`; `off, idle 30s`."""
+    limit = model.get("resume_limit")
+    idle = model.get("stream_idle_timeout_seconds")
+    if limit is None or idle is None:  # a server from before issue 38
+        return "-"
+    return f"{limit or 'off'}, idle {format_duration(idle)}"
 
 
 def _queue_columns(queue: dict | None) -> tuple[str, str]:
@@ -66,6 +76,7 @@ def model_add(o, out):
         "max_tokens": o["max_tokens"], "max_logprobs": o["max_logprobs"], "max_choices": o["max_choices"],
         "routing": o["routing"], "aliases": o.get("aliases") or [], **_scaling_values(o),
         "queue_limit": o.get("queue_limit"), "max_wait_seconds": o.get("max_wait"),
+        "resume_limit": o.get("resume_limit"), "stream_idle_timeout_seconds": o.get("stream_idle_timeout"),
     }
     if o["memory"]:
         body["memory_bytes"] = parse_size_arg(o["memory"])
@@ -96,18 +107,22 @@ def model_set(o, out):
     for option, field in (("queue_limit", "queue_limit"), ("max_wait", "max_wait_seconds")):
         if o.get(option, UNSET) is not UNSET:  # None is a value here: the cluster's default
             values[field] = o[option]
+    for option, field in (("resume_limit", "resume_limit"), ("stream_idle_timeout", "stream_idle_timeout_seconds")):
+        if o.get(option) is not None:
+            values[field] = o[option]
     values.update(_scaling_values(o))
     if not values:
         raise CliError(
             "nothing to change: give --replicas, --min-replicas, --max-replicas, --target-inflight, --idle-after, "
             "--scale-down-delay, --profile, --engine, --file, --memory, --nodes, --wait, --max-tokens, --max-logprobs, "
-            "--max-choices, --routing, --alias, --queue-limit or --max-wait"
+            "--max-choices, --routing, --alias, --queue-limit, --max-wait, --resume-limit or --stream-idle-timeout"
         )
     if any(values.get(k) is not None for k in ("replicas", "min_replicas", "max_replicas")) and not o.get("yes"):
         _confirmed(o, o["api"].get(f"models/{o['name']}/"), values)
     model = o["api"].patch(f"models/{o['name']}/", values, doing="change models")
     out.write(f"model {model['name']}: {model['scaling_text']}, profile {model['profile']}, engine {model['engine']}, "
-              f"routing {model['routing']}, aliases {', '.join(model['aliases']) or 'none'}\n")
+              f"routing {model['routing']}, aliases {', '.join(model['aliases']) or 'none'}, "
+              f"resume {_resuming(model)}\n")
 
 
 def model_remove(o, out):

@@ -111,6 +111,16 @@ def queue_args(p, default) -> None:
                         "(default: the cluster's, ctl settings)")
 
 
+def resume_args(p) -> None:
+    """Issue 38: an answer whose engine fails mid-answer is resumed on another replica, within bounds."""
+    p.add_argument("--resume-limit", type=int, default=None, metavar="N",
+                   help="times one answer may be resumed on another replica when its engine fails mid-answer "
+                        "(default 2; 0: off)")
+    p.add_argument("--stream-idle-timeout", type=duration_arg, default=None, metavar="DURATION",
+                   help="how long a streaming engine may stay silent before its answer is resumed elsewhere, e.g. "
+                        "30s (default 30s)")
+
+
 def build(parser) -> None:
     """The whole `llmgw` command tree."""
 
@@ -296,6 +306,7 @@ def build(parser) -> None:
     p.add_argument("--alias", dest="aliases", type=aliases_arg, default=None, metavar="NAME,...",
                    help=ALIAS_HELP)
     queue_args(p, default=None)
+    resume_args(p)
     p.add_argument("--yes", action="store_true", help=YES_HELP)
     p.set_defaults(func=model_add)
     p = model.add_parser("set", help="change a model")
@@ -318,6 +329,7 @@ def build(parser) -> None:
     p.add_argument("--alias", dest="aliases", type=aliases_arg, default=None, metavar="NAME,...|none",
                    help=ALIAS_HELP + "; '' or none: no aliases")
     queue_args(p, default=UNSET)
+    resume_args(p)
     p.add_argument("--yes", action="store_true", help=YES_HELP)
     p.set_defaults(func=model_set)
     p = model.add_parser("remove", help="stop all its replicas and remove it")
