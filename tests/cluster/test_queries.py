@@ -10,7 +10,7 @@ from django.core.management import call_command
 from django.utils import timezone
 
 from cluster import planner, queries, reconciler
-from cluster.models import GIB, Replica
+from cluster.models import GIB, Event, Replica
 from tests.factories import make_model, make_node, make_replica, session_for
 
 S = Replica.State
@@ -372,6 +372,85 @@ def test_a_models_routing_is_set_the_same_way_everywhere(db, operator):
     said = page.post("/models/r-api/set/", {"routing": "sticky"}, HTTP_HX_REQUEST="true").content.decode()
     assert "routing is one of prefix, least-inflight, not &#x27;sticky&#x27;" in said
     assert row_counts() == before and Model.objects.get(name="r-api").routing == "least-inflight"
+
+
+def test_how_an_answer_is_resumed_is_set_the_same_way_everywhere(db, operator):
+    """resume_limit (2 unless set; 0: off) and stream_idle_timeout_seconds (30 unless set; a duration on the CLI and
+    the page), by the CLI, the REST API and the dashboard, shown by each; a value out of range refused alike (one
+    line, a DRF 400 naming the field, a form message), changing nothing."""
+    from django.core.management.base import CommandError
+
+    from cluster.models import Model
+    from tests.factories import make_file, row_counts
+
+    f = make_file(name="tiny.gguf")
+    page = session_for("operator")
+
+    def resuming():
+        return {name: (limit, idle) for name, limit, idle in
+                Model.objects.values_list("name", "resume_limit", "stream_idle_timeout_seconds")}
+
+    cli("ctl", "model", "add", "by-cli", "--file", f.sha256, "--engine", "llama.cpp")
+    cli("ctl", "model", "add", "by-cli-0", "--file", f.sha256, "--engine", "llama.cpp", "--resume-limit", "0",
+        "--stream-idle-timeout", "2m")
+    made = operator.post("/api/v1/models/", {"name": "by-api", "file": f.sha256, "engine": "llama.cpp"},
+                         format="json").json()
+    assert (made["resume_limit"], made["stream_idle_timeout_seconds"]) == (2, 30)
+    page.post("/models/add/", {"name": "by-page", "file": f.sha256, "engine": "llama.cpp", "resume_limit": "5",
+                               "stream_idle_timeout": "45s"})
+    assert resuming() == {"by-cli": (2, 30), "by-cli-0": (0, 120), "by-api": (2, 30), "by-page": (5, 45)}
+
+    said = cli("ctl", "model", "set", "by-cli", "--resume-limit", "10", "--stream-idle-timeout", "1h")
+    assert said.rstrip().endswith("resume 10, idle 1h")
+    changed = operator.patch("/api/v1/models/by-api/", {"resume_limit": 1}, format="json").json()
+    assert (changed["resume_limit"], changed["stream_idle_timeout_seconds"]) == (1, 30)  # the other left as it is
+    page.post("/models/by-page/set/", {"resume_limit": "0", "stream_idle_timeout": "1"})
+    expected = {"by-cli": (10, 3600), "by-cli-0": (0, 120), "by-api": (1, 30), "by-page": (0, 1)}
+    assert resuming() == expected
+    shown = {m["name"]: (m["resume_limit"], m["stream_idle_timeout_seconds"])
+             for m in json.loads(cli("ctl", "models", "--json"))}
+    assert shown == expected
+    read = operator.get("/api/v1/models/").json()["results"]
+    assert {m["name"]: (m["resume_limit"], m["stream_idle_timeout_seconds"]) for m in read} == expected
+    listed = cli("ctl", "models")
+    assert "RESUME" in listed.splitlines()[0]
+    assert re.search(r"^by-cli .* 10, idle 1h ", listed, re.M) and re.search(r"^by-cli-0 .* off, idle 2m ", listed, re.M)
+    edited = [e.message for e in Event.objects.filter(kind="model.edited", subject="by-cli")]
+    assert edited == ["model by-cli edited: resume_limit=10, stream_idle_timeout_seconds=3600"]
+    listing = page.get("/models/").content.decode()
+    assert "an answer resumed on another replica at most 1 time(s) (a stream silent 30s counts as failed)" in listing
+    assert "an answer never resumed on another replica" in listing
+    assert 'name="resume_limit" type="number" min="0" max="10"' in listing
+    assert 'name="stream_idle_timeout" size="5" value="1h"' in listing
+
+    before = row_counts()
+    for flag, bad, said in (("--resume-limit", "11", "resume_limit"), ("--resume-limit", "-1", "resume_limit"),
+                            ("--resume-limit", "two", "--resume-limit"),
+                            ("--stream-idle-timeout", "0", "stream_idle_timeout_seconds"),
+                            ("--stream-idle-timeout", "2h", "stream_idle_timeout_seconds"),
+                            ("--stream-idle-timeout", "soon", "--stream-idle-timeout")):
+        for command in (("set", "by-api"), ("add", "by-cli-bad", "--file", f.sha256, "--engine", "llama.cpp")):
+            with pytest.raises(CommandError, match=said) as refused:
+                cli("ctl", "model", *command, flag, bad)
+            assert "\n" not in str(refused.value), (flag, bad)
+    for field, bad in (("resume_limit", 11), ("resume_limit", -1), ("resume_limit", None), ("resume_limit", "x"),
+                       ("stream_idle_timeout_seconds", 0), ("stream_idle_timeout_seconds", 3601),
+                       ("stream_idle_timeout_seconds", True)):
+        answer = operator.patch("/api/v1/models/by-api/", {field: bad, "max_tokens": 9}, format="json")
+        assert answer.status_code == 400 and field in answer.json(), (field, bad)
+        if bad is not None:
+            answer = operator.post("/api/v1/models/", {"name": "by-api-bad", "file": f.sha256, "engine": "llama.cpp",
+                                                       field: bad}, format="json")
+            assert answer.status_code == 400 and field in answer.json(), (field, bad)
+    said = page.post("/models/by-api/set/", {"resume_limit": "11"}, HTTP_HX_REQUEST="true").content.decode()
+    assert "resume limit must be a whole number from 0 to 10, not 11" in said
+    said = page.post("/models/by-api/set/", {"stream_idle_timeout": "2h", "max_tokens": "9"}, HTTP_HX_REQUEST="true")
+    assert "stream idle timeout (seconds) must be a whole number from 1 to 3600, not 7200" in said.content.decode()
+    said = page.post("/models/add/", {"name": "by-page-bad", "file": f.sha256, "engine": "llama.cpp",
+                                      "stream_idle_timeout": "soon"}, HTTP_HX_REQUEST="true").content.decode()
+    assert "stream idle timeout: not a duration" in said
+    assert row_counts() == before and resuming() == expected
+    assert Model.objects.get(name="by-api").max_tokens == 4096
 
 
 def test_how_a_model_scales_is_shown_the_same_everywhere(db):
