@@ -133,6 +133,9 @@ def test_what_a_change_prints_is_the_same_from_anywhere(cluster, tmp_path):
     both("ctl", "model", "set", "m-{}", "--queue-limit", "10", "--max-wait", "30s")
     assert [(m.queue_limit, m.max_wait_seconds) for m in Model.objects.filter(name__in=["m-lcl", "m-rmt"])] == [
         (10, 30), (10, 30)]
+    both("ctl", "model", "set", "m-{}", "--resume-limit", "0", "--stream-idle-timeout", "90s")
+    assert set(Model.objects.filter(name__in=["m-lcl", "m-rmt"]).values_list(
+        "resume_limit", "stream_idle_timeout_seconds")) == {(0, 90)}
     both("ctl", "model", "set", "m-{}", "--queue-limit", "default")
     assert set(Model.objects.filter(name__in=["m-lcl", "m-rmt"]).values_list("queue_limit", "max_wait_seconds")) == {
         (None, 30)}

@@ -471,6 +471,40 @@ def test_a_models_queue_bounds_default_to_the_clusters(db):
     assert (model.queue_limit, model.max_wait_seconds) == (None, 30)
 
 
+def test_a_models_resuming_defaults_and_bounds(db):
+    """resume_limit 2 and stream_idle_timeout_seconds 30 unless given; 0 resumes turns it off; each change in the
+    model.edited event; a value out of its bounds (0-10 resumes, 1-3600 s) changes nothing."""
+    make_file("qwen.gguf")
+    model = operations.add_model("m1", ACTOR, file="qwen.gguf", engine="llama.cpp")
+    assert (model.resume_limit, model.stream_idle_timeout_seconds) == (2, 30)
+    assert "resumed on another replica at most 2 time(s) (a stream silent 30s counts as failed)" in (
+        Event.objects.get(kind="model.added", subject="m1").message)
+    model = operations.add_model("m2", ACTOR, file="qwen.gguf", engine="llama.cpp", resume_limit=0,
+                                 stream_idle_timeout_seconds=3600)
+    assert (model.resume_limit, model.stream_idle_timeout_seconds) == (0, 3600)
+    assert "an answer never resumed" in Event.objects.get(kind="model.added", subject="m2").message
+    operations.set_model("m1", ACTOR, resume_limit=10, stream_idle_timeout_seconds=1)
+    model = Model.objects.get(name="m1")
+    assert (model.resume_limit, model.stream_idle_timeout_seconds) == (10, 1)
+    assert Event.objects.get(kind="model.edited").message == (
+        "model m1 edited: resume_limit=10, stream_idle_timeout_seconds=1")
+    before = row_counts()
+    for values, message in (({"resume_limit": 11}, "resume limit must be a whole number from 0 to 10"),
+                            ({"resume_limit": -1}, "resume limit"),
+                            ({"resume_limit": True}, "resume limit"),
+                            ({"stream_idle_timeout_seconds": 0},
+                             r"stream idle timeout \(seconds\) must be a whole number from 1 to 3600"),
+                            ({"resume_limit": 3, "stream_idle_timeout_seconds": 3601}, "stream idle timeout"),
+                            ({"stream_idle_timeout_seconds": "30s"}, "stream idle timeout")):
+        with pytest.raises(OperationError, match=message):
+            operations.set_model("m1", ACTOR, **values)
+    with pytest.raises(OperationError, match="resume limit"):
+        operations.add_model("m3", ACTOR, file="qwen.gguf", engine="llama.cpp", resume_limit=11)
+    assert row_counts() == before
+    model.refresh_from_db()
+    assert (model.resume_limit, model.stream_idle_timeout_seconds) == (10, 1)
+
+
 def test_cluster_queue_defaults(db):
     cluster = operations.set_settings(ACTOR, queue_limit=64, max_wait_seconds=45)
     assert (cluster.queue_limit, cluster.max_wait_seconds) == (64, 45)

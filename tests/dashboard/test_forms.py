@@ -72,6 +72,13 @@ def test_a_blank_that_means_something_is_given_when_sent():
     assert valid(ModelSetForm(sent())).given() == {}
 
 
+def test_a_models_resuming_is_given_by_the_operations_names():
+    """Resume limit (0: off) and stream idle timeout (a duration); blank: as it is."""
+    form = valid(ModelSetForm(sent(resume_limit="0", stream_idle_timeout="2m")))
+    assert form.given() == {"resume_limit": 0, "stream_idle_timeout_seconds": 120}
+    assert valid(ModelSetForm(sent(resume_limit="", stream_idle_timeout=" "))).given() == {}
+
+
 def test_adding_a_model_keeps_its_name_file_and_confirmation_apart():
     form = valid(ModelAddForm(sent(name="chat", file="abc123", engine="llama.cpp", replicas="2", confirm="yes")))
     assert form.given() == {"engine": "llama.cpp", "replicas": 2}
@@ -91,6 +98,11 @@ def test_adding_a_model_keeps_its_name_file_and_confirmation_apart():
     ({"queue_limit": "many"}, "queue limit: 'many' is not a whole number"),
     ({"max_wait": "2h"}, "max wait (seconds) must be a whole number from 1 to 3600, not 7200"),
     ({"max_logprobs": "-1"}, "max logprobs must be a whole number from 0 to 2147483647, not -1"),
+    ({"resume_limit": "11"}, "resume limit must be a whole number from 0 to 10, not 11"),
+    ({"resume_limit": "twice"}, "resume limit: 'twice' is not a whole number"),
+    ({"stream_idle_timeout": "0"}, "stream idle timeout (seconds) must be a whole number from 1 to 3600, not 0"),
+    ({"stream_idle_timeout": "2h"}, "stream idle timeout (seconds) must be a whole number from 1 to 3600, not 7200"),
+    ({"stream_idle_timeout": "soon"}, "stream idle timeout: not a duration"),
     ({"routing": "random"}, "routing is one of prefix, least-inflight, not 'random'"),
     ({"nodes": "gpu-1 GPU_2"}, "invalid node name 'GPU_2'"),
 ])
@@ -109,7 +121,8 @@ def test_a_models_ranges_are_the_ones_the_api_publishes():
     for serializer in (ServedModelUpdateSerializer(), ServedModelCreateSerializer()):
         for name, field in ModelSetForm.base_fields.items():
             api = {"idle_after": "idle_after_seconds", "scale_down_delay": "scale_down_delay_seconds",
-                   "memory": "memory_bytes", "max_wait": "max_wait_seconds"}.get(name, name)
+                   "memory": "memory_bytes", "max_wait": "max_wait_seconds",
+                   "stream_idle_timeout": "stream_idle_timeout_seconds"}.get(name, name)
             bounds = getattr(field, "bounds", None)
             if bounds is not None:
                 theirs = serializer.fields[api]

@@ -89,6 +89,15 @@ def test_a_model_is_found_by_name_then_by_alias_and_an_alias_never_shadows_a_nam
     assert loaded.find("old-alias") is None and loaded.find("Coder") is None
 
 
+def test_a_models_resuming_is_loaded_with_it(node):
+    """How often an answer may be resumed elsewhere, and how long a stream may be silent: the model's (issue 38)."""
+    make_model("m")
+    make_model("off", resume_limit=0, stream_idle_timeout_seconds=90)
+    models = table.load().models
+    assert (models["m"].resume_limit, models["m"].stream_idle_timeout) == (2, 30.0)
+    assert (models["off"].resume_limit, models["off"].stream_idle_timeout) == (0, 90.0)
+
+
 def test_a_keys_settings_are_loaded_with_it(node):
     operations.create_key("plain", "test")
     operations.create_key("logged", "test", log_bodies=True, max_concurrency=3)

@@ -257,6 +257,45 @@ def test_bad_queue_bounds_are_refused_and_change_nothing(cluster, operator, chan
     assert Model.objects.get(name="qwen2.5-7b").queue_limit is None
 
 
+def test_resuming_defaults_and_changes_over_the_api(cluster, operator):
+    shown = operator.get(f"{API}/models/qwen2.5-7b/").json()
+    assert (shown["resume_limit"], shown["stream_idle_timeout_seconds"]) == (2, 30)
+    body = {"resume_limit": 0, "stream_idle_timeout_seconds": 120}
+    shown = operator.patch(f"{API}/models/qwen2.5-7b/", body, format="json").json()
+    assert (shown["resume_limit"], shown["stream_idle_timeout_seconds"]) == (0, 120)
+    assert "resume_limit=0, stream_idle_timeout_seconds=120" in Event.objects.get(kind="model.edited").message
+    body = {"name": "resumed", "file": "qwen.gguf", "engine": "llama.cpp", "resume_limit": 10,
+            "stream_idle_timeout_seconds": 1}
+    shown = operator.post(f"{API}/models/", body, format="json").json()
+    assert (shown["resume_limit"], shown["stream_idle_timeout_seconds"]) == (10, 1)
+    body = {"name": "defaults", "file": "qwen.gguf", "engine": "llama.cpp", "resume_limit": None}  # null: default
+    shown = operator.post(f"{API}/models/", body, format="json").json()
+    assert (shown["resume_limit"], shown["stream_idle_timeout_seconds"]) == (2, 30)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"resume_limit": -1}, ["resume_limit", "greater than or equal to 0"]),
+    ({"resume_limit": 11}, ["resume_limit", "less than or equal to 10"]),
+    ({"resume_limit": "2"}, ["resume_limit", "must be a whole number"]),
+    ({"stream_idle_timeout_seconds": 0}, ["stream_idle_timeout_seconds", "greater than or equal to 1"]),
+    ({"stream_idle_timeout_seconds": 3601}, ["stream_idle_timeout_seconds", "less than or equal to 3600"]),
+    ({"stream_idle_timeout_seconds": "30s"}, ["stream_idle_timeout_seconds", "must be a whole number"]),
+])
+def test_bad_resuming_is_refused_and_changes_nothing(cluster, operator, changes, words):
+    before = row_counts()
+    refused(operator.patch(f"{API}/models/qwen2.5-7b/", changes, format="json"), 400, *words)
+    body = {"name": "new", "file": "qwen.gguf", "engine": "llama.cpp", **changes}
+    refused(operator.post(f"{API}/models/", body, format="json"), 400, *words)
+    assert row_counts() == before
+    model = Model.objects.get(name="qwen2.5-7b")
+    assert (model.resume_limit, model.stream_idle_timeout_seconds) == (2, 30)
+
+
+def test_a_models_resuming_is_not_cleared_by_null(cluster, operator):
+    """PATCH null is refused (there is no "the cluster's" to fall back to), naming the field."""
+    refused(operator.patch(f"{API}/models/qwen2.5-7b/", {"resume_limit": None}, format="json"), 400, "resume_limit")
+
+
 def test_queue_shows_the_requests_waiting_for_every_model_of_a_page(cluster, viewer, queued_tickets):
     make_model("other")
     queued_tickets("qwen2.5-7b", 4.2, 1.0, 0.5, lapsed=2)
