@@ -288,7 +288,7 @@ def test_a_models_aliases_are_set_the_same_way_everywhere(db, operator):
                          "by-page": ["claude-3-5-haiku-20241022", "gpt-4o-mini"]}
 
     said = cli("ctl", "model", "set", "by-cli", "--alias", "gpt-5-codex")
-    assert said.endswith("routing prefix, aliases gpt-5-codex\n")
+    assert said.endswith("routing prefix, aliases gpt-5-codex, resume 2, idle 30s\n")
     changed = operator.patch("/api/v1/models/by-api/", {"aliases": ["claude-sonnet-4-5", "Claude:Latest"]},
                              format="json").json()
     assert changed["aliases"] == ["Claude:Latest", "claude-sonnet-4-5"]
