@@ -310,16 +310,17 @@ def _requests(request) -> dict:
     if not form.is_valid():  # a NUL, which no database column holds: that filter is dropped, and said so
         messages.error(request, form.problem())
     given = {name: form.cleaned_data.get(name, "") for name in ("key", "model", "status", "slower_than", "id")}
+    resumed = bool(form.cleaned_data.get("resumed"))
     try:
         rows = list(records.listed(given["key"], given["model"], given["status"] or None,
-                                   given["slower_than"] or None)[:200])
+                                   given["slower_than"] or None, resumed="true" if resumed else None)[:200])
     except records.FilterError as exc:
         messages.error(request, f"{exc.name.replace('_', ' ')}: {exc.message}")
         rows = []
     shown = records.listed().filter(request_id=given["id"]).first() if given["id"] else None
     if given["id"] and shown is None:
         messages.error(request, f"no request with id {given['id'][:128]!r} is on record")
-    return {"requests": rows, "shown": shown, **given, **(_request_shown(shown) if shown is not None else {})}
+    return {"requests": rows, "shown": shown, "resumed": resumed, **given, **(_request_shown(shown) if shown is not None else {})}
 
 
 PICTURE_LEFT, PICTURE_WIDTH, PICTURE_ROW = 260, 720, 24  # the timeline's picture: its label column, bars, rows
