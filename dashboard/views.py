@@ -260,7 +260,8 @@ def _usage(request) -> dict:
              for k in budgets.with_spent(with_budget, now) if (b := budgets.status(k, now))]
     plots = usage_charts.usage_plots(shown, rows, records.errors_per(by, shown.since, key, model), spend)
     models = set(Model.objects.values_list("name", flat=True)) | {str(r["model"]) for r in rows} | ({model} - {""})
-    return {"plots": plots, "by": by, "key": key, "model": model, "hours": usage_charts.HOURS,
+    return {"plots": plots, "budgeted": any(p.name == "budgets" for p in plots), "by": by, "key": key,
+            "model": model, "hours": usage_charts.HOURS,
             "days": usage_charts.DAYS, "keys": ApiKey.objects.order_by("name").values_list("name", flat=True),
             "models": sorted(models)}
 
@@ -298,8 +299,10 @@ def _events(request) -> dict:
         rows = rows.filter(kind__startswith=kind)
     if subject:
         rows = rows.filter(subject__icontains=subject)
-    # each with the requests it broke, when it is a replica's failure (as their records say)
-    shown = [(e, records.broken_by(e.subject, e.created_at, 10) if e.kind == "replica.failed" else [])
+    # each with the requests it broke, when it is a replica's failure (as their records say), or those it made
+    # resume elsewhere (as its Event says)
+    shown = [(e, records.broken_by(e.subject, e.created_at, 10) if e.kind == "replica.failed" else [],
+              e.data.get("requests", []) if e.kind == "replica.broke_off" and isinstance(e.data, dict) else [])
              for e in rows[:200]]
     return {"events": shown, "kind": kind, "subject": subject}
 
