@@ -162,3 +162,12 @@ def test_a_write_the_database_refused_is_tried_again_with_what_came_since():
     with connection.execute_wrapper(database_fails):
         async_to_sync(twice)()
     assert rows() == {("alice", "qwen", at(HOUR)): (2, 11, 11)}
+
+
+def test_on_postgresql_resumed_prompt_tokens_add_to_the_hours_row(on_postgresql):
+    alice = operations.create_key("alice", "test")[0]
+    for resumed in (400, 50):
+        ledger = Ledger()
+        ledger.add(alice.pk, "qwen", 10, 2, now=HOUR + 60, resumed=resumed)
+        usage.record(*ledger.take_usage())
+    assert Usage.objects.values_list("requests", "prompt_tokens", "resumed_prompt_tokens").get() == (2, 20, 450)
