@@ -9,7 +9,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from cluster.models import Event
-from gateway import records
+from gateway import metrics, records
 from gateway.models import ApiKey, RequestRecord
 from tests.rest import API, refused
 
@@ -212,6 +212,7 @@ def test_a_batch_with_resumes_writes_an_event_per_replica_it_resumed_away_from(d
     ("broke off: connection reset by peer; resumed", "closed"), ("broke off; resumed", "closed")])
 def test_a_resumed_trys_outcome_reads_as_its_reason(outcome, reason):
     assert records.resume_reason(outcome) == reason
+    assert tuple(records.RESUME_SAID) == metrics.RESUME_REASONS  # each reason in words, for its Event
 
 
 def test_the_resumed_filter_lists_only_resumed_requests(viewer, recorded):
