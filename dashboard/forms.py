@@ -293,6 +293,7 @@ class RequestsFilterForm(ButtonForm):
     model = forms.CharField(required=False)
     status = forms.CharField(required=False)
     slower_than = forms.CharField(required=False)
+    resumed = forms.BooleanField(required=False)  # only those resumed on another replica
     id = forms.CharField(required=False)
 
 

@@ -59,11 +59,17 @@ def window(by: str, now: datetime) -> Window:
     return Window("hour", tuple(hour - timedelta(hours=HOURS - 1 - i) for i in range(HOURS)))
 
 
-Row = Mapping[str, object]  # a usage row: key, model, hour (its bucket's start), requests, prompt and completion tokens
+# a usage row: key, model, hour (its bucket's start), requests, prompt and completion tokens, resumed prompt tokens
+Row = Mapping[str, object]
 
 
 def tokens(row: Row) -> float:
     return float(row["prompt_tokens"]) + float(row["completion_tokens"])  # type: ignore[arg-type]
+
+
+def resumed(row: Row) -> float:
+    """The prompt tokens of its answers' resumes on other replicas: the fleet's, not in the key's tokens."""
+    return float(row.get("resumed_prompt_tokens") or 0)  # type: ignore[arg-type]
 
 
 def series(rows: Iterable[Row], name: Callable[[Row], str], value: Callable[[Row], float],
@@ -224,5 +230,9 @@ def usage_plots(window: Window, rows: Sequence[Row], errors: Mapping[datetime, i
         requests_plot(window, requests.get("requests", [0.0] * len(window.starts)),
                       [float(errors.get(start, 0)) for start in window.starts]),
     ]
+    fleets = series(rows, lambda r: str(r["model"]), resumed, window.starts)
+    if any(any(v) for v in fleets.values()):  # shown only where answers were resumed
+        plots.append(stacked_plot("resumed-by-model", "Prompt tokens of resumes per model (the fleet's cost, not the "
+                                  "keys')", window, fleets))
     spend = budgets_plot(budgets)
     return [*plots, spend] if spend else plots

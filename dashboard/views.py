@@ -260,7 +260,8 @@ def _usage(request) -> dict:
              for k in budgets.with_spent(with_budget, now) if (b := budgets.status(k, now))]
     plots = usage_charts.usage_plots(shown, rows, records.errors_per(by, shown.since, key, model), spend)
     models = set(Model.objects.values_list("name", flat=True)) | {str(r["model"]) for r in rows} | ({model} - {""})
-    return {"plots": plots, "by": by, "key": key, "model": model, "hours": usage_charts.HOURS,
+    return {"plots": plots, "budgeted": any(p.name == "budgets" for p in plots), "by": by, "key": key,
+            "model": model, "hours": usage_charts.HOURS,
             "days": usage_charts.DAYS, "keys": ApiKey.objects.order_by("name").values_list("name", flat=True),
             "models": sorted(models)}
 
@@ -298,8 +299,10 @@ def _events(request) -> dict:
         rows = rows.filter(kind__startswith=kind)
     if subject:
         rows = rows.filter(subject__icontains=subject)
-    # each with the requests it broke, when it is a replica's failure (as their records say)
-    shown = [(e, records.broken_by(e.subject, e.created_at, 10) if e.kind == "replica.failed" else [])
+    # each with the requests it broke, when it is a replica's failure (as their records say), or those it made
+    # resume elsewhere (as its Event says)
+    shown = [(e, records.broken_by(e.subject, e.created_at, 10) if e.kind == "replica.failed" else [],
+              e.data.get("requests", []) if e.kind == "replica.broke_off" and isinstance(e.data, dict) else [])
              for e in rows[:200]]
     return {"events": shown, "kind": kind, "subject": subject}
 
@@ -310,16 +313,17 @@ def _requests(request) -> dict:
     if not form.is_valid():  # a NUL, which no database column holds: that filter is dropped, and said so
         messages.error(request, form.problem())
     given = {name: form.cleaned_data.get(name, "") for name in ("key", "model", "status", "slower_than", "id")}
+    resumed = bool(form.cleaned_data.get("resumed"))
     try:
         rows = list(records.listed(given["key"], given["model"], given["status"] or None,
-                                   given["slower_than"] or None)[:200])
+                                   given["slower_than"] or None, resumed="true" if resumed else None)[:200])
     except records.FilterError as exc:
         messages.error(request, f"{exc.name.replace('_', ' ')}: {exc.message}")
         rows = []
     shown = records.listed().filter(request_id=given["id"]).first() if given["id"] else None
     if given["id"] and shown is None:
         messages.error(request, f"no request with id {given['id'][:128]!r} is on record")
-    return {"requests": rows, "shown": shown, **given, **(_request_shown(shown) if shown is not None else {})}
+    return {"requests": rows, "shown": shown, "resumed": resumed, **given, **(_request_shown(shown) if shown is not None else {})}
 
 
 PICTURE_LEFT, PICTURE_WIDTH, PICTURE_ROW = 260, 720, 24  # the timeline's picture: its label column, bars, rows

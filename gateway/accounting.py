@@ -28,7 +28,8 @@ TRAFFIC_KEEP = 2 * 3600
 FIRST_CHUNK_FIELD = "ttft:"  # + the bucket's index in BUCKETS (len(BUCKETS): above the last), in a traffic hash
 
 
-UsageRows = dict[tuple[int, int, str], list[int]]  # (hour, key id, model) -> [requests, prompt, completion tokens]
+# (hour, key id, model) -> [requests, prompt, completion tokens, resumed prompt tokens (the fleet's, not the key's)]
+UsageRows = dict[tuple[int, int, str], list[int]]
 
 
 class TrafficMinute(TypedDict):
@@ -46,7 +47,7 @@ class Ledger:
     """This process's usage and last-use since the last flush."""
 
     def __init__(self) -> None:
-        self.usage: UsageRows = defaultdict(lambda: [0, 0, 0])
+        self.usage: UsageRows = defaultdict(lambda: [0, 0, 0, 0])
         self.last_used: dict[int, float] = {}
         self.traffic: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
         self.first_chunks: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # minute -> bucket -> n
@@ -62,17 +63,21 @@ class Ledger:
         if first_chunk is not None:
             self.first_chunks[minute][bisect.bisect_left(BUCKETS, first_chunk)] += 1
 
-    def add(self, key_id: int, model: str, prompt: int, completion: int, now: float | None = None) -> None:
+    def add(self, key_id: int, model: str, prompt: int, completion: int, now: float | None = None,
+            resumed: int = 0) -> None:
+        """One request's usage: its prompt and completion tokens (the key's), and `resumed`, the prompt tokens
+        its resumes on other replicas cost the fleet (not the key's: no budget or limit counts them)."""
         now = now or time.time()
         row = self.usage[(int(now // 3600) * 3600, key_id, model)]
         row[0] += 1
         row[1] += prompt
         row[2] += completion
+        row[3] += resumed
         self.last_used[key_id] = now
 
     def take_usage(self) -> tuple[UsageRows, dict[int, float]]:
         """The usage and last use counted since the last take, for the database (gateway/usage.py)."""
-        usage, self.usage = dict(self.usage), defaultdict(lambda: [0, 0, 0])
+        usage, self.usage = dict(self.usage), defaultdict(lambda: [0, 0, 0, 0])
         last_used, self.last_used = self.last_used, {}
         return usage, last_used
 

@@ -168,6 +168,9 @@ class UsageSerializer(serializers.Serializer[operations.UsageRow]):
     requests = serializers.IntegerField()
     prompt_tokens = serializers.IntegerField()
     completion_tokens = serializers.IntegerField()
+    resumed_prompt_tokens = serializers.IntegerField(help_text=(
+        "the prompt tokens of its answers' resumes on another replica (after an engine broke off mid-answer): the "
+        "fleet's cost, not the key's; not counted in its budget or limits"))
 
 
 class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewSet):
@@ -240,8 +243,8 @@ USAGE_FORMATS = ("json", "csv")
     list=extend_schema(
         responses={(200, "application/json"): UsageSerializer(many=True),
                    (200, "text/csv"): OpenApiResponse(OpenApiTypes.STR, description=(
-                       "a header row (key, model, hour, requests, prompt_tokens, completion_tokens), then a row "
-                       "each; every row unless limit or offset is given")),
+                       "a header row (key, model, hour, requests, prompt_tokens, completion_tokens, "
+                       "resumed_prompt_tokens), then a row each; every row unless limit or offset is given")),
                    (422, "application/json"): UNKNOWN_FILTER[422]},
         parameters=[
             OpenApiParameter("key", {"type": "string", "minLength": 1}, description="only this key's usage (a key name)"),
@@ -318,12 +321,17 @@ class RequestRecordSerializer(serializers.ModelSerializer[RequestRecord]):
         fields = ["request_id", "trace_id", "span_id", "parent_id", "at", "key", "model", "asked", "surface",
                   "streamed", "status", "error", "priority", "waited_ms", "position", "replica", "attempts", "route",
                   "tries", "ttft_ms", "total_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "prompt_ms",
-                  "generation_ms", "client", "timeline", "phases", "request_body", "response_body"]
+                  "generation_ms", "resumes", "resumed_prompt_tokens", "client", "timeline", "phases", "request_body",
+                  "response_body"]
         read_only_fields = fields
         extra_kwargs = {
             "request_body": {"help_text": "what the client sent, when its key logs bodies (cut at "
                                           "LLMGW_REQUEST_LOG_BODY_BYTES); admins only: absent for anyone else"},
             "response_body": {"help_text": "what it was answered (a stream's events), as far as kept; admins only"},
+            "resumes": {"help_text": "times its answer was resumed on another replica after its engine broke off "
+                                     "mid-answer (each such try's outcome ends \"; resumed\")"},
+            "resumed_prompt_tokens": {"help_text": "the prompt tokens of those resumes' continuation requests: the "
+                                                   "fleet's cost, not charged to its key"},
         }
 
     def to_representation(self, instance: RequestRecord) -> dict[str, Any]:
@@ -364,6 +372,9 @@ EVENT_ID_MAX = 2**63 - 1  # a database's largest id
                              description="only those this replica answered (the last they were sent to)"),
             OpenApiParameter("event", {"type": "integer", "minimum": 1, "maximum": EVENT_ID_MAX},
                              description="only those a replica's failure broke: the id of its replica.failed Event"),
+            OpenApiParameter("resumed", {"type": "string", "enum": list(records.RESUMED_FILTER)},
+                             description="true: only those whose answer was resumed on another replica; false: the "
+                                         "others"),
         ]
     ),
 )
@@ -388,7 +399,8 @@ class RequestRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
         since = datetime_param("since", params["since"]) if "since" in params else None
         try:
             found = records.listed(key=key or "", model=model or "", status=params.get("status"),
-                                   slower_than=params.get("slower_than"), since=since, replica=replica or "")
+                                   slower_than=params.get("slower_than"), since=since, replica=replica or "",
+                                   resumed=params.get("resumed"))
         except records.FilterError as exc:
             raise serializers.ValidationError({exc.name: [exc.message]}) from None
         if "event" in params:

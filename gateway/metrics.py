@@ -34,6 +34,14 @@ QUEUE_WAIT = Histogram("llmgw_queue_wait_seconds", "Time a request waited for a 
 ADMITTED = Counter("llmgw_admitted_requests_total", "Requests given a slot", ["model", "priority"])
 REJECTED = Counter("llmgw_rejected_requests_total", "Requests refused: the queue, the key's budget or concurrency",
                    ["model", "priority", "reason"])
+# an answer resumed on another replica after its engine broke off mid-answer, by why: the engine closed or reset
+# the connection, its stream went silent past the idle timeout, its replica left the fleet (failed, node lost),
+# or it answered an error event mid-stream
+RESUME_REASONS = ("closed", "silent", "lost", "error")
+RESUMES = Counter("llmgw_resumes_total", "Answers resumed on another replica after their engine broke off",
+                  ["model", "reason"])
+RESUMED_PROMPT = Counter("llmgw_resumed_prompt_tokens_total",
+                         "Prompt tokens of resumes' continuation requests: the fleet's cost, not the keys'", ["model"])
 
 
 class Replicas:
@@ -64,7 +72,7 @@ class ModelMetrics:
     touches seven of them."""
 
     __slots__ = ("model", "latency", "first_token", "waited", "attempts", "inflight", "prompt", "completion", "_requests",
-                 "queued")
+                 "queued", "_resumes", "resumed_prompt")
 
     def __init__(self, model: str):
         self.model = model
@@ -78,12 +86,18 @@ class ModelMetrics:
         self._requests: dict[int, Counter] = {}
         # a series at 0 from the model's first request, not from its first wait: a dashboard shows 0, not no data
         self.queued = {priority: QUEUED.labels(model, priority) for priority in PRIORITIES}
+        self._resumes = {reason: RESUMES.labels(model, reason) for reason in RESUME_REASONS}  # at 0 too, likewise
+        self.resumed_prompt = RESUMED_PROMPT.labels(model)
 
     def requests(self, status: int) -> Counter:
         series = self._requests.get(status)
         if series is None:
             series = self._requests[status] = REQUESTS.labels(self.model, str(status))
         return series
+
+    def resumes(self, reason: str) -> Counter:
+        """The resumes of this model's answers for a reason of RESUME_REASONS (closed, silent, lost, error)."""
+        return self._resumes[reason]
 
 
 _models: dict[str, ModelMetrics] = {}

@@ -63,6 +63,8 @@ class Usage(models.Model):
     requests = models.BigIntegerField(default=0)
     prompt_tokens = models.BigIntegerField(default=0)
     completion_tokens = models.BigIntegerField(default=0)
+    # prompt tokens its answers' resumes on another replica cost the fleet (not the key's: not in its budget)
+    resumed_prompt_tokens = models.BigIntegerField(default=0)
 
     class Meta:
         ordering = ["-hour", "key", "model"]
@@ -109,6 +111,9 @@ class RequestRecord(models.Model):
     # LLMGW_REQUEST_LOG_BODY_BYTES of each, as UTF-8; only an admin sees them
     request_body = models.TextField(blank=True, default="")
     response_body = models.TextField(blank=True, default="")
+    resumes = models.PositiveSmallIntegerField(default=0)  # times its answer was resumed on another replica
+    # the prompt tokens of those resumes' continuation requests: the fleet's cost, not charged to its key
+    resumed_prompt_tokens = models.PositiveIntegerField(default=0)
 
     class Meta:
         ordering = ["-at", "-id"]

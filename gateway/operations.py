@@ -53,7 +53,8 @@ class KeyFields(TypedDict, total=False):
     log_bodies: bool
 
 
-USAGE_COLUMNS = ("key", "model", "hour", "requests", "prompt_tokens", "completion_tokens")  # and the CSV's header
+# and the CSV's header
+USAGE_COLUMNS = ("key", "model", "hour", "requests", "prompt_tokens", "completion_tokens", "resumed_prompt_tokens")
 
 
 class UsageRow(TypedDict):
@@ -63,6 +64,7 @@ class UsageRow(TypedDict):
     requests: int
     prompt_tokens: int
     completion_tokens: int
+    resumed_prompt_tokens: int  # the prompts of its answers' resumes on other replicas: the fleet's cost, not the key's
 
 
 def _check_budget(tokens: int | str | None, period: str | None, had_period: str = "") -> KeyFields:
@@ -283,7 +285,8 @@ def usage_report(key: str | None = None, model: str | None = None, since: dateti
         rows = rows.filter(hour__gte=since.replace(minute=0, second=0, microsecond=0))
     start = TruncDay("hour", tzinfo=UTC) if by == "day" else F("hour")
     summed = (rows.annotate(start=start).values("key__name", "model", "start")
-              .annotate(r=Sum("requests"), p=Sum("prompt_tokens"), c=Sum("completion_tokens"))
+              .annotate(r=Sum("requests"), p=Sum("prompt_tokens"), c=Sum("completion_tokens"),
+                        f=Sum("resumed_prompt_tokens"))
               .order_by("-start", "key__name", "model"))
     return [
         {
@@ -293,6 +296,7 @@ def usage_report(key: str | None = None, model: str | None = None, since: dateti
             "requests": r["r"],
             "prompt_tokens": r["p"],
             "completion_tokens": r["c"],
+            "resumed_prompt_tokens": r["f"],
         }
         for r in (summed if limit is None else summed[:limit])
     ]

@@ -22,6 +22,9 @@ from django.db.models import Count, Field, QuerySet
 from django.db.models.functions import TruncDay, TruncHour
 from django.utils import timezone
 
+from cluster import events
+from cluster.models import Event
+from gateway.metrics import RESUME_REASONS
 from gateway.models import RequestRecord
 
 log = logging.getLogger("llmgw.gateway")
@@ -49,6 +52,9 @@ class Try(NamedTuple):
     ended_ms: float
     outcome: str  # "answered 200", "answered 503", "failed: …", "did not accept the connection", "did not answer in
     # time", "cancelled: the client went away" (gateway/sending.py)
+
+
+RESUMED = "; resumed"  # how the outcome of a try that broke off and was resumed on another replica ends
 
 
 class Row(NamedTuple):
@@ -84,6 +90,8 @@ class Row(NamedTuple):
     generation_ms: float | None
     request_body: str  # what the client sent, when its key logs bodies (else "")
     response_body: str  # what it was answered, as far as kept
+    resumes: int = 0  # times its answer was resumed on another replica (each such try's outcome ends RESUMED)
+    resumed_prompt_tokens: int = 0  # the continuation requests' prompts: the fleet's cost, not the key's
 
 
 class Records:
@@ -125,11 +133,11 @@ class FilterError(ValueError):
 
 
 def listed(key: str = "", model: str = "", status: str | None = None, slower_than: str | None = None,
-           since: dt.datetime | None = None, replica: str = "") -> QuerySet[RequestRecord]:
+           since: dt.datetime | None = None, replica: str = "", resumed: str | None = None) -> QuerySet[RequestRecord]:
     """The records newest first, those of a key (its name), a model, an answer's status (429) or class (5xx),
     slower than a time (2s, 500ms; a number: seconds), from a time on (None: not asked; "" is asked and wrong),
-    answered by a replica (the last it was sent to); FilterError for one it cannot read. The API, the CLI (through
-    it) and the dashboard filter alike."""
+    answered by a replica (the last it was sent to), resumed on another replica or not ("true", "false");
+    FilterError for one it cannot read. The API, the CLI (through it) and the dashboard filter alike."""
     found = RequestRecord.objects.select_related("key").order_by("-at", "-id")
     if key:
         found = found.filter(key__name=key)
@@ -150,7 +158,14 @@ def listed(key: str = "", model: str = "", status: str | None = None, slower_tha
         found = found.filter(total_ms__gt=float(said[1]) * _TO_MS[said[2]])
     if since is not None:
         found = found.filter(at__gte=since)
+    if resumed is not None:
+        if resumed not in RESUMED_FILTER:
+            raise FilterError("resumed", f"true or false, not {resumed[:40]!r}")
+        found = found.filter(resumes__gt=0) if resumed == "true" else found.filter(resumes=0)
     return found
+
+
+RESUMED_FILTER = ("true", "false")
 
 
 BROKEN_BEFORE = dt.timedelta(seconds=60)  # a failure Event is written after what it broke: the agent said it
@@ -199,14 +214,51 @@ def write(taken: list[Row]) -> None:
     values: list[Any] = [(*row[:at], _time(row.at, sqlite), *row[at + 1:route], _route(row.route),
                           _tries(row.tries), *row[route + 2:]) for row in taken]
     table = quote(RequestRecord._meta.db_table)
-    with transaction.atomic(), connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            with cursor.cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy:
-                for value in values:
-                    copy.write_row(value)
-        else:
-            cursor.executemany(f"INSERT INTO {table} ({columns}) VALUES ({', '.join(['%s'] * len(Row._fields))})",
-                               values)
+    resumed = [row for row in taken if row.resumes]
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            if connection.vendor == "postgresql":
+                with cursor.cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy:
+                    for value in values:
+                        copy.write_row(value)
+            else:
+                cursor.executemany(
+                    f"INSERT INTO {table} ({columns}) VALUES ({', '.join(['%s'] * len(Row._fields))})", values)
+        if resumed:  # written with the records, so a write tried again says them once
+            events.record_all(resume_events(resumed))
+
+
+# what a resumed try's outcome says (gateway/sending.py's words), read as a reason of metrics.RESUME_REASONS
+_REASON_WORDS = (("silent", ("went silent", "silent")), ("lost", ("left the fleet", "lost")),
+                 ("closed", ("closed", "eof", "reset")), ("error", ("error",)))
+RESUME_SAID = {"closed": "closed the connection", "silent": "went silent", "lost": "left the fleet",
+               "error": "answered an error mid-stream"}  # each of metrics.RESUME_REASONS (tests/gateway/test_records.py)
+
+
+def resume_reason(outcome: str) -> str:
+    """The reason (metrics.RESUME_REASONS) a resumed try's outcome gives: `closed` where it names none."""
+    said = outcome.lower()
+    return next((reason for reason, words in _REASON_WORDS if any(word in said for word in words)), "closed")
+
+
+def resume_events(rows: list[Row]) -> list[Event]:
+    """An Event (unsaved) per replica the rows' answers were resumed away from, as their tries say: how many
+    answers, and why they broke off (`replica.broke_off`, on the replica's Events)."""
+    away: dict[str, dict[str, str]] = {}  # replica -> {request id: reason}, in order
+    for row in rows:
+        for t in row.tries:
+            if t.outcome.endswith(RESUMED):
+                away.setdefault(t.replica, {}).setdefault(row.request_id, resume_reason(t.outcome))
+    out = []
+    for replica, answers in away.items():
+        reasons = {reason: list(answers.values()).count(reason) for reason in RESUME_REASONS
+                   if reason in answers.values()}
+        n = len(answers)
+        out.append(Event(kind="replica.broke_off", actor="gateway", subject=replica, data={
+            "answers": n, "reasons": reasons, "requests": list(answers)[:20]}, message=(
+            f"replica {replica}: {n} answer{'s' if n != 1 else ''} resumed elsewhere after it broke off "
+            f"({' / '.join(RESUME_SAID[r] for r in reasons)})")))
+    return out
 
 
 _encode = json.JSONEncoder(separators=(",", ":")).encode

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
+from gateway.records import RESUMED
+
 
 class Recorded(Protocol):
     """What of a record (gateway.models.RequestRecord) the story is told from."""
@@ -94,8 +96,16 @@ def timeline(r: Recorded) -> list[Step]:
         last = i == len(tries) - 1
         if last and r.route:
             steps.append(Step(started, f"replica {replica} chosen: {why(r.route)}"))
-        steps.append(Step(started, f"attempt {i + 1}: sent to {replica}"))
-        steps.append(Step(ended, f"attempt {i + 1}: {replica} {outcome}"))
+        if i and tries[i - 1][3].endswith(RESUMED):
+            steps.append(Step(started, f"attempt {i + 1}: resumed on {replica}, the answer going on from where "
+                                       f"{tries[i - 1][0]} broke off"))
+        else:
+            steps.append(Step(started, f"attempt {i + 1}: sent to {replica}"))
+        if outcome.endswith(RESUMED):
+            steps.append(Step(ended, f"attempt {i + 1}: {replica} {outcome.removesuffix(RESUMED)}: resumed on "
+                                     + (f"{tries[i + 1][0]}" if not last else "another replica")))
+        else:
+            steps.append(Step(ended, f"attempt {i + 1}: {replica} {outcome}"))
     if r.ttft_ms is not None:
         steps.append(Step(r.ttft_ms, "first token"))
     if tries and (said := engine_figures(r)):
@@ -116,7 +126,10 @@ def phases(r: Recorded) -> list[Phase]:
         out.append(Phase(f"{replica}: {outcome}", started, ended, "failed"))
     if tries:
         replica, started, ended, outcome = tries[-1]
-        if not outcome.startswith("answered 2"):
+        if len(tries) > 1 and tries[-2][3].endswith(RESUMED) and outcome.startswith("answered 2"):
+            # its first token came from a replica before: the rest of the answer is this one's
+            out.append(Phase(f"resumed on {replica} {_ms(r.total_ms - started)}", started, r.total_ms, "generation"))
+        elif not outcome.startswith("answered 2"):
             out.append(Phase(f"{replica}: {outcome}", started, max(ended, started), "failed"))
         elif r.ttft_ms is not None:  # a stream: its first token ends the prompt's part
             out.append(Phase(f"prompt {_ms(r.ttft_ms - started)}", started, r.ttft_ms, "prompt"))

@@ -20,20 +20,21 @@ from gateway.models import ApiKey, Usage
 
 def record(rows: dict[tuple[int, int, str], list[int]], last_used: dict[int, float],
            spends: Iterable[tuple[int, str, datetime]] = ()) -> dict[tuple[int, str, datetime], int]:
-    """Add `rows` ((hour, key id, model) -> [requests, prompt tokens, completion tokens]) to the usage, set each
-    key's last use, and read back what each of `spends` ((key id, period, start)) has spent. A deleted key's
+    """Add `rows` ((hour, key id, model) -> [requests, prompt tokens, completion tokens, resumed prompt tokens]) to
+    the usage, set each key's last use, and read back what each of `spends` ((key id, period, start)) has spent. A deleted key's
     usage is dropped."""
     with transaction.atomic():
         wanted = {k for _, k, _ in rows} | set(last_used)
         existing = set(ApiKey.objects.filter(pk__in=wanted).values_list("pk", flat=True))
-        for (hour, key_id, model), (requests, prompt, completion) in rows.items():
+        for (hour, key_id, model), (requests, prompt, completion, resumed) in rows.items():
             if key_id not in existing:
                 continue
             row, _ = Usage.objects.get_or_create(
                 key_id=key_id, model=model, hour=datetime.fromtimestamp(hour, tz=UTC))
             Usage.objects.filter(pk=row.pk).update(
                 requests=F("requests") + requests, prompt_tokens=F("prompt_tokens") + prompt,
-                completion_tokens=F("completion_tokens") + completion)
+                completion_tokens=F("completion_tokens") + completion,
+                resumed_prompt_tokens=F("resumed_prompt_tokens") + resumed)
         for key_id, ts in last_used.items():
             if key_id in existing:
                 when = datetime.fromtimestamp(ts, tz=UTC)

@@ -85,3 +85,20 @@ def test_what_it_cannot_do_is_said_in_one_line(recorded, args, said):
     with pytest.raises(CommandError) as refused:
         run(*args)
     assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_resumed_requests_are_marked_listed_alone_and_said_in_show(recorded):
+    RequestRecord.objects.filter(request_id="turn/1").update(
+        resumes=1, resumed_prompt_tokens=957,
+        tries=[["qwen-b", 2.0, 900.0, "broke off after 57 tokens: the engine closed the connection (EOF); resumed"],
+               ["qwen-a", 901.0, 2400.0, "answered 200"]])
+    listed = run("ctl", "requests")
+    assert "qwen-a (1 resumed)" in listed
+    resumed = run("ctl", "requests", "--resumed")
+    assert "turn/1" in resumed and "req_0123" not in resumed
+    (one,) = json.loads(run("ctl", "requests", "--resumed", "--json"))
+    assert (one["resumes"], one["resumed_prompt_tokens"]) == (1, 957)
+    shown = run("ctl", "requests", "show", "turn/1")
+    assert "resumed: 1 (prompt tokens the fleet paid: 957)" in shown
+    assert "attempt 2: resumed on qwen-a, the answer going on from where qwen-b broke off" in shown
+    assert "resumed:" not in run("ctl", "requests", "show", "req_0123")

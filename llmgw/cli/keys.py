@@ -111,8 +111,9 @@ def usage_list(o, out):
         return as_json(rows, out)
     daily = o.get("by") == "day"
     table(
-        ["DAY" if daily else "HOUR", "KEY", "MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS"],
+        ["DAY" if daily else "HOUR", "KEY", "MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS",
+         "RESUMED (FLEET'S)"],
         [[f"{moment(r['hour']):%Y-%m-%d}" if daily else f"{moment(r['hour']):%Y-%m-%d %H:00}", r["key"], r["model"],
-          r["requests"], r["prompt_tokens"], r["completion_tokens"]] for r in rows],
+          r["requests"], r["prompt_tokens"], r["completion_tokens"], r.get("resumed_prompt_tokens", 0)] for r in rows],
         out,
     )

@@ -24,7 +24,7 @@ def requests_cmd(o, out):
         return _show(o, words[1], out)
     page = o["api"].get("requests/", key=o["key"], model=o["model"], status=o["status"],
                         slower_than=o["slower_than"], since=parse_when(o["since"], "--since"), replica=o["replica"],
-                        event=o["event"], limit=o["limit"])
+                        event=o["event"], resumed="true" if o.get("resumed") else None, limit=o["limit"])
     rows = page["results"]
     if o.get("json"):
         return as_json(rows, out)
@@ -32,7 +32,8 @@ def requests_cmd(o, out):
         ["TIME", "ID", "KEY", "MODEL", "API", "STATUS", "REPLICA", "WAITED", "FIRST TOKEN", "TOTAL", "TOKENS"],
         [[f"{moment(r['at']):%Y-%m-%d %H:%M:%S}", r["request_id"], r["key"] or "-", r["model"] or "-",
           r["surface"] + (" (stream)" if r["streamed"] else ""), f"{r['status']} {r['error']}".strip(),
-          r["replica"] or "-", _ms(r["waited_ms"]), _ms(r["ttft_ms"]), _ms(r["total_ms"]),
+          (r["replica"] or "-") + (f" ({r['resumes']} resumed)" if r.get("resumes") else ""), _ms(r["waited_ms"]),
+          _ms(r["ttft_ms"]), _ms(r["total_ms"]),
           f"{r['prompt_tokens']}+{r['completion_tokens']}"] for r in rows],
         out,
     )
@@ -60,6 +61,8 @@ def _show(o, request_id: str, out):
         f"  tokens    {r['prompt_tokens']} prompt ({r.get('cached_tokens', 0)} cached), {r['completion_tokens']} "
         f"completion",
     ]
+    if r.get("resumes"):
+        lines.append(f"  resumed: {r['resumes']} (prompt tokens the fleet paid: {r.get('resumed_prompt_tokens', 0)})")
     if r.get("prompt_ms") is not None or r.get("generation_ms") is not None:
         lines.append(f"  engine    prompt {_ms(r.get('prompt_ms'))}, generation {_ms(r.get('generation_ms'))}")
     steps = r.get("timeline") or []

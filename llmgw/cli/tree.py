@@ -445,6 +445,8 @@ def build(parser) -> None:
     p.add_argument("--replica", default=None, help="those this replica answered")
     p.add_argument("--event", type=int, default=None, metavar="ID",
                    help="those a replica's failure broke (the id of its replica.failed Event)")
+    p.add_argument("--resumed", action="store_true",
+                   help="only those whose answer was resumed on another replica after its engine broke off")
     p.add_argument("--limit", type=int, default=50, help="the newest this many (default 50)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=requests_cmd)
@@ -457,7 +459,8 @@ def build(parser) -> None:
     shown = p.add_mutually_exclusive_group()
     shown.add_argument("--json", action="store_true")
     shown.add_argument("--csv", action="store_true", help="as CSV, header row first (key, model, hour, requests, "
-                       "prompt_tokens, completion_tokens)")
+                       "prompt_tokens, completion_tokens, resumed_prompt_tokens: the prompts of resumes on another "
+                       "replica, the fleet's cost, not the key's)")
     p.set_defaults(func=usage_list)
 
     engine = ctl.add_parser("engine", help="add an engine or change what one serves").add_subparsers(

@@ -76,3 +76,23 @@ def test_only_an_admin_sees_the_bodies_on_the_page(look):
     assert "Request body" not in look.get("/requests/?id=ok-1").content.decode()
     body = session_for("admin").get("/requests/?id=ok-1").content.decode()
     assert "Request body" in body and "&quot;messages&quot;: []" in body and "data: [DONE]" in body
+
+
+def test_a_resumed_request_is_marked_filtered_and_its_resumes_said(look):
+    RequestRecord.objects.filter(request_id="ok-1").update(resumes=1, resumed_prompt_tokens=957, tries=[
+        ["qwen-b", 50.0, 60.0, "went silent for 30s after 12 tokens; resumed"], ["qwen-a", 70.0, 300.0, "answered 200"]])
+    listed = look.get("/requests/").content.decode()
+    assert "(1 resumed)" in listed
+    assert rows(look.get("/requests/?resumed=true", **HTMX).content.decode()) == ["ok-1"]
+    body = look.get("/requests/?id=ok-1").content.decode()
+    assert "1 time on another replica" in body and "prompt tokens the fleet paid, not its key: 957" in body
+    assert "resumed on qwen-a, the answer going on from where qwen-b broke off" in body
+
+
+def test_the_events_page_links_the_answers_a_replica_made_resume(look):
+    Event.objects.create(kind="replica.broke_off", actor="gateway", subject="qwen-b", data={
+        "answers": 1, "reasons": {"silent": 1}, "requests": ["ok-1"]},
+        message="replica qwen-b: 1 answer resumed elsewhere after it broke off (went silent)")
+    body = look.get("/events/?subject=qwen-b").content.decode()
+    assert "1 answer resumed elsewhere after it broke off (went silent)" in body
+    assert 'resumed elsewhere: <a class="mono" href="/requests/?id=ok-1">ok-1</a>' in body

@@ -66,8 +66,16 @@ def test_the_csv_download_is_the_apis_rows_for_what_is_shown(used):
     response = used.get("/usage/csv/?by=day&key=team")
     assert response["Content-Type"] == "text/csv; charset=utf-8" and "attachment" in response["Content-Disposition"]
     rows = list(csv.reader(io.StringIO(response.content.decode())))
-    assert rows[0] == ["key", "model", "hour", "requests", "prompt_tokens", "completion_tokens"]
-    assert [r[:2] + r[3:] for r in rows[1:]] == [["team", "qwen", "2", "700", "0"]] and rows[1][2].endswith("T00:00:00Z")
+    assert rows[0] == ["key", "model", "hour", "requests", "prompt_tokens", "completion_tokens", "resumed_prompt_tokens"]
+    assert [r[:2] + r[3:] for r in rows[1:]] == [["team", "qwen", "2", "700", "0", "0"]] and rows[1][2].endswith("T00:00:00Z")
     assert len(used.get("/usage/csv/").content.decode().splitlines()) == 3  # by hour: the last 48 hours'
     assert used.get("/usage/csv/?key=nobody").status_code == 404
     assert used.get("/usage/csv/?by=week").status_code == 400
+
+
+def test_resumes_prompt_tokens_are_plotted_as_the_fleets_apart_from_the_keys_tokens(used):
+    Usage.objects.filter(model="qwen", key__name="agent").update(resumed_prompt_tokens=600)
+    body = used.get("/usage/").content.decode()
+    assert plots(body) == ["tokens-by-key", "tokens-by-model", "requests", "resumed-by-model", "budgets"]
+    assert values(body, "resumed-by-model") == ["600"] and values(body, "tokens-by-key") == ["50", "250"]
+    assert "the fleet&#x27;s cost, not the keys&#x27;" in body

@@ -39,15 +39,15 @@ async def test_the_ledger_gives_its_usage_once_and_takes_back_what_was_not_writt
     ledger = Ledger()
     ledger.add(7, "qwen", 10, 5, now=HOUR + 1)
     ledger.add(7, "qwen", 3, 2, now=HOUR + 20)
-    ledger.add(8, "qwen", 4, 0, now=HOUR + 3600)  # the next hour
+    ledger.add(8, "qwen", 4, 0, now=HOUR + 3600, resumed=9)  # the next hour; resumed: the fleet's prompt tokens
     usage, last_used = ledger.take_usage()
-    assert usage == {(HOUR, 7, "qwen"): [2, 13, 7], (HOUR + 3600, 8, "qwen"): [1, 4, 0]}
+    assert usage == {(HOUR, 7, "qwen"): [2, 13, 7, 0], (HOUR + 3600, 8, "qwen"): [1, 4, 0, 9]}
     assert last_used == {7: HOUR + 20, 8: HOUR + 3600}
     assert ledger.take_usage() == ({}, {})  # taken: the next write starts from nothing
     ledger.add(7, "qwen", 1, 1, now=HOUR + 30)  # more arrives while the write fails
     ledger.keep_usage(usage, last_used)
     again, _ = ledger.take_usage()
-    assert again[(HOUR, 7, "qwen")] == [3, 14, 8]
+    assert again[(HOUR, 7, "qwen")] == [3, 14, 8, 0] and again[(HOUR + 3600, 8, "qwen")] == [1, 4, 0, 9]
 
 
 async def test_traffic_survives_a_flush_that_fails(redis):

@@ -447,6 +447,7 @@ def test_usage_newest_first_with_every_field(viewer, usage):
         "requests": 1,
         "prompt_tokens": 10,
         "completion_tokens": 2,
+        "resumed_prompt_tokens": 0,
     }
     assert response.json()["count"] == 4
 
@@ -493,12 +494,12 @@ def test_usage_as_csv_is_every_row_with_a_header(viewer, usage):
     response = viewer.get(f"{API}/usage/?format=csv&by=day&key=alice")
     assert response.status_code == 200 and response["Content-Type"] == "text/csv; charset=utf-8"
     assert response.content.decode().splitlines() == [
-        "key,model,hour,requests,prompt_tokens,completion_tokens",
-        "alice,qwen,2026-03-01T00:00:00Z,4,40,9",
-        "alice,smol,2026-03-01T00:00:00Z,2,4,4",
+        "key,model,hour,requests,prompt_tokens,completion_tokens,resumed_prompt_tokens",
+        "alice,qwen,2026-03-01T00:00:00Z,4,40,9,0",
+        "alice,smol,2026-03-01T00:00:00Z,2,4,4,0",
     ]
     asked = viewer.get(f"{API}/usage/", HTTP_ACCEPT="text/csv").content.decode().splitlines()
-    assert len(asked) == 5 and asked[1] == "alice,qwen,2026-03-01T11:00:00Z,1,10,2"
+    assert len(asked) == 5 and asked[1] == "alice,qwen,2026-03-01T11:00:00Z,1,10,2,0"
     assert len(viewer.get(f"{API}/usage/?format=csv&limit=2").content.decode().splitlines()) == 3  # a page
     refused(APIClient().get(f"{API}/usage/?format=csv"), 401, "credentials")  # JSON, as every refusal
 

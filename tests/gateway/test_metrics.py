@@ -52,6 +52,18 @@ def test_a_model_has_its_queues_series_from_its_first_request():
     assert waiting == {"interactive": 0, "standard": 0, "batch": 0}
 
 
+def test_a_models_resumes_are_counted_by_reason_with_every_reason_at_0_from_its_first_request():
+    model = metrics.of("resumed-model")
+    model.resumes("silent").inc()
+    model.resumed_prompt.inc(957)
+    counted = {s.labels["reason"]: s.value for family in REGISTRY.collect() for s in family.samples
+               if s.name == "llmgw_resumes_total" and s.labels["model"] == "resumed-model"}
+    assert counted == {"closed": 0, "silent": 1, "lost": 0, "error": 0}
+    assert REGISTRY.get_sample_value("llmgw_resumed_prompt_tokens_total", {"model": "resumed-model"}) == 957
+    with pytest.raises(KeyError):  # a reason of its own would be a series of its own
+        model.resumes("gone")
+
+
 def test_the_replicas_by_state_are_one_series_per_model_and_state():
     body = metrics.exposition({"a": {"ready": 2, "failed": 0}, "b": {"ready": 0, "failed": 1}}).decode()
     (family,) = [f for f in text_string_to_metric_families(body) if f.name == "llmgw_replicas"]

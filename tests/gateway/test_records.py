@@ -9,7 +9,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from cluster.models import Event
-from gateway import records
+from gateway import metrics, records
 from gateway.models import ApiKey, RequestRecord
 from tests.rest import API, refused
 
@@ -155,3 +155,82 @@ def test_only_an_admin_sees_the_bodies(viewer, operator, admin, recorded):
         assert all("request_body" not in r for r in someone.get(f"{API}/requests/").json()["results"])
     shown = admin.get(f"{API}/requests/fast/").json()
     assert (shown["request_body"], shown["response_body"]) == ('{"model": "qwen"}', "{}")
+
+
+def resumed_row(request_id: str, *tries: records.Try, resumes: int = 1, fleets: int = 957) -> records.Row:
+    return row(request_id)._replace(tries=tries, resumes=resumes, resumed_prompt_tokens=fleets)
+
+
+CLOSED = "broke off after 57 tokens: the engine closed the connection (EOF); resumed"
+SILENT = "went silent for 30s after 12 tokens; resumed"
+
+
+def _written_with_resumes() -> None:
+    records.write([
+        resumed_row("r1", records.Try("spread-1a2b", 2.0, 90.0, CLOSED), records.Try("spread-3c4d", 91.0, 400.0,
+                                                                                        "answered 200")),
+        resumed_row("r2", records.Try("spread-1a2b", 2.0, 30.0, SILENT), records.Try("spread-3c4d", 31.0, 90.0, SILENT),
+                    records.Try("spread-5e6f", 91.0, 300.0, "answered 200"), resumes=2, fleets=2000),
+        row("plain"),
+    ])
+
+
+def test_a_records_resumes_are_written_and_read_back():
+    _written_with_resumes()
+    written = {r.request_id: r for r in RequestRecord.objects.all()}
+    assert [(written[i].resumes, written[i].resumed_prompt_tokens) for i in ("r1", "r2", "plain")] == [
+        (1, 957), (2, 2000), (0, 0)]
+    assert written["r1"].tries[0] == ["spread-1a2b", 2.0, 90.0, CLOSED]
+
+
+def test_on_postgresql_a_records_resumes_are_copied_and_read_back(on_postgresql):
+    _written_with_resumes()
+    assert sorted(RequestRecord.objects.values_list("request_id", "resumes", "resumed_prompt_tokens")) == [
+        ("plain", 0, 0), ("r1", 1, 957), ("r2", 2, 2000)]
+    assert Event.objects.filter(kind="replica.broke_off").count() == 2
+
+
+def test_a_batch_with_resumes_writes_an_event_per_replica_it_resumed_away_from(django_assert_num_queries):
+    _written_with_resumes()
+    said = {e.subject: e for e in Event.objects.filter(kind="replica.broke_off")}
+    assert set(said) == {"spread-1a2b", "spread-3c4d"}  # the replica that answered last broke nothing
+    assert said["spread-1a2b"].message == (
+        "replica spread-1a2b: 2 answers resumed elsewhere after it broke off (closed the connection / went silent)")
+    assert said["spread-1a2b"].data == {"answers": 2, "reasons": {"closed": 1, "silent": 1}, "requests": ["r1", "r2"]}
+    assert said["spread-3c4d"].message == "replica spread-3c4d: 1 answer resumed elsewhere after it broke off (went silent)"
+    assert said["spread-1a2b"].actor == "gateway"
+    with django_assert_num_queries(3):  # the records, and nothing else (the transaction's savepoint and release)
+        records.write([row("a"), row("b")])
+    assert Event.objects.filter(kind="replica.broke_off").count() == 2
+    with django_assert_num_queries(4):  # and one more for a batch's Events, however many
+        _written_with_resumes()
+
+
+@pytest.mark.parametrize("outcome, reason", [
+    (CLOSED, "closed"), (SILENT, "silent"), ("broke off: its replica left the fleet (node lost); resumed", "lost"),
+    ("broke off after 3 tokens: the engine answered an error event; resumed", "error"),
+    ("broke off: connection reset by peer; resumed", "closed"), ("broke off; resumed", "closed")])
+def test_a_resumed_trys_outcome_reads_as_its_reason(outcome, reason):
+    assert records.resume_reason(outcome) == reason
+    assert tuple(records.RESUME_SAID) == metrics.RESUME_REASONS  # each reason in words, for its Event
+
+
+def test_the_resumed_filter_lists_only_resumed_requests(viewer, recorded):
+    RequestRecord.objects.filter(request_id="slow").update(resumes=1, resumed_prompt_tokens=40)
+    assert listed(viewer, "?resumed=true") == ["slow"]
+    assert "slow" not in listed(viewer, "?resumed=false") and len(listed(viewer, "?resumed=false")) == 5
+    shown = viewer.get(f"{API}/requests/slow/").json()
+    assert (shown["resumes"], shown["resumed_prompt_tokens"]) == (1, 40)
+    for said in ("yes", "TRUE", ""):
+        refused(viewer.get(f"{API}/requests/?resumed={said}"), 400, "resumed")
+
+
+def test_a_resumed_try_reads_as_a_resume_in_the_timeline(viewer, recorded):
+    RequestRecord.objects.filter(request_id="slow").update(resumes=1, tries=[
+        ["qwen-1", 20.0, 900.0, CLOSED], ["qwen-2", 905.0, 2500.0, "answered 200"]])
+    shown = viewer.get(f"{API}/requests/slow/").json()
+    steps = [s["what"] for s in shown["timeline"]]
+    assert "attempt 1: qwen-1 broke off after 57 tokens: the engine closed the connection (EOF): resumed on qwen-2" in steps
+    assert "attempt 2: resumed on qwen-2, the answer going on from where qwen-1 broke off" in steps
+    assert [(p["kind"], p["start_ms"], p["end_ms"]) for p in shown["phases"]] == [
+        ("queue", 0.0, 20.0), ("failed", 20.0, 900.0), ("generation", 905.0, 2500.0)]

@@ -43,7 +43,7 @@ def now() -> dt.datetime:
 async def write(budgets: Budgets, key_id: int, used: int) -> None:
     """What the web process's books do every second: the usage into the database, the spend read back."""
     taken = budgets.take_unwritten()
-    rows = {(int(now().timestamp() // 3600 * 3600), key_id, "m"): [1, used, 0]}
+    rows = {(int(now().timestamp() // 3600 * 3600), key_id, "m"): [1, used, 0, 0]}
     spent = await sync_to_async(usage.record)(rows, {}, [(b.key_id, b.period, b.start) for b in taken])
     await budgets.written(taken, {b: spent[(b.key_id, b.period, b.start)] for b in taken})
 

@@ -92,9 +92,28 @@ def test_usage_recorded_is_what_the_report_shows(keys):
     usage.record(*counted((alice, "qwen", 10, 5, HOUR), (bob, "smol", 1, 1, HOUR + 3600)))
     report = operations.usage_report(key="alice")
     assert report == [
-        {"key": "alice", "model": "qwen", "hour": at(HOUR), "requests": 1, "prompt_tokens": 10, "completion_tokens": 5}
+        {"key": "alice", "model": "qwen", "hour": at(HOUR), "requests": 1, "prompt_tokens": 10, "completion_tokens": 5,
+         "resumed_prompt_tokens": 0}
     ]
     assert [r["key"] for r in operations.usage_report(since=at(HOUR) + timedelta(minutes=90))] == ["bob"]
+
+
+def test_resumed_prompt_tokens_add_up_apart_from_the_keys_tokens_and_its_budget(keys):
+    """A resume's prompt is the fleet's cost: counted in its own column, never in the key's tokens or spend."""
+    alice, _ = keys
+    day = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    ledger = Ledger()
+    ledger.add(alice.pk, "qwen", 30, 12, now=day.timestamp() + 60, resumed=400)
+    ledger.add(alice.pk, "qwen", 5, 1, now=day.timestamp() + 61)
+    spent = usage.record(*ledger.take_usage(), spends=[(alice.pk, "day", day)])
+    ledger.add(alice.pk, "qwen", 0, 3, now=day.timestamp() + 62, resumed=50)  # the next second's write adds to it
+    usage.record(*ledger.take_usage())
+    assert spent == {(alice.pk, "day", day): 48}
+    assert Usage.objects.values_list("requests", "prompt_tokens", "completion_tokens", "resumed_prompt_tokens").get() == (
+        3, 35, 16, 450)
+    (shown,) = operations.usage_report(key="alice")
+    assert (shown["prompt_tokens"], shown["resumed_prompt_tokens"]) == (35, 450)
+    assert operations.usage_csv([shown]).splitlines()[0].endswith(",completion_tokens,resumed_prompt_tokens")
 
 
 def test_usage_by_day_sums_a_days_hours_in_utc(keys):
@@ -143,3 +162,12 @@ def test_a_write_the_database_refused_is_tried_again_with_what_came_since():
     with connection.execute_wrapper(database_fails):
         async_to_sync(twice)()
     assert rows() == {("alice", "qwen", at(HOUR)): (2, 11, 11)}
+
+
+def test_on_postgresql_resumed_prompt_tokens_add_to_the_hours_row(on_postgresql):
+    alice = operations.create_key("alice", "test")[0]
+    for resumed in (400, 50):
+        ledger = Ledger()
+        ledger.add(alice.pk, "qwen", 10, 2, now=HOUR + 60, resumed=resumed)
+        usage.record(*ledger.take_usage())
+    assert Usage.objects.values_list("requests", "prompt_tokens", "resumed_prompt_tokens").get() == (2, 20, 450)
