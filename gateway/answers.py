@@ -10,14 +10,16 @@ import re
 import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from gateway import metrics
 from gateway.call import Call, Used
-from gateway.engines_http import EngineAnswer, ReadTimeout, UpstreamError
+from gateway.engines_http import EngineAnswer, Lost, ReadTimeout, Silent, UpstreamError
 from gateway.errors import GatewayError
 from gateway.http import Answer, Streamed
+from gateway.resume import CLOSED, JSON, LOST, SILENT, Seam
 from gateway.runtime import Gateway
-from gateway.sending import describe, done, refused, send
+from gateway.sending import broke, describe, done, refused, send
 from gateway.surfaces import Surface
 from gateway.table import Upstream
 
@@ -26,18 +28,30 @@ log = logging.getLogger("llmgw.gateway")
 
 async def once(gw: Gateway, call: Call, used: Used, surface: Surface, payload: bytes) -> Answer | Streamed:
     """A whole answer: held and sent as one when it is small (ONCE_BYTES), else passed on as it comes, with no more
-    of it in memory than the engine connection's buffer (an answer of many embeddings or log-probabilities)."""
+    of it in memory than the engine connection's buffer (an answer of many embeddings or log-probabilities). One
+    whose engine breaks off before it is all there is sent again, to another replica (nothing of it reached the
+    client), up to its model's resume limit."""
     upstream, response = await send(gw, call, call.way, surface, payload)
     if call.request_body is not None:
         used.body = bytearray()
-    passing = False
+    passing, held = False, True
     try:
-        try:
-            content, whole = await response.read_upto(ONCE_BYTES if response.status == 200 else ERROR_BYTES)
-        except ReadTimeout:
-            raise GatewayError(504, "upstream_timeout", f"replica {upstream.replica} did not finish in time") from None
-        except UpstreamError as exc:
-            raise GatewayError(502, "upstream_error", f"replica {upstream.replica} broke off: {describe(exc)}") from None
+        while True:
+            try:
+                content, whole = await response.read_upto(ONCE_BYTES if response.status == 200 else ERROR_BYTES)
+                break
+            except ReadTimeout:
+                raise GatewayError(504, "upstream_timeout", f"replica {upstream.replica} did not finish in time") from None
+            except UpstreamError as exc:
+                said, reason = describe(exc), LOST if isinstance(exc, Lost) else CLOSED
+                if used.resumes >= _resume_limit(gw, call) or response.status != 200:
+                    raise GatewayError(502, "upstream_error", f"replica {upstream.replica} broke off: {said}") from None
+            # sent again from its start: what the engine had done is lost, and the fleet's cost, not the key's
+            held = False
+            _resumed(gw, call, used, upstream, response, reason, f"broke off: {said}; resumed")
+            used.resumed_prompt += call.prompt_about
+            upstream, response = await send(gw, call, call.way, surface, payload, avoid=upstream.replica)
+            held = True
         status = response.status
         if status >= 400:
             raise refused(call, surface, upstream, status, content)
@@ -49,14 +63,32 @@ async def once(gw: Gateway, call: Call, used: Used, surface: Surface, payload: b
             if used.body is not None:
                 used.keep(content, gw.body_bytes)
     finally:
-        if not passing:
+        if not passing and held:
             response.release()  # read to the end: back to the pool; else closed
             done(gw, call, call.way, upstream)
     if status == 200:
-        gw.ledger.add(call.key_id, call.model, used.prompt, used.completion)
+        gw.ledger.add(call.key_id, call.model, used.prompt, used.completion, resumed=used.resumed_prompt)
         await call.settle()  # before the answer: the key's next request sees what this one used
     call.finish(status)
     return Answer(content, status, response.content_type)
+
+
+def _resume_limit(gw: Gateway, call: Call) -> int:
+    """Times one answer of the request's model may go on at another replica (its `resume_limit`)."""
+    route = gw.table.find(call.model) if gw.table is not None else None
+    return route.resume_limit if route is not None else 0
+
+
+def _resumed(gw: Gateway, call: Call, used: Used, upstream: Upstream, response: EngineAnswer, reason: str,
+             outcome: str) -> None:
+    """The replica broke off the request's answer, which goes on elsewhere: let it go, and count the resume."""
+    response.close()
+    done(gw, call, call.way, upstream)
+    broke(call, call.way, outcome)
+    used.resumes += 1
+    metrics.of(call.model).resumes(reason).inc()
+    log.warning("replica %s broke off an answer to %s (%s); resuming it elsewhere", upstream.replica, call.model,
+                outcome)
 
 
 ONCE_BYTES = 1 << 20  # a whole answer larger than this is passed on as it comes instead of held
@@ -158,8 +190,11 @@ def engine_said(used: Used, said: dict[str, object]) -> None:
         used.generation_ms = generation_ms
 
 
-async def stream(gw: Gateway, call: Call, used: Used, surface: Surface, payload: bytes, wants_usage: bool
-                 ) -> Answer | Streamed:
+async def stream(gw: Gateway, call: Call, used: Used, surface: Surface, payload: bytes, wants_usage: bool,
+                 body: JSON) -> Answer | Streamed:
+    """A stream passed on event by event. Should its engine fail once it began (close the connection, fall silent
+    for its model's stream idle timeout, or leave the fleet), it goes on at another replica as the same answer,
+    up to the model's resume limit (gateway/resume.py)."""
     upstream, response = await send(gw, call, call.way, surface, payload)
     if call.request_body is not None:
         used.body = bytearray()
@@ -176,6 +211,11 @@ async def stream(gw: Gateway, call: Call, used: Used, surface: Surface, payload:
         call.finish(response.status)
         return Answer(content, response.status, response.content_type)
 
+    route = gw.table.find(call.model) if gw.table is not None else None
+    limit = route.resume_limit if route is not None else 0
+    idle = route.stream_idle_timeout if route is not None and limit else None
+    transcript = surface.resumer(body, call.prompt_about) if surface.resumer is not None and limit else None
+    current = _Answering(upstream, response)  # the replica answering now, and its answer
     state = {"finished": False, "settled": False, "done_sent": False, "released": False}
     complete = surface.completer(call.model, call.prompt_about) if surface.completer is not None else None
 
@@ -185,7 +225,7 @@ async def stream(gw: Gateway, call: Call, used: Used, surface: Surface, payload:
         replica still counted busy with this one), or however else the stream ended."""
         if not state["released"]:
             state["released"] = True
-            done(gw, call, call.way, upstream)
+            done(gw, call, call.way, current.upstream)
 
     def settle(status: int) -> None:
         """Let the upstream go and count the request, once, however the stream ended."""
@@ -193,52 +233,136 @@ async def stream(gw: Gateway, call: Call, used: Used, surface: Surface, payload:
             return
         state["settled"] = True
         if state["finished"]:
-            response.release()  # read to the end: the connection goes back to the pool
+            current.response.release()  # read to the end: the connection goes back to the pool
         else:
-            response.close()  # cut short: the engine sees its client go and stops generating
+            current.response.close()  # cut short: the engine sees its client go and stops generating
         release()
         used.count_cut_short(call.prompt_about)
         if used.completion and not used.prompt:  # its prompt's count never came (a Messages stream without its start)
             used.prompt = call.prompt_about
-        gw.ledger.add(call.key_id, call.model, used.prompt, used.completion)
+        if transcript is not None:
+            used.resumed_prompt = transcript.fleet_prompt
+        gw.ledger.add(call.key_id, call.model, used.prompt, used.completion, resumed=used.resumed_prompt)
         call.finish(status)
 
+    def passing(events: list[bytes], seam: Seam | None) -> list[bytes]:
+        """The events as the client gets them: a continuation's made the answer's, the usage read off them (and
+        dropped where not asked for), completed for the SDKs, and kept for a resume."""
+        out = []
+        for event in events:
+            for each in seam.splice(event) if seam is not None else (event,):
+                if _keep_event(used, surface, each, wants_usage):
+                    each = complete(each) if complete is not None else each
+                    if transcript is not None:
+                        transcript.add(each)
+                    out.append(each + b"\n\n")
+        return out
+
     async def events() -> AsyncGenerator[bytes, None]:
-        buffer = b""
         status = 499  # unless it ends otherwise: the client went away, and closing the upstream cancels the work
+        seam: Seam | None = None
         try:
-            async for chunk in response.chunks():
-                if used.first_chunk is None:
-                    used.first_chunk = time.monotonic()
-                    metrics.of(call.model).first_token.observe(used.first_chunk - call.started)
-                buffer += chunk
-                out = []
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
-                    if _keep_event(used, surface, event, wants_usage):
-                        out.append((complete(event) if complete is not None else event) + b"\n\n")
-                if out:
-                    last = any(e.startswith(surface.done_event) for e in out)
-                    if last:
-                        release()
-                    yield b"".join(out)
-                    # asked for more: the [DONE] went out. A client that hangs up now got the whole stream
-                    state["done_sent"] = state["done_sent"] or last
-            if buffer.strip():
-                yield complete(buffer) if complete is not None else buffer
-            state["finished"], status = True, 200
-        except ReadTimeout:
-            status = 504
-            yield _ending(surface, complete, GatewayError(504, "upstream_timeout",
-                                                          f"replica {upstream.replica} stopped sending"))
-        except UpstreamError as exc:
-            status = 502
-            yield _ending(surface, complete, GatewayError(502, "upstream_error",
-                                                          f"replica {upstream.replica} broke off: {describe(exc)}"))
+            while True:
+                buffer = b""
+                answer = current.response
+                assert isinstance(answer, EngineAnswer)  # being read: another replica's, after a resume
+                try:
+                    async for chunk in answer.chunks(idle):
+                        if used.first_chunk is None:
+                            used.first_chunk = time.monotonic()
+                            metrics.of(call.model).first_token.observe(used.first_chunk - call.started)
+                        buffer += chunk
+                        if b"\n\n" not in buffer:
+                            continue
+                        *whole, buffer = buffer.split(b"\n\n")
+                        out = passing(whole, seam)
+                        if out:
+                            last = any(e.startswith(surface.done_event) for e in out)
+                            if last:
+                                release()
+                            yield b"".join(out)
+                            # asked for more: the [DONE] went out. A client that hangs up now got the whole stream
+                            state["done_sent"] = state["done_sent"] or last
+                    if buffer.strip() and (out := passing([buffer.rstrip(b"\n")], seam)):
+                        yield b"".join(out)
+                    state["finished"], status = True, 200
+                    return
+                except UpstreamError as exc:
+                    failure: UpstreamError = exc
+                if state["done_sent"]:  # the client has the whole answer: an engine that closes late broke nothing
+                    status = 200
+                    return
+                said = describe(failure)
+                reason = SILENT if isinstance(failure, Silent) else LOST if isinstance(failure, Lost) else CLOSED
+                why_not = "its model's resume limit is 0" if transcript is None else (
+                    f"resumed {used.resumes} times already" if used.resumes >= limit else transcript.why_not())
+                tokens = transcript.tokens if transcript is not None else used.passed
+                went = f"went silent for {idle:g}s after {tokens} tokens" if reason == SILENT else \
+                    f"broke off after {tokens} tokens: {said}"
+                if why_not:
+                    log.warning("replica %s %s; not resumed: %s", current.upstream.replica, went, why_not)
+                    status = 504 if isinstance(failure, ReadTimeout) else 502
+                    code = "upstream_timeout" if status == 504 else "upstream_error"
+                    what = "stopped sending" if status == 504 else f"broke off: {said}"
+                    yield _ending(surface, complete, GatewayError(status, code, f"replica {current.upstream.replica} {what}"))
+                    return
+                assert transcript is not None  # why_not said it can go on
+                state["released"] = True  # _resumed lets the replica go
+                _resumed(gw, call, used, current.upstream, answer, reason, f"{went}; resumed")
+                if transcript.owed() == 0:  # it had its last token: only its end is missing
+                    out = passing(transcript.ending(), None)
+                    if out:
+                        yield b"".join(out)
+                    state["finished"], status = True, 200
+                    current.response = _Ended()
+                    return
+                try:
+                    current.upstream, fresh = await send(gw, call, call.way, surface,
+                                                     json.dumps(transcript.continuation()).encode(),
+                                                     avoid=current.upstream.replica)
+                except GatewayError as exc:
+                    status = exc.status
+                    current.response = _Ended()
+                    yield _ending(surface, complete, exc)
+                    return
+                current.response, state["released"] = fresh, False
+                if fresh.status != 200:
+                    refusal = refused(call, surface, current.upstream, fresh.status, await _read_refusal(fresh))
+                    status = refusal.status
+                    yield _ending(surface, complete, refusal)
+                    return
+                seam = transcript.seam()
         finally:
             settle(200 if status == 499 and state["done_sent"] else status)
 
     return Streamed(_kept(events(), used, gw.body_bytes), settle)
+
+
+class _Ended:
+    """In place of an answer no longer read (a stream ended without another replica's)."""
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class _Answering:
+    """The replica a stream's answer comes from now, and its answer (another's, after a resume)."""
+
+    upstream: Upstream
+    response: EngineAnswer | _Ended
+
+
+async def _read_refusal(response: EngineAnswer) -> bytes:
+    try:
+        content, _ = await response.read_upto(ERROR_BYTES)
+    except UpstreamError:
+        content = b""
+    response.close()
+    return content
 
 
 def _kept(chunks: AsyncGenerator[bytes, None], used: Used, limit: int) -> AsyncGenerator[bytes, None]:

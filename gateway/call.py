@@ -57,6 +57,8 @@ class Used:
     cached: int = 0  # prompt tokens the engine's cache served (llama.cpp's timings.cache_n, OpenAI's cached_tokens)
     prompt_ms: float | None = None  # the engine's time on the prompt, as it said (llama.cpp's timings)
     generation_ms: float | None = None  # the engine's time generating, as it said
+    resumes: int = 0  # times its answer went on at another replica after its engine failed (gateway/resume.py)
+    resumed_prompt: int = 0  # prompt tokens those continuations cost the fleet (not its key)
     body: bytearray | None = None  # what the client was answered, when its key logs bodies (as far as it is kept)
     body_cut: bool = False  # there was more of it than is kept
 
@@ -143,7 +145,8 @@ class Call:
             None if used.first_chunk is None else (used.first_chunk - self.started) * 1000,
             (ended - self.started) * 1000, used.prompt, used.completion, self.client[:64],
             self.trace.span_id if self.trace else "", self.trace.parent_id if self.trace else "", way.position,
-            way.why, tuple(way.tries), used.cached, used.prompt_ms, used.generation_ms, *self._bodies())
+            way.why, tuple(way.tries), used.cached, used.prompt_ms, used.generation_ms, *self._bodies(),
+            resumes=used.resumes, resumed_prompt_tokens=used.resumed_prompt)
 
     def _bodies(self) -> tuple[str, str]:
         """What the client sent and was answered, for the record, as far as kept (nothing: its key keeps none)."""
@@ -180,6 +183,8 @@ class Call:
         if used.prompt or used.completion:
             series.prompt.inc(used.prompt)
             series.completion.inc(used.completion)
+        if used.resumed_prompt:
+            series.resumed_prompt.inc(used.resumed_prompt)
         if self.gw is not None:
             first = used.first_chunk - self.started if used.first_chunk is not None else None
             self.gw.ledger.count(status, used.prompt + used.completion, first_chunk=first)

@@ -12,7 +12,9 @@ What a caller can tell apart:
 - `ConnectFailed` (`ConnectTimeout`): no connection, nothing sent; another replica may take the request;
 - `Broken`: the connection ended or the answer could not be parsed; `before_answer` says whether any of the
   answer had come (before it, another replica may take the request);
-- `ReadTimeout`: the engine sent nothing for `read_timeout` seconds;
+- `ReadTimeout`: the engine sent nothing for `read_timeout` seconds (`Silent`: for a stream's idle timeout, once
+  its answer had begun);
+- `Lost` (a `Broken`): the gateway gave the answer up (`EngineAnswer.abandon`): its replica left the fleet;
 - `Unreachable` (a `Broken`): the engine's host did not acknowledge the request within UNACKNOWLEDGED_SECONDS
   (TCP_USER_TIMEOUT on every connection): its node is cut off. An engine busy with a long prefill still
   acknowledges at once (its kernel does), so this is not a slow engine.
@@ -30,6 +32,7 @@ import contextlib
 import os
 import socket
 import time
+import weakref
 from collections.abc import AsyncGenerator
 from typing import TypeVar, cast
 
@@ -68,14 +71,23 @@ class Unreachable(Broken):
     pass
 
 
+class Lost(Broken):
+    pass
+
+
 class ReadTimeout(UpstreamError):
     before_answer = False
+
+
+class Silent(ReadTimeout):
+    """The engine sent nothing of a stream already begun for its model's stream idle timeout."""
 
 
 class EngineAnswer:
     """An engine's answer: its status and headers once they came, then its body as it comes."""
 
-    __slots__ = ("_conn", "status", "headers", "_parts", "_size", "complete", "_error", "_waiter", "_done")
+    __slots__ = ("_conn", "status", "headers", "_parts", "_size", "complete", "_error", "_waiter", "_done",
+                 "__weakref__")
 
     def __init__(self, conn: Connection):
         self._conn = conn
@@ -115,9 +127,12 @@ class EngineAnswer:
 
     # read by the gateway
 
-    async def _wait(self) -> None:
+    async def _wait(self, idle: float | None = None) -> None:
         self._waiter = self._conn.loop.create_future()
-        timer = self._conn.loop.call_later(self._conn.pool.read_timeout, _time_out, self._waiter)
+        if idle is not None and idle < self._conn.pool.read_timeout:
+            timer = self._conn.loop.call_later(idle, _silent, self._waiter, idle)
+        else:
+            timer = self._conn.loop.call_later(self._conn.pool.read_timeout, _time_out, self._waiter)
         try:
             await self._waiter
         finally:
@@ -156,8 +171,9 @@ class EngineAnswer:
             if not self._parts:
                 await self._wait()
 
-    async def chunks(self) -> AsyncGenerator[bytes, None]:
-        """The body as it comes: whatever has arrived at each step, joined."""
+    async def chunks(self, idle: float | None = None) -> AsyncGenerator[bytes, None]:
+        """The body as it comes: whatever has arrived at each step, joined; `Silent` once nothing came for `idle`
+        seconds (when shorter than the pool's read timeout)."""
         while True:
             if self._parts:
                 yield self._take()
@@ -166,7 +182,16 @@ class EngineAnswer:
             elif self._error is not None:
                 raise self._error
             else:
-                await self._wait()
+                await self._wait(idle)
+
+    def abandon(self, why: str) -> None:
+        """Give up an answer still coming (its replica left the fleet): `Lost`, for the request waiting for its
+        head (another replica may take it), or for its reader once it has read what already came."""
+        conn = self._conn
+        if self._done or self.complete or conn.answer is not self:
+            return
+        conn._failed(Lost(why, conn.head is not None))
+        conn._drop()
 
     def release(self) -> None:
         """Done with it: a connection whose answer was read to the end goes back to the pool, else it closes (an
@@ -190,6 +215,11 @@ def _framed(headers: dict[str, str]) -> bool:
 def _time_out(waiter: asyncio.Future[T]) -> None:
     if not waiter.done():
         waiter.set_exception(ReadTimeout("the engine sent nothing in time"))
+
+
+def _silent(waiter: asyncio.Future[T], idle: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(Silent(f"the engine sent nothing for {idle:g}s"))
 
 
 class Connection(asyncio.Protocol):
@@ -315,6 +345,7 @@ class Pool:
         self.keepalive = keepalive
         self.idle: dict[tuple[str, int], collections.deque[Connection]] = {}
         self.closed = False
+        self.answering: dict[str, weakref.WeakSet[EngineAnswer]] = {}  # the answers asked of each replica (`post`)
 
     def put(self, conn: Connection) -> None:
         if self.closed:
@@ -354,10 +385,11 @@ class Pool:
             raise ConnectFailed(f"cannot connect ({os.strerror(exc.errno) if exc.errno else type(exc).__name__})") from None
         return conn
 
-    async def post(self, host: str, port: int, path: str, body: bytes, authorization: str, headers: str = ""
-                   ) -> EngineAnswer:
+    async def post(self, host: str, port: int, path: str, body: bytes, authorization: str, headers: str = "",
+                   replica: str = "") -> EngineAnswer:
         """Send a JSON body, with `headers` (whole header lines, each ending in CRLF) besides its own; return once
-        the answer's status and headers came (read its body from the Answer)."""
+        the answer's status and headers came (read its body from the Answer). An answer asked of a `replica` is
+        given up by `abandon(replica)`, before its head or after."""
         data = (
             f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
             f"Authorization: {authorization}\r\n{headers}Content-Length: {len(body)}\r\n\r\n"
@@ -366,15 +398,23 @@ class Pool:
         conn = self._pooled(where)
         if conn is not None:
             try:
-                return await self._ask(conn, data)
+                return await self._ask(conn, data, replica)
             except Broken as exc:
-                if not exc.before_answer or isinstance(exc, Unreachable):
+                if not exc.before_answer or isinstance(exc, (Unreachable, Lost)):
                     raise
                 # the engine closed it while it sat in the pool: once more, on a new connection
-        return await self._ask(await self._connect(where), data)
+        return await self._ask(await self._connect(where), data, replica)
 
-    async def _ask(self, conn: Connection, data: bytes) -> EngineAnswer:
+    def abandon(self, replica: str, why: str) -> None:
+        """Give up every answer asked of the replica and still coming (`EngineAnswer.abandon`)."""
+        for answer in list(self.answering.pop(replica, ())):
+            answer.abandon(why)
+
+    async def _ask(self, conn: Connection, data: bytes, replica: str = "") -> EngineAnswer:
         head = conn.send(data)
+        if replica:
+            assert conn.answer is not None  # send made it
+            self.answering.setdefault(replica, weakref.WeakSet()).add(conn.answer)
         timer = self.loop.call_later(self.read_timeout, _time_out, head)
         try:
             return await head

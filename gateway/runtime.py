@@ -367,6 +367,7 @@ class Gateway:
             return  # a load that began later has finished first: what it read is newer than this
         self._installed = load
         self.table = table
+        self._give_up_lost(table)
         async with self.changed:
             self.changed.notify_all()
 
@@ -409,6 +410,16 @@ class Gateway:
                 log.warning("gateway change feed interrupted (%s); retrying", exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30)
+
+    def _give_up_lost(self, table: routing.Table) -> None:
+        """The answers still coming from replicas that failed or were stopped (their node lost, say: a connection
+        to it may never say so), given up: the request goes to another replica, or its stream goes on at one
+        (gateway/resume.py)."""
+        answering = self.engines.answering
+        for replica in [r for r in answering if r not in table.live]:
+            self.engines.abandon(replica, f"its replica {replica} left the fleet")
+        for replica in [r for r, answers in answering.items() if not answers]:
+            del answering[replica]
 
     # in-flight counts
 

@@ -24,12 +24,13 @@ RETRYABLE_STATUS = (502, 503)
 NO_ROOM_RECHECK = 1.0  # seconds a request asking for a model found without room waits for the reconciler's word
 
 
-async def choose(gw: Gateway, call: Call, way: Way, tried: set[str], last_error: GatewayError | None = None
-                 ) -> Upstream:
+async def choose(gw: Gateway, call: Call, way: Way, tried: set[str], last_error: GatewayError | None = None,
+                 back: set[str] | None = None) -> Upstream:
     """A ready replica, as the model's routing picks; wait for one that is on its way, up to wait_seconds. A
     request for an autoscaled model with no replica ready asks for one (at zero, that wakes the model) and waits
     for it, unless no room can be made for it. With every ready replica tried and none coming, the last one's
-    failure is the answer."""
+    failure is the answer, unless one in `back` (the replica an answer being resumed broke off from) is still
+    ready: the same one, back."""
     deadline = None
     waiting = False
     try:
@@ -46,6 +47,10 @@ async def choose(gw: Gateway, call: Call, way: Way, tried: set[str], last_error:
             now = time.monotonic()
             if deadline is None:
                 deadline = now + route.wait_seconds
+            if tried and route.coming == 0 and back and (again := [u for u in route.ready if u.replica in back]):
+                back.clear()
+                tried.discard(again[0].replica)
+                continue
             if tried and route.coming == 0:
                 raise last_error or GatewayError(502, "upstream_error",
                                                  f"every ready replica of {call.model} failed this request")
@@ -126,14 +131,17 @@ def done(gw: Gateway, call: Call, way: Way, upstream: Upstream) -> None:
     slots.release(gw, call, way)
 
 
-async def send(gw: Gateway, call: Call, way: Way, surface: Surface, payload: bytes) -> tuple[Upstream, EngineAnswer]:
-    """Send to a replica; before any byte of an answer, retry another on a connection failure or a 502/503."""
-    tried: set[str] = set()
+async def send(gw: Gateway, call: Call, way: Way, surface: Surface, payload: bytes, avoid: str = ""
+               ) -> tuple[Upstream, EngineAnswer]:
+    """Send to a replica; before any byte of an answer, retry another on a connection failure or a 502/503. An
+    answer being resumed `avoid`s the replica it broke off from while another will do."""
+    tried: set[str] = {avoid} if avoid else set()
+    back = {avoid} if avoid else None
     last_error = None
     for _ in range(gw.tries):
         choosing = time.monotonic()
         try:
-            upstream = await choose(gw, call, way, tried, last_error)
+            upstream = await choose(gw, call, way, tried, last_error, back)
         finally:
             way.waited = (way.waited or 0.0) + time.monotonic() - choosing
         way.attempts += 1
@@ -144,7 +152,7 @@ async def send(gw: Gateway, call: Call, way: Way, surface: Surface, payload: byt
         sent = time.monotonic()
         try:
             response = await gw.engines.post(upstream.host, upstream.port, f"/v1/{surface.path}", payload,
-                                             upstream.authorization, call.engine_headers)
+                                             upstream.authorization, call.engine_headers, upstream.replica)
         except ConnectTimeout:
             done(gw, call, way, upstream)
             gw.cannot_connect(upstream.replica)
@@ -180,6 +188,13 @@ async def send(gw: Gateway, call: Call, way: Way, surface: Surface, payload: byt
             gw.unreachable.pop(upstream.replica, None)
         return upstream, response
     raise last_error or GatewayError(502, "upstream_error", "no replica could take the request")
+
+
+def broke(call: Call, way: Way, outcome: str) -> None:
+    """The replica a request was last sent to broke off its answer, which goes on elsewhere: its try says so."""
+    if way.tries:
+        last = way.tries[-1]
+        way.tries[-1] = last._replace(ended_ms=(time.monotonic() - call.started) * 1000, outcome=outcome)
 
 
 def describe(exc: BaseException) -> str:

@@ -23,6 +23,7 @@ from gateway import affinity, prompt
 from gateway.errors import GatewayError, error_response
 from gateway.http import Answer, json_answer
 from gateway.prompt import Size
+from gateway.resume import ChatTranscript, CompletionsTranscript, MessagesTranscript, ResponsesTranscript, Transcript
 from gateway.streams import MessagesEvents, ResponsesEvents
 from gateway.tracing import current_id
 from gateway.upstream import TOKEN_FIELDS
@@ -150,6 +151,9 @@ class Surface:
     done_event: bytes = b"data: [DONE]"  # how the event that ends a stream begins
     # a stream's events completed for the SDKs' accumulators, made per stream from (model, prompt tokens about)
     completer: Callable[[str, int], Callable[[bytes], bytes]] | None = None
+    # what a stream passed, and how it goes on when its engine fails (gateway/resume.py), made per stream from
+    # (the request as sent, prompt tokens about); None: its answers are whole, sent again from their start
+    resumer: Callable[[JSON, int], Transcript] | None = None
 
     def error(self, exc: GatewayError) -> Answer:
         if self.flavour == ANTHROPIC:
@@ -185,21 +189,21 @@ SURFACES = {
     s.path: s
     for s in (
         Surface("chat/completions", "chat", ("messages",), prompt.chat_size, affinity.chat_key_text, items="messages",
-                token_fields=TOKEN_FIELDS),
+                token_fields=TOKEN_FIELDS, resumer=ChatTranscript),
         Surface("completions", "completions", ("prompt",), prompt.completion_size, affinity.completion_key_text,
-                token_fields=TOKEN_FIELDS),
+                token_fields=TOKEN_FIELDS, resumer=CompletionsTranscript),
         Surface("embeddings", "embeddings", ("input",), prompt.input_size, affinity.input_key_text, generates=False,
                 usage_unasked=True),
         Surface("messages", "messages", ("messages",), prompt.messages_size, affinity.messages_key_text,
                 items="messages", token_fields=("max_tokens",), flavour=ANTHROPIC, completer=MessagesEvents,
-                **ANTHROPIC_STREAMS),
+                resumer=MessagesTranscript, **ANTHROPIC_STREAMS),
         Surface("messages/count_tokens", "messages", ("messages",), prompt.messages_size, affinity.messages_key_text,
                 items="messages", flavour=ANTHROPIC, generates=False, admits=False, **ANTHROPIC_STREAMS),
         Surface("responses", "responses", ("input",), prompt.responses_size, affinity.responses_opening, items="input",
                 refused=(("previous_response_id", STATEFUL), ("conversation", STATEFUL)),
                 token_fields=("max_output_tokens",), usage_unasked=True, usage_of=responses_usage,
                 event_usage=responses_event_usage, error_event=responses_error_event,
-                done_event=b"event: response.completed", completer=ResponsesEvents),
+                done_event=b"event: response.completed", completer=ResponsesEvents, resumer=ResponsesTranscript),
         Surface("rerank", "rerank", ("query", "documents"), prompt.rerank_size, affinity.rerank_key_text,
                 generates=False, usage_unasked=True),
     )

@@ -88,6 +88,8 @@ class Table:
     keys: dict[str, KeyInfo]  # by key hash
     loaded_at: float = field(default_factory=time.monotonic)
     aliases: dict[str, str] = field(default_factory=dict)  # alias -> model name
+    # every replica that may still be answering (neither failed nor stopped): an answer from any other is given up
+    live: frozenset[str] = frozenset()
 
     def find(self, name: str) -> ModelRoute | None:
         """The model a request names: by its own name first, so an alias never shadows a name, else by alias."""
@@ -186,4 +188,6 @@ def load() -> Table:
                                    "expires_at", "revoked_at", "priority", "budget_tokens", "budget_period",
                                    "max_concurrency", "log_bodies")
     }
-    return Table(serving_stopped=cluster.serving_stopped, models=models, keys=keys, aliases=aliases)
+    live = frozenset(Replica.objects.exclude(state__in=(Replica.State.FAILED, Replica.State.STOPPED))
+                     .values_list("name", flat=True))
+    return Table(serving_stopped=cluster.serving_stopped, models=models, keys=keys, aliases=aliases, live=live)

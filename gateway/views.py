@@ -165,7 +165,7 @@ async def _proxy(call: Call, request: Request, endpoint: str) -> Answer | Stream
         # the client's bytes as they came, unknown fields and all, unless the gateway had to add to them
         payload = json.dumps(body).encode() if changed else raw
         if stream:
-            return await answers.stream(gw, call, call.used, surface, payload, wants_usage)
+            return await answers.stream(gw, call, call.used, surface, payload, wants_usage, body)
         return await answers.once(gw, call, call.used, surface, payload)
     except GatewayError as exc:
         if exc.code in slots.REFUSALS and call.key is not None:

@@ -2,7 +2,7 @@
 
     LLMGW_ENGINE_KEY=k python tests/engine.py --port N [--host H] [--load-seconds S] [--fail-after S]
         [--exit-code C] [--ignore-sigterm] [--answer TEXT] [--model-path P] [--model-name M] [--delay-ms MS]
-        [--no-auth] [--echo-body] [--sparse]
+        [--no-auth] [--echo-body] [--sparse] [--break-after N [--break-how exit|stall] [--break-marker FILE]]
 
 Every endpoint but /health needs `Authorization: Bearer <LLMGW_ENGINE_KEY>`. While loading (the first
 --load-seconds) /health and /v1/models answer 503, like llama-server. Answers are the words of --answer, one word
@@ -16,6 +16,12 @@ It answers Anthropic's Messages (/v1/messages) and OpenAI's Responses (/v1/respo
 event and field their APIs define; with --sparse, streamed as an engine that leaves out what llama.cpp's server
 leaves out, and more: no `event:` lines, no `sequence_number`, `output_index`, `content_index`, `logprobs` nor
 `item_id` in a Responses stream, no `message_start`, `content_block_start` nor `index` in a Messages stream.
+
+With --break-after N it fails mid-answer, as an engine that crashes or hangs: once it has streamed N tokens of an
+answer (a whole answer: before it is sent), it exits at once (`--break-how exit`: its connections close; `cut`: a
+whole answer's head and half its body sent first) or sends nothing more (`stall`); with --break-marker FILE, only
+while FILE does not exist, which it then writes with its port (of two engines given the same file, the first to
+get that far fails, once).
 """
 
 from __future__ import annotations
@@ -59,8 +65,15 @@ class Engine:
     def loading(self) -> bool:
         return time.monotonic() < self.ready_at
 
-    def words(self, max_tokens) -> tuple[list[str], str]:
+    def words(self, max_tokens, prefill: str = "") -> tuple[list[str], str]:
+        """The answer's words from where a prefill (a final assistant message, or a completion's prompt) leaves
+        off, as llama.cpp's server continues one: a prefill that ends with the answer's first words is followed by
+        the rest of them."""
         words = self.args.answer.split()
+        for k in range(len(words), 0, -1):
+            if prefill.endswith(" ".join(words[:k])):
+                words = words[k:]
+                break
         if isinstance(max_tokens, int) and 0 <= max_tokens < len(words):
             return words[:max_tokens], "length"
         return words, "stop"
@@ -77,6 +90,22 @@ def _count(value) -> int:
     return 0
 
 
+def _prefill(messages) -> str:
+    """The text of a final assistant message (a prefill the answer continues), or ""."""
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return ""
+    content = last.get("content")
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _spaced(words: list[str], prefill: str) -> list[str]:
+    """The words as deltas: a space before each but the first of an answer begun afresh."""
+    return [w if i == 0 and not prefill else " " + w for i, w in enumerate(words)]
+
+
 def embedding(text: str, dims: int = 8) -> list[float]:
     digest = hashlib.sha256(text.encode()).digest()
     return [round(b / 255.0 * 2 - 1, 6) for b in digest[:dims]]
@@ -87,6 +116,7 @@ class Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # small SSE chunks go out at once
     server_version = "llmgw-test-engine/1"
     engine: Engine
+    _tokens, _cut, _streaming = 0, False, False  # of the request being answered (--break-after)
 
     # Plumbing
 
@@ -95,14 +125,20 @@ class Handler(BaseHTTPRequestHandler):
             body = {**body, "echo": {"body": self._received, "headers": {k.lower(): v for k, v in self.headers.items()}}}
         data = json.dumps(body).encode()
         self._give_slot()
+        length = len(data)
+        if self._cut:
+            data = data[:length // 2]
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Content-Length", str(length))
         self.send_header("X-Test-Engine", str(self.engine.args.port))
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
+        if self._cut:
+            self.wfile.flush()
+            self._break()
 
     def _error(self, status: int, message: str, kind: str, code: str) -> None:
         self._send_json(status, {"error": {"message": message, "type": kind, "code": code}})
@@ -153,7 +189,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def _pause(self) -> None:
         """The time a token takes; a client that hangs up meanwhile is noticed, and its slot freed, at once (as an
-        engine's server frees the slot of a request whose connection closed)."""
+        engine's server frees the slot of a request whose connection closed). --break-after: it fails here."""
+        self._tokens = getattr(self, "_tokens", 0) + 1
+        if self.engine.args.break_after is not None and self._tokens > self.engine.args.break_after:
+            if self.engine.args.break_how == "cut" and not self._streaming:
+                self._cut = self._claim()  # a whole answer: its head and half its body sent, then the exit
+            elif self._claim():
+                self._break()
         if not self.engine.args.delay_ms:
             return
         readable, _, _ = select.select([self.connection], [], [], self.engine.args.delay_ms / 1000.0)
@@ -165,6 +207,27 @@ class Handler(BaseHTTPRequestHandler):
             if gone:
                 self._give_slot()
                 raise ConnectionResetError("the client hung up")
+
+    def _claim(self) -> bool:
+        """--break-after: this engine fails now, unless another given the same marker failed first."""
+        args = self.engine.args
+        if not args.break_marker:
+            return True
+        try:
+            with open(args.break_marker, "x") as marker:
+                marker.write(str(args.port))
+        except FileExistsError:
+            return False
+        return True
+
+    def _break(self) -> None:
+        args = self.engine.args
+        print(f"test engine: breaking off ({args.break_how}) after {args.break_after} tokens", file=sys.stderr,
+              flush=True)
+        if args.break_how == "stall":
+            while True:
+                time.sleep(3600)
+        os._exit(1)
 
     # Endpoints
 
@@ -215,6 +278,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         if not self._take_slot():
             return
+        self._tokens, self._cut, self._streaming = 0, False, bool(body.get("stream"))
         try:
             route(body)
         except (ConnectionResetError, BrokenPipeError) as exc:  # the client hung up: nothing more to say to it
@@ -258,7 +322,11 @@ class Handler(BaseHTTPRequestHandler):
         if chat and not isinstance(body.get("messages"), list):
             self._error(400, "'messages' must be a list", "invalid_request_error", "invalid_request")
             return
-        words, finish = self.engine.words(body.get("max_tokens", body.get("max_completion_tokens")))
+        prompt = body.get("prompt")
+        prefill = _prefill(body.get("messages")) if chat else prompt if isinstance(prompt, str) else ""
+        words, finish = self.engine.words(body.get("max_tokens", body.get("max_completion_tokens")), prefill)
+        if not chat and words == self.engine.args.answer.split()[:len(words)]:
+            prefill = ""  # a prompt the answer does not continue
         prompt_tokens = _count(body.get("messages") if chat else body.get("prompt"))
         usage = self._usage(prompt_tokens, len(words))
         timings = self.engine.timings(json.dumps(body.get("messages") if chat else body.get("prompt")), prompt_tokens,
@@ -271,8 +339,9 @@ class Handler(BaseHTTPRequestHandler):
         }
         if not body.get("stream"):
             self._pause()
-            text = " ".join(words)
+            text = "".join(_spaced(words, prefill))
             if chat:
+                text = prefill + text  # as llama.cpp's server answers a prefill: repeated before what follows it
                 choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -291,9 +360,11 @@ class Handler(BaseHTTPRequestHandler):
         self._start_stream()
         if chat:
             self._event(chunk(None, None, role=True))
-        for i, word in enumerate(words):
+        for word in _spaced(words, prefill):
             self._pause()
-            self._event(chunk(word if i == 0 else " " + word, None))
+            self._event(chunk(word, None))
+        if self.engine.args.break_after is not None and self._tokens >= self.engine.args.break_after and self._claim():
+            self._break()  # its last token out, its finish not
         self._event(chunk(None, finish))
         if (body.get("stream_options") or {}).get("include_usage"):
             self._event({**base, "object": chunk_kind, "choices": [], "usage": usage, "timings": timings})
@@ -322,14 +393,15 @@ class Handler(BaseHTTPRequestHandler):
 
     def anthropic_messages(self, body: dict) -> None:
         """Anthropic's Messages, one word per token."""
-        words, finish = self.engine.words(body.get("max_tokens"))
+        prefill = _prefill(body.get("messages"))
+        words, finish = self.engine.words(body.get("max_tokens"), prefill)
         usage = {"input_tokens": _count(body.get("messages")), "output_tokens": len(words)}
         stop = "max_tokens" if finish == "length" else "end_turn"
         message = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
                    "model": body.get("model") or self.engine.model, "stop_sequence": None}
         if not body.get("stream"):
             self._pause()
-            text = {"type": "text", "text": " ".join(words)}
+            text = {"type": "text", "text": prefill + "".join(_spaced(words, prefill))}
             self._send_json(200, {**message, "content": [text], "stop_reason": stop, "usage": usage})
             return
         self._start_stream()
@@ -338,9 +410,9 @@ class Handler(BaseHTTPRequestHandler):
                                         "usage": {**usage, "output_tokens": 0}}
             self._typed("message_start", {"message": start})
             self._typed("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-        for i, word in enumerate(words):
+        for word in _spaced(words, prefill):
             self._pause()
-            delta = {"type": "text_delta", "text": word if i == 0 else " " + word}
+            delta = {"type": "text_delta", "text": word}
             self._typed("content_block_delta", {"index": 0, "delta": delta}, ("index",))
         self._typed("content_block_stop", {"index": 0}, ("index",))
         self._typed("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None},
@@ -350,10 +422,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def openai_responses(self, body: dict) -> None:  # (BaseHTTPRequestHandler has `responses`)
         """OpenAI's Responses, one word per token."""
-        words, _ = self.engine.words(body.get("max_output_tokens"))
+        prefill = _prefill(body.get("input"))
+        words, _ = self.engine.words(body.get("max_output_tokens"), prefill)
         prompt = _count(body.get("input")) + _count(body.get("instructions"))
         rid, mid = "resp_" + uuid.uuid4().hex[:24], "msg_" + uuid.uuid4().hex[:24]
-        text = " ".join(words)
+        deltas = _spaced(words, prefill)
+        text = prefill + "".join(deltas)  # its `done` events' text is the whole, as llama.cpp's server says it
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         item = {"id": mid, "type": "message", "status": "completed", "role": "assistant", "content": [part]}
         usage = {"input_tokens": prompt, "output_tokens": len(words), "total_tokens": prompt + len(words)}
@@ -376,9 +450,9 @@ class Handler(BaseHTTPRequestHandler):
         event("response.in_progress", response=begun)
         event("response.output_item.added", output_index=0, item={**item, "status": "in_progress", "content": []})
         event("response.content_part.added", **in_item, part={**part, "text": ""})
-        for i, word in enumerate(words):
+        for word in deltas:
             self._pause()
-            event("response.output_text.delta", **in_item, delta=word if i == 0 else " " + word, logprobs=[])
+            event("response.output_text.delta", **in_item, delta=word, logprobs=[])
         event("response.output_text.done", **in_item, text=text, logprobs=[])
         event("response.content_part.done", **in_item, part=part)
         event("response.output_item.done", output_index=0, item=item)
@@ -386,6 +460,7 @@ class Handler(BaseHTTPRequestHandler):
         self._end_typed_stream()
 
     def embeddings(self, body: dict) -> None:
+        self._pause()
         inputs = body.get("input")
         inputs = [inputs] if isinstance(inputs, str) else inputs
         if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
@@ -427,6 +502,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=lambda v: int(v) if v else 0, default=0,
                    help="at most this many requests at once; one more fails with a 500 (0 or empty: no bound)")
     p.add_argument("--sparse", action="store_true", help="stream Messages and Responses leaving fields out")
+    p.add_argument("--break-after", type=int, help="fail once this many tokens of an answer are out")
+    p.add_argument("--break-how", choices=("exit", "stall", "cut"), default="exit",
+                   help="cut: a whole answer's head and half its body sent before the exit")
+    p.add_argument("--break-marker", default="", help="fail only while this file does not exist, then write it")
     return p
 
 

@@ -566,4 +566,4 @@ def test_usage_as_csv_is_the_same_from_anywhere(cluster):
                          completion_tokens=4)
     far = remote(cluster, "ctl", "usage", "--csv")
     assert far == run("ctl", "usage", "--csv")
-    assert far.splitlines()[1] == f"team,smol,{hour:%Y-%m-%dT%H}:00:00Z,2,30,4"
+    assert far.splitlines()[1] == f"team,smol,{hour:%Y-%m-%dT%H}:00:00Z,2,30,4,0"

@@ -206,28 +206,36 @@ def test_stop_answers_503_at_once_stops_every_engine_and_start_serves_again(syst
     definition = ("name", "file", "engine", "profile", "replicas", "memory_bytes", "nodes", "wait_seconds")
     models_before = [{k: m.get(k) for k in definition} for m in system.cli_json("ctl", "models")]
     load = Load(system, ops, "op-stop", threads=2)
-    with load.running():
-        load.expect_stopped = True
-        system.cli("stop")
-        asked = time.monotonic()  # the stop is committed once the command returns
-        stopped_in = wait_for(lambda: load.stopped_503 and time.monotonic() - asked, 10, interval=0.05,
-                              what="503 system_stopped")
-        wait_for(lambda: all(r["state"] == "stopped" for r in replicas_by_name(system, "op-stop").values()
-                             if r["name"] in {x["name"] for x in reps}), 60, what="every engine stopped")
-        for r in reps:
-            assert not _alive(r["pid"]), f"engine {r['pid']} still running"
-        assert "STOPPED" in system.cli("status").stdout
-        models_after = [{k: m.get(k) for k in definition} for m in system.cli_json("ctl", "models")]
-        assert models_after == models_before
-        served = load.ok
-        system.cli("start")
-        # the start reaches each web process a moment after the command returns (the next request looks again,
-        # gateway.runtime.may_look_again): from the first request served on, nothing may fail
-        wait_for(lambda: load.ok > served, 10, interval=0.05, what="the first request served after the start")
-        load.expect_stopped = False
-        served = load.ok
-        system.wait_ready("op-stop", 2)
-        wait_for(lambda: load.ok > served + 4, 60, what="served again")
+    started = False
+    try:
+        with load.running():
+            load.expect_stopped = True
+            system.cli("stop")
+            asked = time.monotonic()  # the stop is committed once the command returns
+            stopped_in = wait_for(lambda: load.stopped_503 and time.monotonic() - asked, 10, interval=0.05,
+                                  what="503 system_stopped")
+            wait_for(lambda: all(r["state"] == "stopped" for r in replicas_by_name(system, "op-stop").values()
+                                 if r["name"] in {x["name"] for x in reps}), 60,
+                     what="every engine stopped")
+            for r in reps:
+                assert not _alive(r["pid"]), f"engine {r['pid']} still running"
+            said = system.cli("status").stdout
+            assert "STOPPED" in said, said
+            models_after = [{k: m.get(k) for k in definition} for m in system.cli_json("ctl", "models")]
+            assert models_after == models_before
+            served = load.ok
+            system.cli("start")
+            started = True
+            # the start reaches each web process a moment after the command returns (the next request looks again,
+            # gateway.runtime.may_look_again): from the first request served on, nothing may fail
+            wait_for(lambda: load.ok > served, 30, interval=0.05, what="the first request served after the start")
+            load.expect_stopped = False
+            served = load.ok
+            system.wait_ready("op-stop", 2)
+            wait_for(lambda: load.ok > served + 4, 60, what="served again")
+    finally:
+        if not started:  # the tests after this one share the system: never leave it stopped
+            system.cli("start", check=False)
     print(f"\nstop: 503 system_stopped {stopped_in:.2f}s after the command returned; {load.ok} served, "
           f"{len(load.failed)} failed")
     assert stopped_in < 1.0
