@@ -172,17 +172,20 @@ class EngineAnswer:
                 await self._wait()
 
     async def chunks(self, idle: float | None = None) -> AsyncGenerator[bytes, None]:
-        """The body as it comes: whatever has arrived at each step, joined; `Silent` once nothing came for `idle`
-        seconds (when shorter than the pool's read timeout)."""
+        """The body as it comes: whatever has arrived at each step, joined; once some came, `Silent` when nothing
+        more comes for `idle` seconds (when shorter than the pool's read timeout). Not before: an engine may send
+        its head at once and its first token after the prompt's prefill, which may take minutes on a CPU."""
+        began = False
         while True:
             if self._parts:
+                began = True
                 yield self._take()
             elif self.complete:
                 return
             elif self._error is not None:
                 raise self._error
             else:
-                await self._wait(idle)
+                await self._wait(idle if began else None)
 
     def abandon(self, why: str) -> None:
         """Give up an answer still coming (its replica left the fleet): `Lost`, for the request waiting for its
