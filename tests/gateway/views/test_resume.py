@@ -16,7 +16,7 @@ from cluster.models import Event, Replica
 from gateway.models import RequestRecord, Usage
 from gateway.runtime import runtime
 from tests.factories import make_model
-from tests.gateway.views.harness import Engine, events, key_client, post, read, ready_replica
+from tests.gateway.views.harness import Engine, add_key, events, key_client, post, read, ready_replica
 from tests.gateway.views.test_sdk_streams import anthropic_client, openai_client
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pytest.mark.integration]
@@ -248,3 +248,53 @@ async def test_an_answer_resumed_as_often_as_its_limit_allows_then_ends_with_the
     finally:
         for e in engines:
             e.stop()
+
+
+@pytest.mark.parametrize("surface", ["responses", "messages"])
+async def test_an_answer_resumed_twice_is_still_one_answer(cluster, tmp_path, surface):
+    """Three engines leaving fields out as llama.cpp's server does, each failing after 15 tokens: the answer goes
+    on twice, its third part from the third engine, and the SDK's own accumulation builds it whole."""
+    engines = [Engine(tmp_path, "--answer", ANSWER, "--delay-ms", "5", "--break-after", "15", "--sparse")
+               for _ in range(3)]
+    try:
+        model = await sync_to_async(make_model)("twice", resume_limit=2)
+        for e in engines:
+            await sync_to_async(ready_replica)(model, cluster.node, e.port)
+        if surface == "responses":
+            async with openai_client(cluster.secret).responses.stream(model="twice", input="count") as s:
+                got = [event async for event in s]
+                final = await s.get_final_response()
+            assert final.output_text == ANSWER and final.usage.output_tokens == len(WORDS)
+            assert [e.sequence_number for e in got] == list(range(len(got)))
+        else:
+            async with anthropic_client(cluster.secret).messages.stream(model="twice", max_tokens=64,
+                                                                        messages=SAY) as s:
+                text = "".join([piece async for piece in s.text_stream])
+                final = await s.get_final_message()
+            assert text == ANSWER and [b.text for b in final.content] == [ANSWER]
+        await runtime().books()
+        record = await sync_to_async(RequestRecord.objects.get)(model="twice")
+        outcomes = [t[3] for t in record.tries]  # the first engine, dead, tried again before the table heard of it
+        assert record.resumes == 2 and sum(o.endswith("; resumed") for o in outcomes) == 2, outcomes
+        assert outcomes[-1] == "answered 200" and all(o.startswith(("broke off", "failed")) for o in outcomes[:-1])
+    finally:
+        for e in engines:
+            e.stop()
+
+
+async def test_a_keys_budget_and_rate_count_what_it_received_not_what_the_resume_cost(cluster, pair):
+    """The continuation's prompt (the conversation and the 20 words already sent) is the fleet's cost: the key's
+    budget and tokens per minute settle to its prompt and the 40 words it got."""
+    from tests.gateway.views.test_budgets import count_of, held, settled
+
+    p = await _new_pair(pair, 20)
+    secret = await sync_to_async(add_key)("resumed", budget_tokens=1000, budget_period="day", tpm=1000)
+    answer = await post(key_client(secret), "chat/completions", {
+        "model": "twice", "messages": SAY, "stream": True, "max_tokens": 64, "stream_options": {"include_usage": True}})
+    got = events(await read(answer))
+    assert answer.status_code == 200 and got[-2]["usage"]["completion_tokens"] == 40, (answer.content, got[-3:])
+    await p.broke()
+    await settled()
+    assert held(await sync_to_async(count_of)("resumed", "day")) == 41
+    record = await _record(answer["x-request-id"])
+    assert record.resumes == 1 and record.resumed_prompt_tokens == 1 + 20  # the prompt and the 20 words, prefilled
