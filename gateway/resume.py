@@ -68,6 +68,23 @@ def _joined(content: str | list[Any], kind: str, text: str) -> str | list[Any]:
     return [*content, {"type": kind, "text": text}]
 
 
+# what constrains an answer's text to a grammar: OpenAI's response format (the Responses API's `text.format`),
+# llama.cpp's `grammar` and `json_schema`, vLLM's guided decoding
+_CONSTRAINTS = ("grammar", "json_schema", "guided_json", "guided_grammar", "guided_regex", "guided_choice",
+                "structured_outputs")
+
+
+def _constrained(body: JSON) -> str:
+    """Why an answer held to a grammar cannot go on ("": it is not held to one): an engine applies a grammar from
+    the first token it generates, so a continuation of half a JSON object would be a new object after it."""
+    formats = [body.get("response_format"), (body.get("text") or {}).get("format")
+               if isinstance(body.get("text"), dict) else None]
+    if any(isinstance(f, dict) and f.get("type") not in (None, "text") for f in formats) or any(
+            body.get(k) for k in _CONSTRAINTS):
+        return "an answer held to a grammar (a JSON format or schema)"
+    return ""
+
+
 def _int(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
@@ -116,10 +133,11 @@ class Transcript:
         return self.problem or self._request_problem()
 
     def _request_problem(self) -> str:
-        return ""
+        return _constrained(self.body)
 
     def owed(self) -> int | None:
         """Tokens still owed (None: as many as the engine gives; 0: none, the answer is at its end)."""
+        self.fold()
         if self.finished:
             return 0
         caps = [v for f in self.token_fields if isinstance(v := self.body.get(f), int) and not isinstance(v, bool)]
@@ -127,6 +145,7 @@ class Transcript:
 
     def continuation(self) -> JSON:
         """The request that continues the answer: the client's, with what was passed as its prefill."""
+        self.fold()
         body = copy.deepcopy(self.body)
         owed = self.owed()
         for f in self.token_fields:
@@ -140,10 +159,19 @@ class Transcript:
         raise NotImplementedError
 
     def seam(self) -> Seam:
+        """What splices the next continuation's events into the answer."""
+        self.fold()
+        return self._seam()
+
+    def _seam(self) -> Seam:
         raise NotImplementedError
 
     def ending(self) -> list[bytes]:
         """The events that end the answer when nothing more is owed."""
+        self.fold()
+        return self._ending()
+
+    def _ending(self) -> list[bytes]:
         raise NotImplementedError
 
 
@@ -216,6 +244,8 @@ class ChoicesTranscript(Transcript):
             self.prompt = _int(data["usage"].get("prompt_tokens")) or self.prompt
 
     def _request_problem(self) -> str:
+        if constrained := _constrained(self.body):
+            return constrained
         if _int(self.body.get("n")) > 1 or _int(self.body.get("best_of")) > 1:
             return "an answer of several choices"
         if not self.chat:
@@ -242,10 +272,10 @@ class ChoicesTranscript(Transcript):
         body["messages"] = messages
         body["continue_final_message"], body["add_generation_prompt"] = True, False  # vLLM's words for a prefill
 
-    def seam(self) -> Seam:
+    def _seam(self) -> Seam:
         return ChoicesSeam(self)
 
-    def ending(self) -> list[bytes]:
+    def _ending(self) -> list[bytes]:
         head = {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion"}
         events = []
         if not self.finished:
@@ -346,10 +376,10 @@ class MessagesTranscript(Transcript):
             messages.append({"role": "assistant", "content": [{"type": "text", "text": self.text}]})
         body["messages"] = messages
 
-    def seam(self) -> Seam:
+    def _seam(self) -> Seam:
         return MessagesSeam(self)
 
-    def ending(self) -> list[bytes]:
+    def _ending(self) -> list[bytes]:
         events = []
         if self.open is not None:
             events.append(_typed("content_block_stop", {"index": self.open}))
@@ -448,14 +478,14 @@ class ResponsesTranscript(Transcript):
             items.append({"type": "message", "role": "assistant", "content": [part]})
         body["input"] = items
 
-    def seam(self) -> Seam:
+    def _seam(self) -> Seam:
         return ResponsesSeam(self)
 
     def _next(self) -> int:
         self.sequence += 1
         return self.sequence
 
-    def ending(self) -> list[bytes]:
+    def _ending(self) -> list[bytes]:
         if self.completed:
             return []
         events = []
