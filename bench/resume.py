@@ -180,6 +180,8 @@ class Run(Instance):
         survivors = [s for s in broken if s.before is None]
         rates = [(r, u) for s in survivors
                  if (r := s.rate(mark)) is not None and (u := unbroken[s.index].rate(umark)) is not None]
+        say(f"survivors' chunks after the mark: {[len([t for t, _ in s.chunks if t > mark]) for s in survivors]}, "
+            f"unbroken: {[len([t for t, _ in unbroken[s.index].chunks if t > umark]) for s in survivors]}")
         for s in broken:
             if not s.whole() or s.text != unbroken[s.index].text:
                 show(s, unbroken[s.index])
@@ -221,7 +223,7 @@ def table(engine: str, rows: list[dict]) -> None:
               f"| {ratio} | {fr or 0:.0f} | {ur or 0:.0f} | {fr / ur if fr and ur else 0:.2f} |")
     for r in rows:
         print(f"{r['fault']}: unbroken run {r['unbroken_whole']}/{r['n']} whole; {len(r['seams'])} seams; "
-              f"{r['survivors']} survivors; cold prefills answered by {', '.join(r['cold_on']) or '-'}")
+              f"{r['survivors']} survivors; seams (ms) {sorted(round(g * 1000) for g in r['seams'])}; cold prefills answered by {', '.join(r['cold_on']) or '-'}")
 
 
 def main() -> int:
