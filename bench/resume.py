@@ -59,16 +59,20 @@ class Stream:
         return (not self.error and self.finish is not None and bool(self.text)
                 and (self.before is None or self.text.startswith(self.before)))
 
-    def seam(self, at: float) -> float | None:
-        """The gap the client saw across the fault: its last chunk before `at` to its first after."""
-        before = [t for t, _ in self.chunks if t <= at]
-        after = [t for t, _ in self.chunks if t > at]
-        return after[0] - before[-1] if before and after else None
+    def seam(self) -> tuple[float, str] | None:
+        """The longest gap the client saw between two chunks, and the text it had before it: the seam, for a stream
+        on the faulted engine (not the gap after the fault in the client's time: a client behind its stream still
+        reads what was on its way before the gap comes)."""
+        if len(self.chunks) < 2:
+            return None
+        n = max(range(1, len(self.chunks)), key=lambda k: self.chunks[k][0] - self.chunks[k - 1][0])
+        return self.chunks[n][0] - self.chunks[n - 1][0], "".join(c for _, c in self.chunks[:n])
 
-    def rate(self, since: float) -> float | None:
-        """Tokens (content chunks) a second after `since`."""
-        after = [t for t, _ in self.chunks if t > since]
-        return (len(after) - 1) / (after[-1] - since) if len(after) > 1 else None
+    def rate(self) -> float | None:
+        """Tokens (content chunks) a second, first chunk to last."""
+        if len(self.chunks) < 2:
+            return None
+        return (len(self.chunks) - 1) / (self.chunks[-1][0] - self.chunks[0][0])
 
 
 def messages(i: int) -> list[dict]:
@@ -120,9 +124,8 @@ class Run(Instance):
         except Exception as exc:  # whatever the client met is the finding
             s.error = f"{type(exc).__name__}: {exc}"
 
-    async def load(self, fault: str | None) -> tuple[list[Stream], float, str]:
-        """N streams; once each has K tokens (the mark), the fault if any; returns them, the mark and the replica
-        faulted."""
+    async def load(self, fault: str | None) -> tuple[list[Stream], str]:
+        """N streams; once each has K tokens, the fault if any; returns them and the replica faulted."""
         pids = {r["name"]: r["pid"] for r in self.replicas(MODEL) if r["state"] == "ready"}
         streams = [Stream(i) for i in range(self.o.streams)]
         tasks = [asyncio.create_task(self.read(s)) for s in streams]
@@ -131,12 +134,11 @@ class Run(Instance):
             if time.monotonic() > deadline:
                 raise SystemExit("the streams never all reached --after tokens")
             await asyncio.sleep(0.002)
-        mark, victim = time.monotonic(), ""
+        victim = ""
         if fault:
             counts = {name: sum(s.replica == name for s in streams) for name in pids}
             victim = max(counts, key=lambda name: counts[name])
             os.kill(pids[victim], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-            mark = time.monotonic()
             for s in streams:
                 if s.replica == victim:
                     s.before = s.text
@@ -148,13 +150,13 @@ class Run(Instance):
                     os.kill(pids[victim], signal.SIGCONT)
                 except ProcessLookupError:
                     pass
-        return streams, mark, victim
+        return streams, victim
 
-    async def cold(self, s: Stream) -> tuple[float, str]:
-        """Time to the first token of the conversation with the text it had at the fault as a prefill."""
+    async def cold(self, s: Stream, text: str) -> tuple[float, str]:
+        """Time to the first token of the stream's conversation with the text it had at the seam as a prefill."""
         began = time.monotonic()
         raw = await self.client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=[*messages(s.index), {"role": "assistant", "content": s.before}], max_tokens=8,
+            model=MODEL, messages=[*messages(s.index), {"role": "assistant", "content": text}], max_tokens=8,
             temperature=0, seed=38, stream=True, extra_body=self.extra)
         first = None
         async for chunk in raw.parse():
@@ -169,19 +171,17 @@ class Run(Instance):
         if fault == "stop":
             self.cli("ctl", "model", "set", MODEL, "--stream-idle-timeout", f"{self.o.idle:g}s")
         self.whole_fleet()
-        unbroken, umark, _ = await self.load(None)
+        unbroken, _ = await self.load(None)
         self.whole_fleet()
-        broken, mark, victim = await self.load(fault)
+        broken, victim = await self.load(fault)
         say(f"{fault}: {victim} faulted with {sum(s.before is not None for s in broken)} streams on it")
         self.whole_fleet()
         hit = [s for s in broken if s.before is not None]
-        colds = [await self.cold(s) for s in hit]
-        seams = [g for s in hit if (g := s.seam(mark)) is not None]
+        seamed = [(s, seam) for s in hit if (seam := s.seam()) is not None]
+        seams = [gap for _, (gap, _) in seamed]
+        colds = [await self.cold(s, text) for s, (_, text) in seamed]
         survivors = [s for s in broken if s.before is None]
-        rates = [(r, u) for s in survivors
-                 if (r := s.rate(mark)) is not None and (u := unbroken[s.index].rate(umark)) is not None]
-        say(f"survivors' chunks after the mark: {[len([t for t, _ in s.chunks if t > mark]) for s in survivors]}, "
-            f"unbroken: {[len([t for t, _ in unbroken[s.index].chunks if t > umark]) for s in survivors]}")
+        rates = [(r, u) for s in survivors if (r := s.rate()) is not None and (u := unbroken[s.index].rate()) is not None]
         for s in broken:
             if not s.whole() or s.text != unbroken[s.index].text:
                 show(s, unbroken[s.index])
@@ -201,6 +201,10 @@ def show(s: Stream, unbroken: Stream) -> None:
     say(f"  before the fault: {s.before!r}")
     say(f"  the client's text: {s.text!r}")
     say(f"  unbroken:          {unbroken.text!r}")
+    apart = next((n for n, (a, b) in enumerate(zip(s.text, unbroken.text, strict=False)) if a != b),
+                 min(len(s.text), len(unbroken.text)))
+    if s.text != unbroken.text:
+        say(f"  apart from unbroken from character {apart}; the seam at character {len(s.before or '')}")
 
 
 def say(text: str) -> None:
@@ -223,7 +227,8 @@ def table(engine: str, rows: list[dict]) -> None:
               f"| {ratio} | {fr or 0:.0f} | {ur or 0:.0f} | {fr / ur if fr and ur else 0:.2f} |")
     for r in rows:
         print(f"{r['fault']}: unbroken run {r['unbroken_whole']}/{r['n']} whole; {len(r['seams'])} seams; "
-              f"{r['survivors']} survivors; seams (ms) {sorted(round(g * 1000) for g in r['seams'])}; cold prefills answered by {', '.join(r['cold_on']) or '-'}")
+              f"{r['survivors']} survivors; seams (ms) {sorted(round(g * 1000) for g in r['seams'])}; "
+              f"cold prefills answered by {', '.join(r['cold_on']) or '-'}")
 
 
 def main() -> int:
