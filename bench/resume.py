@@ -259,7 +259,7 @@ def main() -> int:
         run.stop()
     print(f"\n`python bench/resume.py --engine {o.engine} --fault {o.fault}`: {o.streams} streams of {o.tokens} tokens,"
           f" the fault after {o.after}; {time.monotonic() - began:.0f} s, load average {os.getloadavg()[0]:.1f}\n")
-    table(o.engine, rows)
+    table(f"fake, {o.delay_ms:g} ms a token" if fake else o.engine, rows)
     return 0 if all(r["whole"] == r["n"] for r in rows) else 1
 
 
