@@ -50,6 +50,7 @@ class Stream:
     finish: str | None = None
     error: str = ""
     before: str | None = None  # the text it had when the fault came (a stream on the faulted engine only)
+    cold: str = ""  # what a cold prefill of its text at the seam went on with (8 tokens)
 
     @property
     def text(self) -> str:
@@ -158,10 +159,12 @@ class Run(Instance):
         raw = await self.client.chat.completions.with_raw_response.create(
             model=MODEL, messages=[*messages(s.index), {"role": "assistant", "content": text}], max_tokens=8,
             temperature=0, seed=38, stream=True, extra_body=self.extra)
-        first = None
+        first, said = None, ""
         async for chunk in raw.parse():
             if first is None and any(c.delta.content for c in chunk.choices):
                 first = time.monotonic() - began
+            said += "".join(c.delta.content or "" for c in chunk.choices)
+        s.cold = said
         return (first if first is not None else float("nan")), raw.headers.get("x-llmgw-replica", "-")
 
     async def measure_all(self, faults: list[str]) -> list[dict]:
@@ -204,7 +207,10 @@ def show(s: Stream, unbroken: Stream) -> None:
     apart = next((n for n, (a, b) in enumerate(zip(s.text, unbroken.text, strict=False)) if a != b),
                  min(len(s.text), len(unbroken.text)))
     if s.text != unbroken.text:
-        say(f"  apart from unbroken from character {apart}; the seam at character {len(s.before or '')}")
+        seam = s.seam()
+        at = len(seam[1]) if seam else 0
+        say(f"  apart from unbroken from character {apart}; the seam at character {at}; after the seam the client got "
+            f"{s.text[at:at + 40]!r}, a cold prefill of the text at the seam {s.cold!r}")
 
 
 def say(text: str) -> None:
