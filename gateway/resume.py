@@ -29,7 +29,7 @@ from typing import Any
 
 JSON = dict[str, Any]
 
-FOLD_BYTES = 256 << 10  # events kept as bytes before they are read into what they say
+FOLD_BYTES = 64 << 10  # events kept as bytes before they are read into what they say (each read once)
 
 # why an answer was resumed, as the metric and the record name it
 CLOSED, SILENT, LOST = "closed", "silent", "lost"
