@@ -293,12 +293,16 @@ async def stream(gw: Gateway, call: Call, used: Used, surface: Surface, payload:
                     status = 200
                     return
                 said = describe(failure)
-                reason = SILENT if isinstance(failure, Silent) else LOST if isinstance(failure, Lost) else CLOSED
+                reason = SILENT if isinstance(failure, ReadTimeout) else LOST if isinstance(failure, Lost) else CLOSED
                 why_not = "its model's resume limit is 0" if transcript is None else (
                     f"resumed {used.resumes} times already" if used.resumes >= limit else transcript.why_not())
                 tokens = transcript.tokens if transcript is not None else used.passed
-                went = f"went silent for {idle:g}s after {tokens} tokens" if reason == SILENT else \
-                    f"broke off after {tokens} tokens: {said}"
+                if isinstance(failure, Silent):
+                    went = f"went silent for {idle:g}s after {tokens} tokens"
+                elif reason == SILENT:
+                    went = f"went silent after {tokens} tokens: {said}"
+                else:
+                    went = f"broke off after {tokens} tokens: {said}"
                 if why_not:
                     log.warning("replica %s %s; not resumed: %s", current.upstream.replica, went, why_not)
                     status = 504 if isinstance(failure, ReadTimeout) else 502
