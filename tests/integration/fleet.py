@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import anthropic
 import openai
 import psycopg
 
@@ -291,6 +292,70 @@ class Load:
         self._stop.set()
         for thread in self._threads:
             thread.join(90)
+
+
+# what each surface's stream ends with when its engine finishes the answer (tests/engine.py)
+FINISHES = {"chat": "stop", "completions": "stop", "responses": "completed", "messages": "end_turn"}
+
+
+@dataclass
+class Seen:
+    """What a client saw of one stream, as its SDK gave it: the text, the finish, the whole answer where the
+    SDK builds one (Responses, Messages), the gateway's request id, and any error."""
+
+    surface: str
+    text: str = ""
+    finish: str | None = None
+    whole: str | None = None
+    request_id: str = ""
+    error: str = ""
+    done: bool = False
+
+
+def stream_through_sdk(url: str, key: str, model: str, seen: Seen) -> None:
+    """One streamed answer of `seen.surface` through the official `openai` or `anthropic` client, read to its end."""
+    say = [{"role": "user", "content": "count"}]
+    try:
+        if seen.surface == "messages":
+            claude = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
+            with claude.messages.stream(model=model, max_tokens=500, messages=say) as stream:  # type: ignore[arg-type]
+                seen.request_id = stream.response.headers.get("x-request-id", "")
+                for piece in stream.text_stream:
+                    seen.text += piece
+                final = stream.get_final_message()
+            seen.finish = final.stop_reason
+            seen.whole = "".join(getattr(block, "text", "") for block in final.content)
+            return
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+        if seen.surface == "chat":
+            chat = client.chat.completions.with_raw_response.create(model=model, messages=say,  # type: ignore[arg-type]
+                                                                    max_tokens=500, stream=True)
+            seen.request_id = chat.headers.get("x-request-id", "")
+            for chunk in chat.parse():
+                if chunk.choices:
+                    seen.text += chunk.choices[0].delta.content or ""
+                    seen.finish = chunk.choices[0].finish_reason or seen.finish
+        elif seen.surface == "completions":
+            completion = client.completions.with_raw_response.create(model=model, prompt="count:", max_tokens=500,
+                                                                     stream=True)
+            seen.request_id = completion.headers.get("x-request-id", "")
+            for piece in completion.parse():
+                if piece.choices:
+                    seen.text += piece.choices[0].text
+                    seen.finish = piece.choices[0].finish_reason or seen.finish
+        else:
+            response = client.responses.with_raw_response.create(model=model, input="count", max_output_tokens=500,
+                                                                  stream=True)
+            seen.request_id = response.headers.get("x-request-id", "")
+            for event in response.parse():
+                if event.type == "response.output_text.delta":
+                    seen.text += event.delta
+                elif event.type in ("response.completed", "response.failed", "response.incomplete"):
+                    seen.finish, seen.whole = event.response.status, event.response.output_text
+    except Exception as exc:  # what the client saw is the finding
+        seen.error = f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        seen.done = True
 
 
 class Watch:
