@@ -250,7 +250,8 @@ class Load:
     """A few requests in flight throughout, through nginx with the official client; every failure counted."""
 
     def __init__(self, url: str, key: str, workers: int = 3, model: str = MODEL):
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+        for client_log in ("httpx", "httpx2"):  # not a line per request (the openai client's is httpx2)
+            logging.getLogger(client_log).setLevel(logging.WARNING)
         self.url, self.key, self.model = url, key, model
         self.ok = 0
         self.failures: list[tuple[float, str]] = []

@@ -213,8 +213,9 @@ def test_a_node_cut_off_with_streams_in_flight_their_answers_go_on_whole_at_the_
             assert last[0] not in cut and last[3] == "answered 200", record["tries"]
         resumed = fleet.api("/api/v1/requests/", model=SLOW, resumed="true", limit=100)["results"]
         assert {r["request_id"] for r in resumed} == began_there
+        said = sorted(found[i]["tries"][0][3] for i in began_there)
         outcome["recovered"] = (f"{len(began_there)} of {len(seen)} streams resumed, every one whole "
-                                f"{ended:.1f} s after the cut")
+                                f"{ended:.1f} s after the cut ({'; '.join(said)})")
     finally:
         system.cli("ctl", "model", "remove", SLOW)
         wait_for(lambda: not [r for r in fleet.replicas(SLOW) if r["state"] not in ("stopped", "failed")], 60,
