@@ -319,7 +319,7 @@ def stream_through_sdk(url: str, key: str, model: str, seen: Seen) -> None:
     try:
         if seen.surface == "messages":
             claude = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
-            with claude.messages.stream(model=model, max_tokens=500, messages=say) as stream:  # type: ignore[arg-type]
+            with claude.messages.stream(model=model, max_tokens=500, messages=say) as stream:
                 seen.request_id = stream.response.headers.get("x-request-id", "")
                 for piece in stream.text_stream:
                     seen.text += piece
@@ -329,7 +329,7 @@ def stream_through_sdk(url: str, key: str, model: str, seen: Seen) -> None:
             return
         client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
         if seen.surface == "chat":
-            chat = client.chat.completions.with_raw_response.create(model=model, messages=say,  # type: ignore[arg-type]
+            chat = client.chat.completions.with_raw_response.create(model=model, messages=say,
                                                                     max_tokens=500, stream=True)
             seen.request_id = chat.headers.get("x-request-id", "")
             for chunk in chat.parse():

@@ -146,82 +146,6 @@ def test_a_node_cut_off_past_the_grace_is_replaced_and_its_stale_engine_stops_af
     assert not set(replicas) & set(fleet.engines())
 
 
-# a model whose answers stream for 3 s (60 words, 50 ms a word), numbered so that a word repeated or dropped at a
-# seam shows
-SLOW = "fleet-slow"
-SLOW_ANSWER = " ".join(f"s{i:02d}" for i in range(60))
-
-
-def test_a_node_cut_off_with_streams_in_flight_their_answers_go_on_whole_at_the_other_replica(fleet, scenario):
-    """Two streams of each surface through nginx with the official SDKs, half of them on a replica whose host is
-    then cut off: its engine goes silent, and past the model's stream idle timeout (2 s) each of its answers goes
-    on at the other replica; every client gets the whole answer, each word once, and the finish the engine gives.
-    The cut is healed within the tolerance: the node is not lost, nothing is replaced."""
-    load, watch, outcome = scenario
-    system = fleet.system
-    add_test_engine(system, "slowengine", f"--load-seconds 1 --delay-ms 50 --answer '{SLOW_ANSWER}'")
-    system.cli("ctl", "model", "add", SLOW, "--file", system.sha, "--engine", "slowengine", "--replicas", "2",
-               "--memory", "300MiB", "--routing", "least-inflight", "--stream-idle-timeout", "2s")
-    try:
-        system.wait_ready(SLOW, 2, timeout=60)
-        nodes = {r["name"]: r["node"] for r in fleet.ready(SLOW)}
-        assert len(set(nodes.values())) == 2, f"the two replicas on one node: {nodes}"
-        seen = [Seen(surface) for surface in FINISHES for _ in range(2)]
-        threads = [threading.Thread(target=stream_through_sdk, args=(fleet.nginx, fleet.key, SLOW, s), daemon=True)
-                   for s in seen]
-        for thread in threads:
-            thread.start()
-        wait_for(lambda: all(len(s.text.split()) >= 5 or s.done for s in seen), 30, what="every stream's first words")
-        assert not [s for s in seen if s.done], f"a stream ended before the cut: {seen}"
-        cut_node = sorted(nodes.values())[0]
-        host = fleet.hosts[cut_node]
-        host.cut()
-        cut_at = time.monotonic()
-        try:
-            wait_for(lambda: all(s.done for s in seen), 30, interval=0.1, what=f"every stream to end: {seen}")
-        finally:
-            host.heal()
-        ended = time.monotonic() - cut_at
-        for thread in threads:
-            thread.join(5)
-        for s in seen:
-            assert not s.error, s
-            assert s.text == SLOW_ANSWER and s.finish == FINISHES[s.surface], s
-            assert s.whole in (None, SLOW_ANSWER), s  # the answer the SDK built, where it builds one
-
-        # their records: every answer begun on the cut node's replica was resumed (silent, or its node lost)
-        # at the other; none of the others was
-        ids = {s.request_id for s in seen}
-        assert "" not in ids and len(ids) == len(seen), seen
-
-        def records() -> dict[str, dict] | None:
-            found = {r["request_id"]: r for r in fleet.api("/api/v1/requests/", model=SLOW, limit=100)["results"]}
-            return found if ids <= set(found) else None
-
-        found = wait_for(records, 30, what="the streams' request records")
-        cut = {name for name, node in nodes.items() if node == cut_node}
-        began_there = {i for i in ids if found[i]["tries"][0][0] in cut}
-        assert began_there, f"no stream on {cut_node}'s replica: {[found[i]['tries'] for i in ids]}"
-        for i in ids:
-            record = found[i]
-            if i not in began_there:
-                assert record["resumes"] == 0, record["tries"]
-                continue
-            first, last = record["tries"][0], record["tries"][-1]
-            assert record["resumes"] >= 1 and first[3].endswith("; resumed"), record["tries"]
-            assert "went silent" in first[3] or "left the fleet" in first[3], record["tries"]
-            assert last[0] not in cut and last[3] == "answered 200", record["tries"]
-        resumed = fleet.api("/api/v1/requests/", model=SLOW, resumed="true", limit=100)["results"]
-        assert {r["request_id"] for r in resumed} == began_there
-        said = sorted(found[i]["tries"][0][3] for i in began_there)
-        outcome["recovered"] = (f"{len(began_there)} of {len(seen)} streams resumed, every one whole "
-                                f"{ended:.1f} s after the cut ({'; '.join(said)})")
-    finally:
-        system.cli("ctl", "model", "remove", SLOW)
-        wait_for(lambda: not [r for r in fleet.replicas(SLOW) if r["state"] not in ("stopped", "failed")], 60,
-                 what=f"{SLOW} removed")
-
-
 def test_a_lossy_slow_link_replaces_nothing_and_fails_nothing(fleet, scenario):
     load, watch, outcome = scenario
     node, replicas = host_with_a_replica(fleet)
@@ -396,3 +320,79 @@ def test_a_worker_killed_in_the_middle_of_a_system_restart(fleet, scenario):
     system.wait_nodes_connected(list(fleet.hosts), timeout=60)
     done = system.cli("restart", "--timeout", "60")
     assert "system restart done" in done.stdout, done.stdout
+
+
+# a model whose answers stream for 3 s (60 words, 50 ms a word), numbered so that a word repeated or dropped at a
+# seam shows
+SLOW = "fleet-slow"
+SLOW_ANSWER = " ".join(f"s{i:02d}" for i in range(60))
+
+
+def test_a_node_cut_off_with_streams_in_flight_their_answers_go_on_whole_at_the_other_replica(fleet, scenario):
+    """Two streams of each surface through nginx with the official SDKs, half of them on a replica whose host is
+    then cut off: its engine goes silent, and past the model's stream idle timeout (2 s) each of its answers goes
+    on at the other replica; every client gets the whole answer, each word once, and the finish the engine gives.
+    The cut is healed within the tolerance: the node is not lost, nothing is replaced."""
+    load, watch, outcome = scenario
+    system = fleet.system
+    add_test_engine(system, "slowengine", f"--load-seconds 1 --delay-ms 50 --answer '{SLOW_ANSWER}'")
+    system.cli("ctl", "model", "add", SLOW, "--file", system.sha, "--engine", "slowengine", "--replicas", "2",
+               "--memory", "300MiB", "--routing", "least-inflight", "--stream-idle-timeout", "2s")
+    try:
+        system.wait_ready(SLOW, 2, timeout=60)
+        nodes = {r["name"]: r["node"] for r in fleet.ready(SLOW)}
+        assert len(set(nodes.values())) == 2, f"the two replicas on one node: {nodes}"
+        seen = [Seen(surface) for surface in FINISHES for _ in range(2)]
+        threads = [threading.Thread(target=stream_through_sdk, args=(fleet.nginx, fleet.key, SLOW, s), daemon=True)
+                   for s in seen]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: all(len(s.text.split()) >= 5 or s.done for s in seen), 30, what="every stream's first words")
+        assert not [s for s in seen if s.done], f"a stream ended before the cut: {seen}"
+        cut_node = sorted(nodes.values())[0]
+        host = fleet.hosts[cut_node]
+        host.cut()
+        cut_at = time.monotonic()
+        try:
+            wait_for(lambda: all(s.done for s in seen), 30, interval=0.1, what=f"every stream to end: {seen}")
+        finally:
+            host.heal()
+        ended = time.monotonic() - cut_at
+        for thread in threads:
+            thread.join(5)
+        for s in seen:
+            assert not s.error, s
+            assert s.text == SLOW_ANSWER and s.finish == FINISHES[s.surface], s
+            assert s.whole in (None, SLOW_ANSWER), s  # the answer the SDK built, where it builds one
+
+        # their records: every answer begun on the cut node's replica was resumed (silent, or its node lost)
+        # at the other; none of the others was
+        ids = {s.request_id for s in seen}
+        assert "" not in ids and len(ids) == len(seen), seen
+
+        def records() -> dict[str, dict] | None:
+            found = {r["request_id"]: r for r in fleet.api("/api/v1/requests/", model=SLOW, limit=100)["results"]}
+            return found if ids <= set(found) else None
+
+        found = wait_for(records, 30, what="the streams' request records")
+        cut = {name for name, node in nodes.items() if node == cut_node}
+        began_there = {i for i in ids if found[i]["tries"][0][0] in cut}
+        assert began_there, f"no stream on {cut_node}'s replica: {[found[i]['tries'] for i in ids]}"
+        for i in ids:
+            record = found[i]
+            if i not in began_there:
+                assert record["resumes"] == 0, record["tries"]
+                continue
+            first, last = record["tries"][0], record["tries"][-1]
+            assert record["resumes"] >= 1 and first[3].endswith("; resumed"), record["tries"]
+            assert "went silent" in first[3] or "left the fleet" in first[3], record["tries"]
+            assert last[0] not in cut and last[3] == "answered 200", record["tries"]
+        resumed = fleet.api("/api/v1/requests/", model=SLOW, resumed="true", limit=100)["results"]
+        assert {r["request_id"] for r in resumed} == began_there
+        said = sorted(found[i]["tries"][0][3] for i in began_there)
+        outcome["recovered"] = (f"{len(began_there)} of {len(seen)} streams resumed, every one whole "
+                                f"{ended:.1f} s after the cut ({'; '.join(said)})")
+    finally:
+        system.cli("ctl", "model", "remove", SLOW)
+        wait_for(lambda: not [r for r in fleet.replicas(SLOW) if r["state"] not in ("stopped", "failed")], 60,
+                 what=f"{SLOW} removed")
