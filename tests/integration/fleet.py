@@ -299,18 +299,34 @@ class Load:
 FINISHES = {"chat": "stop", "completions": "stop", "responses": "completed", "messages": "end_turn"}
 
 
-@dataclass
+@dataclass(eq=False)  # each stream itself
 class Seen:
     """What a client saw of one stream, as its SDK gave it: the text, the finish, the whole answer where the
-    SDK builds one (Responses, Messages), the gateway's request id, and any error."""
+    SDK builds one (Responses, Messages), the gateway's request id and the replica it named, any error, and
+    whether its words stopped for GAP seconds and then came again (its answer went on elsewhere)."""
+
+    GAP = 1.5
 
     surface: str
     text: str = ""
     finish: str | None = None
     whole: str | None = None
     request_id: str = ""
+    replica: str = ""
     error: str = ""
+    went_on: bool = False
     done: bool = False
+    last_at: float = 0.0
+
+    def began(self, headers) -> None:
+        self.request_id, self.replica = headers.get("x-request-id", ""), headers.get("x-llmgw-replica", "")
+
+    def add(self, piece: str) -> None:
+        now = time.monotonic()
+        if piece and self.last_at and now - self.last_at >= self.GAP:
+            self.went_on = True
+        if piece:
+            self.text, self.last_at = self.text + piece, now
 
 
 def stream_through_sdk(url: str, key: str, model: str, seen: Seen) -> None:
@@ -320,9 +336,9 @@ def stream_through_sdk(url: str, key: str, model: str, seen: Seen) -> None:
         if seen.surface == "messages":
             claude = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
             with claude.messages.stream(model=model, max_tokens=500, messages=say) as stream:
-                seen.request_id = stream.response.headers.get("x-request-id", "")
+                seen.began(stream.response.headers)
                 for piece in stream.text_stream:
-                    seen.text += piece
+                    seen.add(piece)
                 final = stream.get_final_message()
             seen.finish = final.stop_reason
             seen.whole = "".join(getattr(block, "text", "") for block in final.content)
@@ -331,26 +347,26 @@ def stream_through_sdk(url: str, key: str, model: str, seen: Seen) -> None:
         if seen.surface == "chat":
             chat = client.chat.completions.with_raw_response.create(model=model, messages=say,
                                                                     max_tokens=500, stream=True)
-            seen.request_id = chat.headers.get("x-request-id", "")
+            seen.began(chat.headers)
             for chunk in chat.parse():
                 if chunk.choices:
-                    seen.text += chunk.choices[0].delta.content or ""
+                    seen.add(chunk.choices[0].delta.content or "")
                     seen.finish = chunk.choices[0].finish_reason or seen.finish
         elif seen.surface == "completions":
             completion = client.completions.with_raw_response.create(model=model, prompt="count:", max_tokens=500,
                                                                      stream=True)
-            seen.request_id = completion.headers.get("x-request-id", "")
+            seen.began(completion.headers)
             for piece in completion.parse():
                 if piece.choices:
-                    seen.text += piece.choices[0].text
+                    seen.add(piece.choices[0].text)
                     seen.finish = piece.choices[0].finish_reason or seen.finish
         else:
             response = client.responses.with_raw_response.create(model=model, input="count", max_output_tokens=500,
                                                                   stream=True)
-            seen.request_id = response.headers.get("x-request-id", "")
+            seen.began(response.headers)
             for event in response.parse():
                 if event.type == "response.output_text.delta":
-                    seen.text += event.delta
+                    seen.add(event.delta)
                 elif event.type in ("response.completed", "response.failed", "response.incomplete"):
                     seen.finish, seen.whole = event.response.status, event.response.output_text
     except Exception as exc:  # what the client saw is the finding
