@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import anthropic
 import openai
 import psycopg
 
@@ -249,7 +250,8 @@ class Load:
     """A few requests in flight throughout, through nginx with the official client; every failure counted."""
 
     def __init__(self, url: str, key: str, workers: int = 3, model: str = MODEL):
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+        for client_log in ("httpx", "httpx2"):  # not a line per request (the openai client's is httpx2)
+            logging.getLogger(client_log).setLevel(logging.WARNING)
         self.url, self.key, self.model = url, key, model
         self.ok = 0
         self.failures: list[tuple[float, str]] = []
@@ -291,6 +293,86 @@ class Load:
         self._stop.set()
         for thread in self._threads:
             thread.join(90)
+
+
+# what each surface's stream ends with when its engine finishes the answer (tests/engine.py)
+FINISHES = {"chat": "stop", "completions": "stop", "responses": "completed", "messages": "end_turn"}
+
+
+@dataclass(eq=False)  # each stream itself
+class Seen:
+    """What a client saw of one stream, as its SDK gave it: the text, the finish, the whole answer where the
+    SDK builds one (Responses, Messages), the gateway's request id and the replica it named, any error, and
+    whether its words stopped for GAP seconds and then came again (its answer went on elsewhere)."""
+
+    GAP = 1.5
+
+    surface: str
+    text: str = ""
+    finish: str | None = None
+    whole: str | None = None
+    request_id: str = ""
+    replica: str = ""
+    error: str = ""
+    went_on: bool = False
+    done: bool = False
+    last_at: float = 0.0
+
+    def began(self, headers) -> None:
+        self.request_id, self.replica = headers.get("x-request-id", ""), headers.get("x-llmgw-replica", "")
+
+    def add(self, piece: str) -> None:
+        now = time.monotonic()
+        if piece and self.last_at and now - self.last_at >= self.GAP:
+            self.went_on = True
+        if piece:
+            self.text, self.last_at = self.text + piece, now
+
+
+def stream_through_sdk(url: str, key: str, model: str, seen: Seen) -> None:
+    """One streamed answer of `seen.surface` through the official `openai` or `anthropic` client, read to its end."""
+    say = [{"role": "user", "content": "count"}]
+    try:
+        if seen.surface == "messages":
+            claude = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
+            with claude.messages.stream(model=model, max_tokens=500, messages=say) as stream:
+                seen.began(stream.response.headers)
+                for piece in stream.text_stream:
+                    seen.add(piece)
+                final = stream.get_final_message()
+            seen.finish = final.stop_reason
+            seen.whole = "".join(getattr(block, "text", "") for block in final.content)
+            return
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+        if seen.surface == "chat":
+            chat = client.chat.completions.with_raw_response.create(model=model, messages=say,
+                                                                    max_tokens=500, stream=True)
+            seen.began(chat.headers)
+            for chunk in chat.parse():
+                if chunk.choices:
+                    seen.add(chunk.choices[0].delta.content or "")
+                    seen.finish = chunk.choices[0].finish_reason or seen.finish
+        elif seen.surface == "completions":
+            completion = client.completions.with_raw_response.create(model=model, prompt="count:", max_tokens=500,
+                                                                     stream=True)
+            seen.began(completion.headers)
+            for piece in completion.parse():
+                if piece.choices:
+                    seen.add(piece.choices[0].text)
+                    seen.finish = piece.choices[0].finish_reason or seen.finish
+        else:
+            response = client.responses.with_raw_response.create(model=model, input="count", max_output_tokens=500,
+                                                                  stream=True)
+            seen.began(response.headers)
+            for event in response.parse():
+                if event.type == "response.output_text.delta":
+                    seen.add(event.delta)
+                elif event.type in ("response.completed", "response.failed", "response.incomplete"):
+                    seen.finish, seen.whole = event.response.status, event.response.output_text
+    except Exception as exc:  # what the client saw is the finding
+        seen.error = f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        seen.done = True
 
 
 class Watch:

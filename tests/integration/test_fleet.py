@@ -10,13 +10,25 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 import time
 
 import pytest
 
 from tests.integration import netns
-from tests.integration.fleet import GRACE, MODEL, TOLERANCE, Load, Watch, start_fleet, stop_fleet
-from tests.integration.harness import holds_for, wait_for
+from tests.integration.fleet import (
+    FINISHES,
+    GRACE,
+    MODEL,
+    TOLERANCE,
+    Load,
+    Seen,
+    Watch,
+    start_fleet,
+    stop_fleet,
+    stream_through_sdk,
+)
+from tests.integration.harness import add_test_engine, holds_for, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -308,3 +320,88 @@ def test_a_worker_killed_in_the_middle_of_a_system_restart(fleet, scenario):
     system.wait_nodes_connected(list(fleet.hosts), timeout=60)
     done = system.cli("restart", "--timeout", "60")
     assert "system restart done" in done.stdout, done.stdout
+
+
+# a model whose answers stream for 6 s (120 words, 50 ms a word), numbered so that a word repeated or dropped at a
+# seam shows
+SLOW = "fleet-slow"
+SLOW_ANSWER = " ".join(f"s{i:03d}" for i in range(120))
+
+
+def test_a_node_cut_off_with_streams_in_flight_their_answers_go_on_whole_at_the_other_replica(fleet, scenario):
+    """Two streams of each surface through nginx with the official SDKs, one of each pair on either replica (least
+    in flight, started one after the other), then one replica's host cut off: its engine goes silent to the
+    gateway, and past the model's stream idle timeout (2 s) each of its answers goes on at the other replica. The
+    host is healed once they have (within the tolerance: the node is not lost, nothing is replaced), and every
+    client gets the whole answer, each word once, and the finish the engine gives; their records say which were
+    resumed, and why."""
+    load, watch, outcome = scenario
+    system = fleet.system
+    add_test_engine(system, "slowengine", f"--load-seconds 1 --delay-ms 50 --answer '{SLOW_ANSWER}'")
+    system.cli("ctl", "model", "add", SLOW, "--file", system.sha, "--engine", "slowengine", "--replicas", "2",
+               "--memory", "300MiB", "--routing", "least-inflight", "--stream-idle-timeout", "2s")
+    try:
+        system.wait_ready(SLOW, 2, timeout=60)
+        nodes = {r["name"]: r["node"] for r in fleet.ready(SLOW)}
+        assert len(set(nodes.values())) == 2, f"the two replicas on one node: {nodes}"
+        seen, threads = [], []
+        for surface in [s for s in FINISHES for _ in range(2)]:
+            seen.append(Seen(surface))
+            threads.append(threading.Thread(target=stream_through_sdk, daemon=True,
+                                            args=(fleet.nginx, fleet.key, SLOW, seen[-1])))
+            threads[-1].start()
+            wait_for(lambda: seen[-1].request_id or seen[-1].done, 30, interval=0.05, what=f"{surface}'s answer")
+            time.sleep(0.3)  # its count shared with the other web process (gateway/runtime.py SHARED_INTERVAL)
+        wait_for(lambda: all(len(s.text.split()) >= 3 or s.done for s in seen), 30, what="every stream's first words")
+        assert not [s for s in seen if s.done], f"a stream ended before the cut: {seen}"
+        cut_node = sorted(nodes.values())[0]
+        cut = {name for name, node in nodes.items() if node == cut_node}
+        there = [s for s in seen if s.replica in cut]
+        assert {s.surface for s in there} == set(FINISHES), f"not every surface on {sorted(cut)}: {seen}"
+        host = fleet.hosts[cut_node]
+        host.cut()
+        cut_at = time.monotonic()
+        try:
+            wait_for(lambda: all(s.went_on or s.done for s in there), 20, interval=0.1,
+                     what=f"the streams on {sorted(cut)} going on elsewhere: {there}")
+        finally:
+            host.heal()
+        healed = time.monotonic() - cut_at
+        wait_for(lambda: all(s.done for s in seen), 30, interval=0.1, what=f"every stream to end: {seen}")
+        for thread in threads:
+            thread.join(5)
+        for s in seen:
+            assert not s.error, s
+            assert s.text == SLOW_ANSWER and s.finish == FINISHES[s.surface], s
+            assert s.whole in (None, SLOW_ANSWER), s  # the answer the SDK built, where it builds one
+            assert s.went_on == (s in there), s
+
+        # their records: each answer begun on the cut replica resumed at the other (its engine silent, or its
+        # node lost), none of the others
+        ids = {s.request_id for s in seen}
+        assert "" not in ids and len(ids) == len(seen), seen
+
+        def records() -> dict[str, dict] | None:
+            found = {r["request_id"]: r for r in fleet.api("/api/v1/requests/", model=SLOW, limit=100)["results"]}
+            return found if ids <= set(found) else None
+
+        found = wait_for(records, 30, what="the streams' request records")
+        for s in seen:
+            record = found[s.request_id]
+            first, last = record["tries"][0], record["tries"][-1]
+            assert first[0] == s.replica, (s, record["tries"])
+            if s not in there:
+                assert record["resumes"] == 0, (s, record["tries"])
+                continue
+            assert record["resumes"] == 1 and first[3].endswith("; resumed"), (s, record["tries"])
+            assert "went silent" in first[3] or "left the fleet" in first[3], (s, record["tries"])
+            assert last[0] not in cut and last[3] == "answered 200", (s, record["tries"])
+        resumed = fleet.api("/api/v1/requests/", model=SLOW, resumed="true", limit=100)["results"]
+        assert {r["request_id"] for r in resumed} == {s.request_id for s in there}
+        said = sorted(found[s.request_id]["tries"][0][3].removesuffix("; resumed") for s in there)
+        outcome["recovered"] = (f"{len(there)} of {len(seen)} streams resumed ({', '.join(said)}), the node healed "
+                                f"{healed:.1f} s after the cut; every stream whole")
+    finally:
+        system.cli("ctl", "model", "remove", SLOW)
+        wait_for(lambda: not [r for r in fleet.replicas(SLOW) if r["state"] not in ("stopped", "failed")], 60,
+                 what=f"{SLOW} removed")
