@@ -163,10 +163,10 @@ def test_every_answer_in_flight_on_a_failed_engine_ends_whole_and_as_it_would_ha
                        what="the resumed requests' records, a stream of each surface")
     resumed = _resumed(system, session)
     why = "went silent for 8s" if fault == "stop" else "broke off after"
-    for record in resumed.values():
-        replica, _, _, outcome = record["tries"][0]
-        assert replica == victim and why in outcome and outcome.endswith("; resumed"), record["tries"]
-        assert record["status"] == 200 and record["resumes"] == 1 and record["resumed_prompt_tokens"] > 0
+    for record in resumed.values():  # (on a busy machine a stream may also have gone quiet past 8 s elsewhere)
+        assert any(replica == victim and why in outcome and outcome.endswith("; resumed")
+                   for replica, _, _, outcome in record["tries"]), record["tries"]
+        assert record["status"] == 200 and record["resumes"] >= 1 and record["resumed_prompt_tokens"] > 0
     # the seam: what the client had at the fault, then what follows it, as an unbroken run goes on at temperature
     # 0 (llama.cpp continues a prefill greedily; its batched arithmetic may part from the unbroken run's a few
     # words later, so the text is compared up to where either says something the other did not)
