@@ -214,7 +214,8 @@ async def stream(gw: Gateway, call: Call, used: Used, surface: Surface, payload:
     route = gw.table.find(call.model) if gw.table is not None else None
     limit = route.resume_limit if route is not None else 0
     idle = route.stream_idle_timeout if route is not None and limit else None
-    transcript = surface.resumer(body, call.prompt_about) if surface.resumer is not None and limit else None
+    transcript = surface.resumer(body, call.prompt_about, route.grammar) \
+        if surface.resumer is not None and route is not None and limit else None
     current = _Answering(upstream, response)  # the replica answering now, and its answer
     state = {"finished": False, "settled": False, "done_sent": False, "released": False}
     complete = surface.completer(call.model, call.prompt_about) if surface.completer is not None else None

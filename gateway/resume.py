@@ -27,6 +27,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from gateway.json_rest import rest_of
+
 JSON = dict[str, Any]
 
 FOLD_BYTES = 64 << 10  # events kept as bytes before they are read into what they say (each read once)
@@ -58,6 +60,15 @@ def _rewrite(event: bytes, changed: dict[int, JSON]) -> bytes:
     return b"\n".join(lines)
 
 
+def _text(content: object) -> str:
+    """A message's content as text: a string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
 def _joined(content: str | list[Any], kind: str, text: str) -> str | list[Any]:
     """A prefill's content with `text` after it: in its last text part (a part of its own would be joined to it
     by an engine's template with a line break between)."""
@@ -75,13 +86,36 @@ _CONSTRAINTS = ("grammar", "json_schema", "guided_json", "guided_grammar", "guid
 
 
 def _constrained(body: JSON) -> str:
-    """Why an answer held to a grammar cannot go on ("": it is not held to one): an engine applies a grammar from
-    the first token it generates, so a continuation of half a JSON object would be a new object after it."""
-    formats = [body.get("response_format"), (body.get("text") or {}).get("format")
-               if isinstance(body.get("text"), dict) else None]
-    if any(isinstance(f, dict) and f.get("type") not in (None, "text") for f in formats) or any(
-            body.get(k) for k in _CONSTRAINTS):
-        return "an answer held to a grammar (a JSON format or schema)"
+    """Why an answer held to a grammar cannot go on ("": it is not held to one, or to JSON alone, which
+    `json_object` says): an engine applies a grammar from the first token it generates, so a continuation of half a
+    JSON object held to it would be a new object after it."""
+    if any(body.get(k) for k in _CONSTRAINTS) or _format(body) not in ("", "json_object"):
+        return "an answer held to a grammar (a JSON schema, or a grammar of its own)"
+    return ""
+
+
+def _format(body: JSON) -> str:
+    """The answer's format, as OpenAI's `response_format` (the Responses API's `text.format`) says ("": text)."""
+    text = body.get("text")
+    for given in (body.get("response_format"), text.get("format") if isinstance(text, dict) else None):
+        if isinstance(given, dict) and given.get("type") not in (None, "text"):
+            return str(given.get("type"))
+    return ""
+
+
+def _json_rest(transcript: Transcript, body: JSON) -> str:
+    """Why a JSON answer cannot go on (""): it can, under the rest of the JSON document as a grammar."""
+    if _format(transcript.body) != "json_object":
+        return ""
+    if not transcript.grammar:
+        return "a JSON answer on an engine that takes no grammar with a request"
+    rest = rest_of(transcript.given() + transcript.text)
+    if rest is None:
+        return "a JSON answer that is not JSON so far"
+    body.pop("response_format", None)
+    if isinstance(body.get("text"), dict):
+        body["text"] = {k: v for k, v in body["text"].items() if k != "format"}
+    body["grammar"] = rest
     return ""
 
 
@@ -94,8 +128,9 @@ class Transcript:
 
     token_fields: tuple[str, ...] = ()
 
-    def __init__(self, body: JSON, prompt_about: int = 0):
+    def __init__(self, body: JSON, prompt_about: int = 0, grammar: bool = False):
         self.body = body  # the request as sent to the engine
+        self.grammar = grammar  # its engine takes a GBNF grammar (a JSON answer goes on under the rest of it)
         self.prompt_about = prompt_about  # its prompt's tokens as estimated (until an event says)
         self._pending: list[bytes] = []
         self._size = 0
@@ -130,10 +165,14 @@ class Transcript:
     def why_not(self) -> str:
         """Why the answer cannot go on ("": it can)."""
         self.fold()
-        return self.problem or self._request_problem()
+        return self.problem or self._request_problem() or _json_rest(self, {})
 
     def _request_problem(self) -> str:
         return _constrained(self.body)
+
+    def given(self) -> str:
+        """The answer's text the client gave itself (a prefill of its own), before what was generated."""
+        return ""
 
     def owed(self) -> int | None:
         """Tokens still owed (None: as many as the engine gives; 0: none, the answer is at its end)."""
@@ -153,6 +192,7 @@ class Transcript:
                 body[f] = max(1, owed)
         body["stream"] = True
         self._prefill(body)
+        _json_rest(self, body)
         return body
 
     def _prefill(self, body: JSON) -> None:
@@ -212,8 +252,8 @@ class ChoicesTranscript(Transcript):
     token_fields = ("max_tokens", "max_completion_tokens", "n_predict")
     chat = True
 
-    def __init__(self, body: JSON, prompt_about: int = 0):
-        super().__init__(body, prompt_about)
+    def __init__(self, body: JSON, prompt_about: int = 0, grammar: bool = False):
+        super().__init__(body, prompt_about, grammar)
         self.head: JSON = {}  # id, created, model, object, system_fingerprint: as the client had them
         self.usage: JSON | None = None
 
@@ -255,6 +295,12 @@ class ChoicesTranscript(Transcript):
                 return "a prompt that is not one string"
             if self.body.get("echo"):
                 return "a prompt echoed"
+        return ""
+
+    def given(self) -> str:
+        last = (self.body.get("messages") or [None])[-1] if self.chat else None
+        if isinstance(last, dict) and last.get("role") == "assistant" and not last.get("tool_calls"):
+            return _text(last.get("content"))
         return ""
 
     def _prefill(self, body: JSON) -> None:
@@ -327,8 +373,8 @@ class CompletionsTranscript(ChoicesTranscript):
 class MessagesTranscript(Transcript):
     token_fields = ("max_tokens",)
 
-    def __init__(self, body: JSON, prompt_about: int = 0):
-        super().__init__(body, prompt_about)
+    def __init__(self, body: JSON, prompt_about: int = 0, grammar: bool = False):
+        super().__init__(body, prompt_about, grammar)
         self.started = False  # message_start passed
         self.blocks: list[str] = []  # the content blocks passed, by index: their text
         self.open: int | None = None  # the block still open
@@ -429,8 +475,8 @@ class MessagesSeam(Seam):
 class ResponsesTranscript(Transcript):
     token_fields = ("max_output_tokens",)
 
-    def __init__(self, body: JSON, prompt_about: int = 0):
-        super().__init__(body, prompt_about)
+    def __init__(self, body: JSON, prompt_about: int = 0, grammar: bool = False):
+        super().__init__(body, prompt_about, grammar)
         self.response: JSON = {}  # as response.created said
         self.items: list[JSON] = []  # output items passed: {"id", "text", "open", "part_open", "parts"}
         self.sequence = -1  # the last sequence number passed

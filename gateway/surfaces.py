@@ -152,8 +152,9 @@ class Surface:
     # a stream's events completed for the SDKs' accumulators, made per stream from (model, prompt tokens about)
     completer: Callable[[str, int], Callable[[bytes], bytes]] | None = None
     # what a stream passed, and how it goes on when its engine fails (gateway/resume.py), made per stream from
-    # (the request as sent, prompt tokens about); None: its answers are whole, sent again from their start
-    resumer: Callable[[JSON, int], Transcript] | None = None
+    # (the request as sent, prompt tokens about, whether its engine takes a grammar); None: its answers are whole,
+    # sent again from their start
+    resumer: Callable[[JSON, int, bool], Transcript] | None = None
 
     def error(self, exc: GatewayError) -> Answer:
         if self.flavour == ANTHROPIC:

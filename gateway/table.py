@@ -16,7 +16,7 @@ from django.utils import timezone
 from cluster.models import ClusterSettings, Demand, Model, Replica
 from gateway.affinity import Ring
 from gateway.models import ApiKey
-from ground.engines import CAPABILITIES
+from ground.engines import CAPABILITIES, DRIVERS
 from ground.protocol import Facts
 
 FREED_RECENTLY = 30  # seconds a replaced replica's stop counts as room freed for its unplaced replacement
@@ -61,6 +61,7 @@ class ModelRoute:
     max_wait: int = 120  # seconds one may wait for a slot
     resume_limit: int = 2  # times one answer may be resumed on another replica after its engine fails (0: never)
     stream_idle_timeout: float = 30.0  # seconds a streaming engine may send nothing before it counts as failed
+    grammar: bool = False  # its engine takes a GBNF grammar with a request (ground.engines: llama.cpp's)
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,8 @@ def load() -> Table:
                                   m.queue_limit if m.queue_limit is not None else cluster.queue_limit,
                                   m.max_wait_seconds if m.max_wait_seconds is not None else cluster.max_wait_seconds,
                                   resume_limit=m.resume_limit,
-                                  stream_idle_timeout=float(m.stream_idle_timeout_seconds))
+                                  stream_idle_timeout=float(m.stream_idle_timeout_seconds),
+                                  grammar=getattr(DRIVERS.get(m.engine.kind), "grammar", False))
     # each alias names one model (the operations check); were a race to give one to two, the first by name has it
     aliases = {alias: name for name in sorted(models, reverse=True) for alias in models[name].aliases}
     keys = {

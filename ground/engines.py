@@ -94,6 +94,8 @@ class EngineDriver:
     default_threads = 1
     # Answered only with the engine key, so one 200 with the key (and a 401 without) proves it serves and checks.
     health_path = "/v1/models"
+    # takes a GBNF `grammar` with a request (llama.cpp's): an answer held to JSON goes on under the rest of it
+    grammar = False
 
     @classmethod
     def detect(cls) -> str | None:
@@ -224,6 +226,7 @@ def _help_words(binary: str) -> frozenset[str]:
 @register("llama.cpp")
 class LlamaCpp(EngineDriver):
     default_slots = 4  # llama-server's -np -1: four slots
+    grammar = True
     # llama-server answers /health, /models and /v1/models without a key; /props needs it. Started without its
     # web UI where the binary knows --no-webui: it would answer `/` with the UI, key or no key.
     health_path = "/props"
@@ -275,6 +278,7 @@ class LlamaCpp(EngineDriver):
 @register("xllamacpp")
 class XLlamaCpp(EngineDriver):
     default_slots = 1  # agents.xllamacpp_launcher's --parallel
+    grammar = True
     """llama.cpp's server from the PyPI package, run by `agents.xllamacpp_launcher` in this Python."""
 
     @classmethod

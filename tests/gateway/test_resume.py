@@ -54,13 +54,28 @@ def test_the_clients_own_prefill_is_continued_with_what_followed_it():
 
 @pytest.mark.parametrize(("body", "why"), [
     ({"n": 2}, "an answer of several choices"),
-    ({"response_format": {"type": "json_object"}}, "an answer held to a grammar (a JSON format or schema)"),
-    ({"grammar": "root ::= \"x\""}, "an answer held to a grammar (a JSON format or schema)"),
+    ({"response_format": {"type": "json_object"}}, "a JSON answer on an engine that takes no grammar with a request"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}},
+     "an answer held to a grammar (a JSON schema, or a grammar of its own)"),
+    ({"grammar": "root ::= \"x\""}, "an answer held to a grammar (a JSON schema, or a grammar of its own)"),
 ])
 def test_what_cannot_go_on_says_why(body, why):
     t = ChatTranscript({"messages": [], **body})
-    t.add(chunk("x"))
+    t.add(chunk("{"))
     assert t.why_not() == why
+
+
+def test_a_json_answer_goes_on_held_to_the_rest_of_its_document():
+    t = ChatTranscript({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "{"}],
+                        "response_format": {"type": "json_object"}}, grammar=True)
+    t.add(chunk('"a": [1, "x'))
+    assert t.why_not() == ""
+    body = t.continuation()
+    assert "response_format" not in body and body["messages"][-1]["content"] == '{"a": [1, "x'
+    assert body["grammar"].startswith('root ::= chars "\\"" ws ( "," ws value ws )* "]" ws ( "," ws member )* "}" ws\n')
+    t = ChatTranscript({"messages": [], "response_format": {"type": "json_object"}}, grammar=True)
+    t.add(chunk('{"a": 1}}'))
+    assert t.why_not() == "a JSON answer that is not JSON so far"
 
 
 def test_a_tool_call_or_reasoning_in_progress_cannot_go_on():
@@ -163,4 +178,4 @@ def test_a_responses_answer_goes_on_in_its_open_item_and_its_whole_texts_are_the
 
 def test_a_responses_answer_with_a_json_format_cannot_go_on():
     t = ResponsesTranscript({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}})
-    assert t.why_not() == "an answer held to a grammar (a JSON format or schema)"
+    assert t.why_not() == "an answer held to a grammar (a JSON schema, or a grammar of its own)"
