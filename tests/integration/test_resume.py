@@ -201,3 +201,15 @@ def test_every_answer_in_flight_on_a_failed_engine_ends_whole_and_as_it_would_ha
 
 def _ready(system) -> list[dict]:
     return [r for r in system.replicas(MODEL) if r["state"] == "ready"]
+
+
+def test_llama_cpp_takes_the_rest_of_every_json_document_as_its_grammar(smol):
+    """gateway/json_rest.py's grammars, for prefixes of documents of every kind of token, as llama.cpp's server
+    parses them: none refused."""
+    from tests.gateway.test_json_rest import DOCUMENTS
+
+    for document in DOCUMENTS:
+        for n in range(0, len(document) + 1, 4):
+            answer = smol.openai.completions.create(model=MODEL, prompt="x", max_tokens=1,
+                                                    extra_body={"grammar": rest_of(document[:n])})
+            assert answer.choices, (document[:n], answer)
