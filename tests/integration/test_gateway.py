@@ -566,14 +566,11 @@ def test_failover_when_a_replica_dies_under_load(system, slow):
         answers = [a for f in askers for a in f.result(30)]
 
     assert answers and all(a == SLOW_ANSWER for a in answers), [a for a in answers if a != SLOW_ANSWER]
-    whole = [text for text, exc in cut if exc is None]
-    broken = [(text, exc) for text, exc in cut if exc is not None]
-    assert all(text == SLOW_ANSWER for text in whole), whole
-    assert broken and whole, f"two streams on each replica: {cut}"
-    for text, exc in broken:
-        # not a silent cut: an error event after the part that was already sent
-        assert type(exc) is openai.APIError and exc.code == "upstream_error", (type(exc), exc)
-        assert text and SLOW_ANSWER.startswith(text) and text != SLOW_ANSWER, text
+    # the streams on the dead replica went on at the other (gateway/resume.py): every one whole, no error
+    assert all(exc is None and text == SLOW_ANSWER for text, exc in cut), cut
+    resumed = wait_for(lambda: system.api("GET", "/api/v1/requests/", params={
+        "model": slow.model, "resumed": "true"}).json()["results"] or None, 10, what="the resumed streams' records")
+    assert all(r["tries"][0][0] == victim["name"] and r["streamed"] for r in resumed), resumed
 
     def replaced():
         ready = [r for r in system.replicas(slow.model) if r["state"] == "ready"]
