@@ -27,7 +27,7 @@ CONFIG = """\
 # the refusals the schema documents for what it cannot express (cluster/api/errors.py)
 expected-statuses = ["2xx", "401", "403", "404", "409", "422"]
 """
-EXAMPLES = 25  # per operation and phase: about 2,500 requests a run, a minute or two on the test machine
+EXAMPLES = 15  # per operation and phase: about 1,500 requests a run, under a minute on the test machine
 EXCLUDED_CHECKS = (
     # a model removed is `removing` (202) until its replicas have stopped, and found until then
     "use_after_free",
