@@ -268,7 +268,9 @@ async def stream(gw: Gateway, call: Call, used: Used, surface: Surface, payload:
                 answer = current.response
                 assert isinstance(answer, EngineAnswer)  # being read: another replica's, after a resume
                 try:
-                    async for chunk in answer.chunks(idle):
+                    async for chunk in answer.chunks():
+                        if idle is not None and answer.idle is None and _TOKEN.search(chunk):
+                            answer.idle = idle  # silent from here on: it failed (not before its first token)
                         if used.first_chunk is None:
                             used.first_chunk = time.monotonic()
                             metrics.of(call.model).first_token.observe(used.first_chunk - call.started)
@@ -390,6 +392,8 @@ def _ending(surface: Surface, complete: Callable[[bytes], bytes] | None, exc: Ga
     return complete(event[:-2]) + b"\n\n" if complete is not None else event
 
 
+# a chunk with a token in it: a text of an answer's, not empty (the events before an answer's first token have none)
+_TOKEN = re.compile(rb'"(?:content|text|delta|reasoning_content)"\s*:\s*"[^"]')
 # a chunk that carries a token: OpenAI's and Anthropic's deltas, and the Responses API's text deltas
 _GENERATED = re.compile(rb'"(?:content|text|reasoning_content)"\s*:\s*"|"type"\s*:\s*"response\.output_text\.delta"')
 

@@ -86,7 +86,7 @@ class Silent(ReadTimeout):
 class EngineAnswer:
     """An engine's answer: its status and headers once they came, then its body as it comes."""
 
-    __slots__ = ("_conn", "status", "headers", "_parts", "_size", "complete", "_error", "_waiter", "_done",
+    __slots__ = ("_conn", "status", "headers", "_parts", "_size", "complete", "_error", "_waiter", "_done", "idle",
                  "__weakref__")
 
     def __init__(self, conn: Connection):
@@ -99,6 +99,7 @@ class EngineAnswer:
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._done = False  # released or closed
+        self.idle: float | None = None  # seconds it may send nothing before `Silent`, once its reader sets it
 
     @property
     def content_type(self) -> str:
@@ -171,21 +172,20 @@ class EngineAnswer:
             if not self._parts:
                 await self._wait()
 
-    async def chunks(self, idle: float | None = None) -> AsyncGenerator[bytes, None]:
-        """The body as it comes: whatever has arrived at each step, joined; once some came, `Silent` when nothing
-        more comes for `idle` seconds (when shorter than the pool's read timeout). Not before: an engine may send
-        its head at once and its first token after the prompt's prefill, which may take minutes on a CPU."""
-        began = False
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The body as it comes: whatever has arrived at each step, joined; `Silent` when nothing more comes for
+        `idle` seconds (when set, and shorter than the pool's read timeout). Its reader sets it once the answer's
+        first token came: an engine may send its head, and a stream its first events, at once, and its first
+        token after the prompt's prefill, which may take minutes on a CPU."""
         while True:
             if self._parts:
-                began = True
                 yield self._take()
             elif self.complete:
                 return
             elif self._error is not None:
                 raise self._error
             else:
-                await self._wait(idle if began else None)
+                await self._wait(self.idle)
 
     def abandon(self, why: str) -> None:
         """Give up an answer still coming (its replica left the fleet): `Lost`, for the request waiting for its
