@@ -137,11 +137,12 @@ def _ended(stack: list[list[str]], key: bool) -> None:
         stack[-1][1] = "colon" if key else "after"
 
 
+# the rests of a number that may be empty: a number that can end where it is
+_MAY_END = frozenset(("frac? exp?", "[0-9]* frac? exp?", "[0-9]* exp?", "[0-9]*"))
+
+
 def _whole_scalar(token: str) -> bool:
-    if token in _LITERALS:
-        return True
-    return _number_rest(token) is not None and _number_rest(token) in ("", 'frac? exp?', "exp?", "[0-9]* frac? exp?",
-                                                                      "[0-9]* exp?", "[0-9]*")
+    return token in _LITERALS or _number_rest(token) in _MAY_END
 
 
 def _rest_of_token(token: str) -> str | None:
@@ -159,8 +160,7 @@ def _rest_of_token(token: str) -> str | None:
     if token[0] in "tfn":
         literal = next((w for w in _LITERALS if w.startswith(token)), None)
         return None if literal is None else (f'"{literal[len(token):]}"' if literal != token else "")
-    rest = _number_rest(token)
-    return rest
+    return _number_rest(token)
 
 
 def _number_rest(token: str) -> str | None:
