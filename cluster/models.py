@@ -347,6 +347,66 @@ class Model(models.Model):
         return memory.estimate(self.file.size, self.file.gguf, self.profile.context_size)
 
 
+class Rollout(models.Model):
+    """A model change tried on canary replicas beside the current ones, judged on the fleet's own traffic (the
+    request records) and promoted or rolled back by llmgw itself (cluster/rollouts.py). The model's own settings
+    change only when it is promoted. One at a time per model; its state is here, so it outlives the control
+    plane that began it."""
+
+    class State(models.TextChoices):
+        WATCHING = "watching", "watching"  # the canary serves its share; judged as requests come
+        PROMOTING = "promoting", "promoting"  # the model has the new settings; its replicas are replaced one at a time
+        PROMOTED = "promoted", "promoted"
+        ROLLING_BACK = "rolling_back", "rolling back"  # the canary drains and stops; the model never changed
+        ROLLED_BACK = "rolled_back", "rolled back"
+        ABORTED = "aborted", "aborted"  # by hand: the canary drains and stops
+
+    ACTIVE = frozenset({State.WATCHING, State.PROMOTING, State.ROLLING_BACK})
+    FINISHED = frozenset({State.PROMOTED, State.ROLLED_BACK, State.ABORTED})
+
+    model = models.ForeignKey("Model", on_delete=models.CASCADE, related_name="rollouts")
+    state = models.CharField(max_length=16, choices=State.choices, default=State.WATCHING, db_index=True)
+    # what the canary runs (None: as the model): the model's own once promoted
+    file = models.ForeignKey(ModelFile, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    profile = models.ForeignKey(Profile, null=True, blank=True, on_delete=models.SET_NULL, related_name="rollouts")
+    engine = models.ForeignKey(EngineVersion, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # the change in words, as it began: {"file": [from, to], "profile": [from, to], "engine": [from, to]}
+    change = models.JSONField(default=dict, blank=True)
+    canary = models.PositiveSmallIntegerField(default=1)  # canary replicas
+    traffic = models.FloatField(default=0.10)  # the share of new conversations the canary takes
+    watch_seconds = models.PositiveIntegerField(default=600)  # judged this long from its first ready canary
+    min_requests = models.PositiveIntegerField(default=50)  # each side's requests before it is judged
+    max_error_rate = models.FloatField(default=0.01)  # the canary's errors per request
+    max_ttft_ratio = models.FloatField(default=1.5)  # canary's median time to first token / the current side's
+    max_tpot_ratio = models.FloatField(default=1.3)  # likewise per output token
+    actor = models.CharField(max_length=120)  # who started it
+    started_at = models.DateTimeField(default=timezone.now)
+    watching_since = models.DateTimeField(null=True, blank=True)  # its first canary ready: the window begins
+    state_changed_at = models.DateTimeField(default=timezone.now)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    reason = models.CharField(max_length=500, blank=True, default="")  # why it is in its state (promoted, rolled back)
+    failures = models.PositiveIntegerField(default=0)  # canary engines that failed (a node lost is not theirs)
+    note = models.CharField(max_length=500, blank=True, default="")  # why its canary is not placed, if it is not
+    figures = models.JSONField(default=dict, blank=True)  # both sides' figures as last judged (cluster/rollouts.py)
+
+    class Meta:
+        ordering = ["-started_at", "-id"]
+        constraints = [models.UniqueConstraint(
+            fields=["model"], condition=models.Q(state__in=["watching", "promoting", "rolling_back"]),
+            name="one_rollout_per_model")]
+
+    def __str__(self):
+        return f"rollout of {self.model_id} ({self.state})"
+
+    @property
+    def active(self) -> bool:
+        return self.state in self.ACTIVE
+
+    def change_text(self) -> str:
+        """`file a.gguf -> b.gguf, profile p -> q`."""
+        return ", ".join(f"{what} {was} -> {now}" for what, (was, now) in self.change.items()) or "no change"
+
+
 class Replica(models.Model):
     class State(models.TextChoices):
         PENDING = "pending"
@@ -393,6 +453,9 @@ class Replica(models.Model):
     waiting_for_room = models.BooleanField(default=False)
     log_tail = models.TextField(blank=True, default="")
     snapshot = models.JSONField(default=dict, blank=True)  # profile args, engine, engine-key fingerprint at start
+    # a canary of this rollout (its settings are the rollout's, and it does not count toward its model); None once
+    # promoted: then it is one of the model's own
+    rollout = models.ForeignKey(Rollout, null=True, blank=True, on_delete=models.SET_NULL, related_name="canaries")
     download_done = models.BigIntegerField(default=0)
     download_total = models.BigIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)

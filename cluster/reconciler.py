@@ -18,7 +18,7 @@ from cluster import autoscaler, inflight, notify, planner
 from cluster.events import RECONCILE_QUEUED, record
 from cluster.locks import redis_client
 from cluster.memory import estimate, replica_threads
-from cluster.models import ClusterSettings, Model, Node, Replica
+from cluster.models import ClusterSettings, Model, Node, Replica, Rollout
 from cluster.planner.scaling import Scaling
 from ground.engines import cores_taken
 
@@ -110,11 +110,14 @@ def take_snapshot(now=None) -> planner.Snapshot:
             "demand__replicas",
         )
     )
+    models += _canary_views()
     replicas = tuple(
         planner.ReplicaView(
             id=r["id"],
             name=r["name"],
-            model_id=r["model_id"],
+            # a rollout's canaries are a group of their own (cluster.reconciler._canary_views), of their model
+            model_id=-r["rollout_id"] if r["rollout_id"] else r["model_id"],
+            of_model=r["model_id"] if r["rollout_id"] else None,
             node_id=r["node_id"],
             state=r["state"],
             restart=r["restart"],
@@ -127,7 +130,7 @@ def take_snapshot(now=None) -> planner.Snapshot:
         )
         for r in Replica.objects.exclude(state__in=Replica.TERMINAL).values(
             "id", "name", "model_id", "node_id", "state", "restart", "memory_bytes", "gpu_index",
-            "state_changed_at", "reason", "waiting_for_room", "snapshot",
+            "state_changed_at", "reason", "waiting_for_room", "snapshot", "rollout_id",
         )
     )
     return planner.Snapshot(
@@ -146,6 +149,32 @@ def take_snapshot(now=None) -> planner.Snapshot:
     )
 
 
+def _canary_views() -> tuple[planner.ModelView, ...]:
+    """Each rollout's canary replicas as a group the planner places like a model's (id: minus the rollout's):
+    its canaries while it watches, none once it does not (they drain and stop). A canary engine that failed
+    rolls its rollout back (cluster/operations/rollouts.py): none is placed again meanwhile."""
+    alive = Q(canaries__state__in=[*Replica.RUNNING, Replica.State.STOPPING])
+    rows = Rollout.objects.filter(Q(state=Rollout.State.WATCHING) | alive).distinct().select_related(
+        "model__file", "model__profile", "model__engine", "file", "profile", "engine")
+    views = []
+    for r in rows:
+        m = r.model
+        file, profile, engine = r.file or m.file, r.profile or m.profile, r.engine or m.engine
+        wanted = r.state == Rollout.State.WATCHING and not r.failures and not m.removing
+        views.append(planner.ModelView(
+            id=-r.pk,
+            name=f"{m.name} (canary)",
+            replicas=r.canary if wanted else 0,
+            memory_bytes=m.memory_bytes or estimate(file.size, file.gguf or {}, profile.context_size),
+            engine_kind=engine.kind,
+            uses_gpu=engine.device == "gpu",
+            nodes=frozenset(m.nodes or ()),
+            placement_note=r.note,
+            threads=cores_taken(engine.kind, profile.threads),
+        ))
+    return tuple(views)
+
+
 class _Applier:
     """Applies planner actions inside one transaction; remembers which nodes' desired lists changed."""
 
@@ -160,6 +189,7 @@ class _Applier:
         self._port_ranges: dict[int, tuple[int, int]] = {}
         self._cluster: ClusterSettings | None = None
         self._model_rows: dict[int, Model] = {}
+        self._rollouts: dict[int, Rollout] = {}
 
     def cluster(self):
         if self._cluster is None:
@@ -191,15 +221,29 @@ class _Applier:
         low, high = self._port_ranges[node_id]
         return f"node {self.nodes[node_id].name} has no free port in {low}-{high}"
 
-    def snapshot_of(self, model: Model) -> dict:
+    def snapshot_of(self, model: Model, rollout: Rollout | None = None) -> dict:
+        """What a replica of the model starts with: its settings, or a canary's, its rollout's."""
         cluster = self.cluster()
+        profile, engine, file = model.profile, model.engine, model.file
+        if rollout is not None:
+            profile, engine, file = rollout.profile or profile, rollout.engine or engine, rollout.file or file
         return {
-            "profile": model.profile.name,
-            "args": model.profile.args(),
-            "engine": model.engine.spec(),
-            "file": model.file.sha256,
+            "profile": profile.name,
+            "args": profile.args(),
+            "engine": engine.spec(),
+            "file": file.sha256,
             "engine_key": ClusterSettings.fingerprint(cluster.engine_key),
         }
+
+    def owner(self, model_id: int) -> tuple[Model, Rollout | None]:
+        """The model a replica group is of, and the rollout when the group is its canaries (a negative id)."""
+        if model_id > 0:
+            return self.model(model_id), None
+        if -model_id not in self._rollouts:
+            self._rollouts[-model_id] = Rollout.objects.select_related(
+                "model__profile", "model__engine", "model__file", "profile", "engine", "file").get(pk=-model_id)
+        rollout = self._rollouts[-model_id]
+        return rollout.model, rollout
 
     def set_state(self, replica_id: int, state: str, reason: str, **extra) -> planner.ReplicaView | None:
         """Conditional on the state the plan was made from: a state an agent's report wrote meanwhile (it
@@ -232,6 +276,7 @@ class _Applier:
         ids = {a.model_id for a in actions if isinstance(a, (planner.Create, planner.Unplaceable))}
         ids |= {self.replicas[a.replica_id].model_id for a in actions if isinstance(a, planner.Assign)}
         ids -= self._model_rows.keys()
+        ids = {i for i in ids if i > 0}  # (a rollout's canaries: cluster.reconciler._canary_views)
         if ids:
             self._model_rows.update(Model.objects.select_related("profile", "engine", "file").in_bulk(ids))
 
@@ -241,7 +286,7 @@ class _Applier:
         return self._model_rows[model_id]
 
     def on_Create(self, a: planner.Create):
-        model = self.model(a.model_id)
+        model, rollout = self.owner(a.model_id)
         node = self.nodes[a.node_id]
         port = self.take_port(a.node_id)
         if port is None:  # the memory fits but every port is taken: wait unplaced, saying why (not fail the run)
@@ -254,16 +299,18 @@ class _Applier:
             gpu_index=a.gpu_index,
             port=port,
             memory_bytes=a.memory_bytes,
-            snapshot=self.snapshot_of(model),
+            snapshot=self.snapshot_of(model, rollout),
             state_changed_at=self.now,
+            rollout=rollout,
         )
         self.touched_nodes.add(a.node_id)
         where = f"{node.name}" + (f" GPU {a.gpu_index}" if a.gpu_index is not None else "")
-        record("replica.placed", ACTOR, f"replica {replica.name} placed on {where}", subject=replica.name)
+        what = "canary replica" if rollout else "replica"
+        record("replica.placed", ACTOR, f"{what} {replica.name} placed on {where}", subject=replica.name)
 
     def on_Assign(self, a: planner.Assign):
         replica = self.replicas[a.replica_id]
-        model = self.model(replica.model_id)
+        model, rollout = self.owner(replica.model_id)
         port = self.take_port(a.node_id)
         if port is None:
             reason = self.no_port_reason(a.node_id)
@@ -277,7 +324,7 @@ class _Applier:
             memory_bytes=self.models[replica.model_id].memory_bytes,
             reason="",
             waiting_for_room=False,
-            snapshot=self.snapshot_of(model),
+            snapshot=self.snapshot_of(model, rollout),
             state_changed_at=self.now,
         )
         if n:
@@ -288,11 +335,12 @@ class _Applier:
             )
 
     def on_Unplaceable(self, a: planner.Unplaceable):
-        model = self.model(a.model_id)
+        model, rollout = self.owner(a.model_id)
         if a.replica_id is None:
             replica = Replica.objects.create(
                 name=Replica.new_name(model.name),
                 model=model,
+                rollout=rollout,
                 memory_bytes=a.memory_bytes,
                 reason=a.reason[:500],
                 waiting_for_room=a.waiting_for_room,
@@ -356,6 +404,9 @@ class _Applier:
             record("replica.stopped", ACTOR, f"replica {replica.name} stopped: {a.reason}", subject=replica.name)
 
     def on_SetModelNote(self, a: planner.SetModelNote):
+        if a.model_id < 0:  # a rollout's canaries (why they are not placed)
+            Rollout.objects.filter(pk=-a.model_id).update(note=a.note[:500])
+            return
         Model.objects.filter(pk=a.model_id).update(placement_note=a.note[:500])
 
     def on_MarkReplacing(self, a: planner.MarkReplacing):

@@ -11,11 +11,12 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from cluster.dblock import retry_on_lock
 from cluster.events import kick_reconciler, record
-from cluster.models import ClusterSettings, Event, Model, Node, Replica
+from cluster.models import ClusterSettings, Event, Model, ModelFile, Node, Replica, Rollout
 from ground import protocol
 
 log = logging.getLogger("llmgw.agents")
@@ -276,7 +277,10 @@ def _transition(replica: Replica, status: protocol.ReplicaStatus, now, actor: st
     if new == S.FAILED or (new == S.STOPPED and replica.state != S.STOPPING):
         reason = str(status.get("reason") or "engine stopped without being asked")[:500]
         _move(replica, S.FAILED, now, reason=reason, log_tail=str(status.get("log_tail") or "")[-8000:], **extra)
-        _back_off(replica.model_id, now)
+        if replica.rollout_id is not None:  # a canary's engine: its rollout is rolled back, its model not held back
+            Rollout.objects.filter(pk=replica.rollout_id).update(failures=F("failures") + 1)
+        else:
+            _back_off(replica.model_id, now)
         record("replica.failed", actor, f"replica {replica.name} failed: {reason}", subject=replica.name)
         return S.FAILED
     if replica.state == S.DRAINING:
@@ -286,7 +290,7 @@ def _transition(replica: Replica, status: protocol.ReplicaStatus, now, actor: st
             Replica.objects.filter(pk=replica.pk).exclude(state__in=Replica.TERMINAL).update(**extra)
         return None  # no going back (an adopted engine re-checking its health stays ready)
     _move(replica, new, now, reason="", **extra)
-    if new == S.READY:
+    if new == S.READY and replica.rollout_id is None:
         Model.objects.filter(pk=replica.model_id).update(failures=0, backoff_until=None)
     where = f" on port {replica.port}" if new == S.STARTING else ""
     record(f"replica.{new}", actor, f"replica {replica.name} {new}{where}", subject=replica.name)
@@ -333,6 +337,7 @@ def desired(node_pk: int, mirror_base: str) -> protocol.Desired:
     if not rows:  # a node with nothing to run (a new one): no key to read
         return {"type": "desired", "replicas": replicas}
     cluster = ClusterSettings.load()
+    files = ModelFile.objects.in_bulk({(r.snapshot or {}).get("file") for r in rows} - {None}, field_name="sha256")
     # During a key rotation a replica keeps the key it started with (the snapshot's fingerprint names it).
     keys = {ClusterSettings.fingerprint(k): k for k in (cluster.engine_key, cluster.previous_engine_key) if k}
     for r in rows:
@@ -342,6 +347,8 @@ def desired(node_pk: int, mirror_base: str) -> protocol.Desired:
         # A replica runs what it was started with; a new engine key or profile reaches it by restart.
         snap = r.snapshot or {}
         model_file = r.model.file
+        if snap.get("file") and snap["file"] != model_file.sha256:  # a canary's, or its model's before a change
+            model_file = files.get(snap["file"]) or model_file
         replicas.append(
             {
                 "name": r.name,

@@ -5,6 +5,7 @@ answer, another tried on a connection failure or a 502/503 (failover)."""
 from __future__ import annotations
 
 import logging
+import random
 import time
 from functools import partial
 
@@ -33,13 +34,20 @@ async def choose(gw: Gateway, call: Call, way: Way, tried: set[str], last_error:
     ready: the same one, back."""
     deadline = None
     waiting = False
+    # while a rollout watches, its conversation's side (gateway.table.ModelRoute.other_side): by its key, the
+    # same every time; a request with none (no prompt to key) falls on one at random
+    conversation = call.affinity if call.affinity is not None else random.getrandbits(64)
     try:
         while True:
             route = _route(await gw.current(), call)
-            upstream = await gw.choose(route, tried, call.affinity)
+            avoid = route.other_side(conversation)
+            upstream = await gw.choose(route, tried | avoid, call.affinity) if avoid else None
+            if upstream is None:  # no rollout, or its side all tried: any replica
+                avoid = frozenset()
+                upstream = await gw.choose(route, tried, call.affinity)
             queued = bool(gw.admission.enabled and route.slots and call.admits)
             if upstream is not None and queued:
-                upstream = await slots.admit(gw, call, way, route, tried, upstream)
+                upstream = await slots.admit(gw, call, way, route, tried, upstream, avoid=avoid)
                 if upstream is None:
                     continue  # its replica went away as it was granted: admitted again
             if upstream is not None:

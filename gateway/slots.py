@@ -55,13 +55,14 @@ async def _note_refusal(gw: Gateway, key: KeyInfo, model: str, exc: GatewayError
 
 
 async def admit(gw: Gateway, call: Call, way: Way, route: ModelRoute, tried: set[str], chosen: Upstream | None,
-                max_wait: float | None = None, check: Callable[[], None] | None = None) -> Upstream | None:
+                max_wait: float | None = None, check: Callable[[], None] | None = None,
+                avoid: frozenset[str] = frozenset()) -> Upstream | None:
     """A slot on a ready replica of the route, waiting for one in the model's queue (gateway/admission.py) at most
     `max_wait` seconds (the model's own by default; `check()` raises what ends the wait sooner); the upstream it
     is on (None: that replica is gone from the table since). With Redis away (gateway/redis_reach.py), the replica
     routing `chosen` without a slot: serving goes on, unordered, until Redis is back."""
     ring = route.ring.walk(call.affinity) if call.affinity is not None and route.routing == PREFIX else ()
-    prefs = [name for name in ring if name not in tried]
+    prefs = [name for name in ring if name not in tried and name not in avoid]  # (avoid: a rollout's other side)
     if gw.unreachable:  # tried last
         prefs = [n for n in prefs if n not in gw.unreachable] + [n for n in prefs if n in gw.unreachable]
     waiting = queued = False
@@ -81,7 +82,7 @@ async def admit(gw: Gateway, call: Call, way: Way, route: ModelRoute, tried: set
             call.model, lambda: gw.slots_of(call.model), key=str(call.key_id),
             rank=admission.RANK["interactive"] if tried else call.rank, cost=admission.service(call.prompt_about, 0),
             prefs=prefs, queue_limit=route.queue_limit, max_wait=route.max_wait if max_wait is None else max_wait,
-            on_wait=waits, check=check, movable=call.prompt_about < admission.SHORT_PROMPT, exclude=tried,
+            on_wait=waits, check=check, movable=call.prompt_about < admission.SHORT_PROMPT, exclude=tried | avoid,
             chosen=chosen.replica if chosen is not None and not tried else None, klass=call.rank)
     except GatewayError as exc:
         metrics.REJECTED.labels(call.model, priority, exc.code).inc()

@@ -13,7 +13,7 @@ from datetime import timedelta
 from django.db.models import Q
 from django.utils import timezone
 
-from cluster.models import ClusterSettings, Demand, Model, Replica
+from cluster.models import ClusterSettings, Demand, Model, Replica, Rollout
 from gateway.affinity import Ring
 from gateway.models import ApiKey
 from ground.engines import CAPABILITIES, DRIVERS
@@ -62,6 +62,20 @@ class ModelRoute:
     resume_limit: int = 2  # times one answer may be resumed on another replica after its engine fails (0: never)
     stream_idle_timeout: float = 30.0  # seconds a streaming engine may send nothing before it counts as failed
     grammar: bool = False  # its engine takes a GBNF grammar with a request (ground.engines: llama.cpp's)
+    # a rollout watching: its canary replicas (of `ready`), and the share of new conversations they take
+    canary: frozenset[str] = frozenset()
+    canary_share: float = 0.0
+
+    def other_side(self, conversation: int) -> frozenset[str]:
+        """The ready replicas a conversation does not go to while a rollout watches: the canary's or the current
+        ones', as its key falls (the same key, the same side, in every web process). Nothing when its side has
+        no replica ready: a request is never refused for the sake of a rollout."""
+        if not self.canary:
+            return frozenset()
+        on_canary = (conversation * 0x9E3779B97F4A7C15 % 2**64) / 2**64 < self.canary_share
+        names = frozenset(u.replica for u in self.ready)
+        other = names - self.canary if on_canary else self.canary & names
+        return other if other != names else frozenset()
 
 
 @dataclass(frozen=True)
@@ -121,9 +135,18 @@ def load() -> Table:
         Q(state__in=(Replica.State.READY, Replica.State.DRAINING, Replica.State.STOPPING, *WAITING_STATES)) | just_freed,
         model__removing=False,
     ).values_list("name", "state", "port", "snapshot", "model__name", "node__address", "node__facts", "node_id",
-                  "waiting_for_room", "reason")
+                  "waiting_for_room", "reason", "rollout__state", "rollout__traffic")
     no_room: dict[str, str] = {}
-    for name, state, port, snapshot, model, address, facts, node_id, waiting_for_room, reason in rows:
+    canary: dict[str, set[str]] = {}
+    share: dict[str, float] = {}
+    for name, state, port, snapshot, model, address, facts, node_id, waiting_for_room, reason, rollout, traffic in rows:
+        if rollout is not None:  # a rollout's canary: its side of the model's traffic, not one of its own replicas
+            if rollout == Rollout.State.WATCHING and state == Replica.State.READY and port:
+                key = keys_by_fingerprint.get((snapshot or {}).get("engine_key", ""), cluster.engine_key)
+                ready.setdefault(model, []).append(Upstream(name, f"http://{_host(address, facts)}:{port}", key))
+                canary.setdefault(model, set()).add(name)
+                share[model] = traffic
+            continue
         if state == Replica.State.READY or state in WAITING_STATES:
             present[model] = present.get(model, 0) + 1
         if state == Replica.State.READY and port:
@@ -166,7 +189,8 @@ def load() -> Table:
                                   m.max_wait_seconds if m.max_wait_seconds is not None else cluster.max_wait_seconds,
                                   resume_limit=m.resume_limit,
                                   stream_idle_timeout=float(m.stream_idle_timeout_seconds),
-                                  grammar=getattr(DRIVERS.get(m.engine.kind), "grammar", False))
+                                  grammar=getattr(DRIVERS.get(m.engine.kind), "grammar", False),
+                                  canary=frozenset(canary.get(name, ())), canary_share=share.get(name, 0.0))
     # each alias names one model (the operations check); were a race to give one to two, the first by name has it
     aliases = {alias: name for name in sorted(models, reverse=True) for alias in models[name].aliases}
     keys = {

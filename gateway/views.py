@@ -136,7 +136,7 @@ async def _proxy(call: Call, request: Request, endpoint: str) -> Answer | Stream
         call.estimated = measured.about if surface.admits else 0
         call.prompt_about = call.estimated + gw.prompt_overhead(call.model) if call.estimated else 0
         call.admits = surface.admits
-        if route.routing == PREFIX:
+        if route.routing == PREFIX or route.canary:  # (a rollout's side is a conversation's: its key)
             session = next((v for h in surface.session_headers if (v := request.header(h))), "")
             call.affinity = affinity.session_key(session) if session else surface.prefix_key(body)
             call.session = bool(session)

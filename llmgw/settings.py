@@ -323,6 +323,7 @@ CELERY_WORKER_CONSUMER = "llmgw.worker:Consumer"  # survives a Redis restart wit
 CELERY_BEAT_SCHEDULE = {
     "reconcile": {"task": "cluster.tasks.reconcile_tick", "schedule": 1.0, "options": {"expires": 5}},
     "request-records": {"task": "gateway.tasks.prune_request_records", "schedule": 600.0, "options": {"expires": 300}},
+    "rollouts": {"task": "gateway.tasks.watch_rollouts", "schedule": 2.0, "options": {"expires": 5}},
 }
 
 # Cluster knobs.
@@ -331,6 +332,9 @@ LLMGW_NODE_LOST_GRACE = envint("LLMGW_NODE_LOST_GRACE", 60)  # seconds a gone no
 # LLMGW_AGENT_REPORT_INTERVAL is the agent's alone: llmgw/cli/agent.py reads it (a node has no Django settings)
 LLMGW_BACKOFF_BASE = envint("LLMGW_BACKOFF_BASE", 5)
 LLMGW_BACKOFF_CAP = envint("LLMGW_BACKOFF_CAP", 300)
+# seconds a rollout waits for its first canary replica to be ready before it is rolled back (an engine that never
+# answers its health check is failed by its agent sooner: this bounds a canary that finds no room)
+LLMGW_ROLLOUT_READY_TIMEOUT = envint("LLMGW_ROLLOUT_READY_TIMEOUT", 900)
 # Where the API and the dashboard may import model files from by path (the CLI may import any path).
 LLMGW_IMPORT_DIRS = [d for d in envstr("LLMGW_IMPORT_DIRS", str(LLMGW_HOME / "import")).split(":") if d]
 # The mirror on every control plane (cluster/mirror/sync.py): the address the other control planes fetch model files

@@ -33,6 +33,7 @@ from cluster.operations.profiles import (
     set_profile,
 )
 from cluster.operations.restart import RestartQueued, drain_node, restart_replicas, staleness, undrain_node
+from cluster.operations.rollouts import abort_rollout, promote_rollout, rollout_of, start_rollout
 from cluster.operations.serving import rotate_engine_key, set_settings, start_serving, stop_serving
 from cluster.operations.users import MIN_PASSWORD, add_user, api_token, check_password, user_name
 from cluster.operations.validation import MAX_MEMORY, MAX_QUEUE_LIMIT, MAX_REPLICAS, MAX_WAIT_SECONDS
@@ -56,6 +57,10 @@ __all__ = [
     "ROLES",
     "ROUTINGS",
     "Conflict",
+    "abort_rollout",
+    "promote_rollout",
+    "rollout_of",
+    "start_rollout",
     "NotFound",
     "OperationError",
     "Removal",

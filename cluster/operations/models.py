@@ -21,6 +21,7 @@ from cluster.models import (
     Model,
     ModelFile,
     Profile,
+    Rollout,
 )
 from cluster.operations.files import resolve_file
 from cluster.operations.profiles import DEFAULT_PROFILE
@@ -153,7 +154,7 @@ def _model_values(values: dict[str, Any], actor: str) -> dict[str, Any]:
     return clean
 
 
-def _check_engine_file(engine: EngineVersion, model_file: ModelFile) -> None:
+def check_engine_file(engine: EngineVersion, model_file: ModelFile) -> None:
     if engine.kind in GGUF_ENGINES and model_file.format != "gguf":
         raise OperationError(f"file {model_file.name} is not GGUF; engine {engine.name} ({engine.kind}) needs GGUF")
 
@@ -275,7 +276,7 @@ def add_model(
         clean.update(_scaling(None, clean))
         if clean.get("replicas") is None:
             clean["replicas"] = 1 if clean.get("min_replicas") is None else 0
-        _check_engine_file(clean["engine"], clean["file"])
+        check_engine_file(clean["engine"], clean["file"])
         _check_names(name, clean["aliases"], adding=True)
         if Model.objects.filter(name=name).exists():
             raise Conflict(f"a model named {name!r} already exists")
@@ -316,7 +317,7 @@ def set_model(name: str, actor: str, **values) -> Model:
             raise Conflict(f"model {name} is being removed")
         engine = clean.get("engine", model.engine)
         model_file = clean.get("file", model.file)
-        _check_engine_file(engine, model_file)
+        check_engine_file(engine, model_file)
         was_autoscaled, running = model.autoscaled, model.replicas
         if was_autoscaled:
             running = Demand.objects.filter(model=model).values_list("replicas", flat=True).first() or 0
@@ -324,6 +325,7 @@ def set_model(name: str, actor: str, **values) -> Model:
         changed = {k: v for k, v in clean.items() if getattr(model, k) != v}
         if not changed:
             return model
+        _refuse_under_rollout(model, changed)
         if "aliases" in changed:
             _check_names(name, changed["aliases"], adding=False)
         for key, value in changed.items():
@@ -337,6 +339,15 @@ def set_model(name: str, actor: str, **values) -> Model:
         record("model.edited", actor, f"model {name} edited: {shown}", subject=name)
         kick_reconciler()
     return model
+
+
+def _refuse_under_rollout(model: Model, changed) -> None:
+    """What a rollout under way changes (its file, profile, engine) changes only through it."""
+    touched = sorted(set(changed) & {"file", "profile", "engine"})
+    rollout = model.rollouts.filter(state__in=Rollout.ACTIVE).first() if touched else None
+    if rollout is not None:
+        raise Conflict(f"model {model.name} has a rollout {rollout.get_state_display()}: its {', '.join(touched)} "
+                       f"changes only through it (`ctl rollout promote {model.name}` or `abort` it first)")
 
 
 QUEUE_FIELDS = ("queue_limit", "max_wait_seconds")  # None: the cluster's default

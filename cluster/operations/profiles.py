@@ -8,7 +8,7 @@ from django.db import transaction
 
 from cluster.errors import Conflict, OperationError
 from cluster.events import record
-from cluster.models import Profile
+from cluster.models import Profile, Rollout
 from cluster.operations.validation import Bounds, check_name, created, get_named
 
 DEFAULT_PROFILE = "default"
@@ -77,6 +77,9 @@ def remove_profile(name: str, actor: str) -> None:
         users = list(profile.models.values_list("name", flat=True))
         if users:
             raise Conflict(f"profile {name} is used by model(s) {', '.join(users)}")
+        trying = list(profile.rollouts.filter(state__in=Rollout.ACTIVE).values_list("model__name", flat=True))
+        if trying:
+            raise Conflict(f"profile {name} is being rolled out on model(s) {', '.join(trying)}")
         profile.delete()
         record("profile.removed", actor, f"profile {name} removed", subject=name)
 

@@ -27,8 +27,8 @@ def staleness(replica: Replica, model: Model, cluster_settings: ClusterSettings)
     Only placed replicas that count (pending to ready) can be stale; a restart is what makes them current.
     """
     snap = replica.snapshot or {}
-    if not snap or replica.node_id is None or replica.state not in Replica.COUNTING:
-        return None
+    if not snap or replica.node_id is None or replica.state not in Replica.COUNTING or replica.rollout_id is not None:
+        return None  # (a rollout's canary runs the rollout's settings, not its model's)
     why = []
     if "args" in snap and snap["args"] != model.profile.args():
         why.append("profile edited")

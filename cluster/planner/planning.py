@@ -109,6 +109,8 @@ class Planner(HandOver, Reasons, Evictions):
             if r.state in TERMINAL:
                 continue
             self.live_models.add(r.model_id)
+            if r.of_model is not None:  # a model is not deleted while a canary of it runs
+                self.live_models.add(r.of_model)
             node_id = r.node_id
             if node_id is not None:
                 node = nodes.get(node_id)

@@ -73,6 +73,7 @@ class ReplicaView:
     reason: str = ""
     waiting_for_room: bool = False
     threads: int = 0  # CPU cores it takes on its node (as it was started)
+    of_model: int | None = None  # a rollout's canary (model_id: its group's): the model it is of
 
 
 @dataclass(frozen=True)
