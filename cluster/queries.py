@@ -13,7 +13,7 @@ from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
 from cluster.memory import replica_threads
-from cluster.models import ClusterSettings, Demand, EngineVersion, Model, Node, Replica
+from cluster.models import ClusterSettings, Demand, EngineVersion, Model, Node, Replica, Rollout
 from cluster.planner.capacity import HOLDS_MEMORY, MemoryInUse
 
 log = logging.getLogger("llmgw.queries")
@@ -251,4 +251,43 @@ def cluster_status() -> dict:
         "nodes": {"total": len(nodes), "connected": len(alive)},
         "models": list(models),
         "replicas": by_state,
+    }
+
+
+def rollout_shown(rollout: Rollout) -> dict:
+    """A rollout as every front door shows it: its state in words, the change, its bounds, its replicas on each
+    side, the window, and both sides' figures as last judged (cluster/rollouts.py) with the verdict so far."""
+    model = rollout.model
+    sides: dict[str, list[dict]] = {"canary": [], "current": []}
+    for r in (Replica.objects.filter(model=model).exclude(state__in=Replica.TERMINAL)
+              .select_related("node").order_by("name")):
+        side = "canary" if r.rollout_id == rollout.pk else "current"
+        sides[side].append({"name": r.name, "state": r.state, "node": r.node.name if r.node else None})
+    left = None
+    if rollout.watching_since is not None and rollout.state == Rollout.State.WATCHING:
+        left = max(0, rollout.watch_seconds - int((timezone.now() - rollout.watching_since).total_seconds()))
+    figures = rollout.figures or {}
+    return {
+        "model": model.name,
+        "state": rollout.state,
+        "state_text": rollout.get_state_display(),
+        "change": rollout.change,
+        "change_text": rollout.change_text(),
+        "canary": rollout.canary,
+        "traffic": rollout.traffic,
+        "watch_seconds": rollout.watch_seconds,
+        "min_requests": rollout.min_requests,
+        "max_error_rate": rollout.max_error_rate,
+        "max_ttft_ratio": rollout.max_ttft_ratio,
+        "max_tpot_ratio": rollout.max_tpot_ratio,
+        "actor": rollout.actor,
+        "started_at": rollout.started_at,
+        "watching_since": rollout.watching_since,
+        "window_left_seconds": left,
+        "ended_at": rollout.ended_at,
+        "reason": rollout.reason,
+        "note": rollout.note,
+        "verdict": figures.get("verdict", ""),
+        "replicas": sides,
+        "figures": {"canary": figures.get("canary"), "current": figures.get("current")},
     }
