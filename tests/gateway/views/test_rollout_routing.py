@@ -10,6 +10,7 @@ from asgiref.sync import sync_to_async
 
 from cluster import notify
 from cluster.models import Model, Rollout
+from gateway.models import RequestRecord
 from gateway.runtime import runtime
 from ground.ports import free_port
 from tests.factories import make_model
@@ -55,6 +56,14 @@ async def test_new_conversations_go_to_the_canary_at_its_share_and_stay_on_their
     assert all(replicas == {canary} for n, replicas in went.items() if n in on_canary), went  # never mixed
     assert all(replicas <= set(current) for n, replicas in went.items() if n not in on_canary), went
     assert 4 <= len(on_canary) <= 22, f"{len(on_canary)} of 40 conversations on a canary at 30%"
+    # their records say so: a canary chosen is one, and the other side is passed over as that
+    await runtime().books()  # what the process writes every second anyway
+    records = await sync_to_async(lambda: list(RequestRecord.objects.filter(model="duo")))()
+    on = [r for r in records if r.replica == canary]
+    assert on and all(r.route["chosen"].endswith(", a rollout's canary") for r in on)
+    off = [r for r in records if r.replica != canary]
+    assert all([canary, "a rollout's canary: not this conversation's side"] in r.route["passed"] for r in off
+               if routing == Model.Routing.LEAST_INFLIGHT or canary in [p[0] for p in r.route["passed"]])
 
 
 async def test_a_canary_that_fails_is_failed_over_to_the_current_side_unseen(cluster, client):
