@@ -9,7 +9,7 @@ import random
 import time
 from functools import partial
 
-from gateway import metrics, slots
+from gateway import metrics, shadow, slots
 from gateway.call import Call, Way
 from gateway.engines_http import ConnectFailed, ConnectTimeout, EngineAnswer, ReadTimeout, Unreachable, UpstreamError
 from gateway.errors import GatewayError
@@ -203,6 +203,8 @@ async def send(gw: Gateway, call: Call, way: Way, surface: Surface, payload: byt
             continue
         if gw.unreachable:
             gw.unreachable.pop(upstream.replica, None)
+        if not avoid and gw.table is not None and (route := gw.table.find(call.model)) is not None and route.shadow:
+            shadow.maybe(gw, call, route, upstream, surface, payload)  # (not a resume's continuation)
         return upstream, response
     raise last_error or GatewayError(502, "upstream_error", "no replica could take the request")
 

@@ -1,20 +1,24 @@
 """A rollout's share of the traffic: new conversations go to its canary at the rollout's share, every turn of one
 conversation to the same side (prefix routing or not), a canary that fails is failed over to the current side
-without the client seeing it, and a rollout no longer watching takes nothing."""
+without the client seeing it, a rollout no longer watching takes nothing, and a shadow copies requests to the
+canary that no client waits for."""
 
 import asyncio
+import datetime as dt
 import time
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.utils import timezone
 
 from cluster import notify
 from cluster.models import Model, Rollout
+from gateway import rollout_figures
 from gateway.models import RequestRecord
 from gateway.runtime import runtime
 from ground.ports import free_port
 from tests.factories import make_model
-from tests.gateway.views.harness import post, ready_replica
+from tests.gateway.views.harness import Engine, post, read, ready_replica
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
@@ -87,3 +91,44 @@ async def test_a_rollout_that_no_longer_watches_takes_no_traffic(cluster, client
     while gw.table is not None and gw.table.models["duo"].canary and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
     assert set().union(*(await sides(client, 10, 1)).values()) <= set(current)
+
+
+async def test_a_shadow_copies_requests_to_the_canary_and_no_client_waits_for_it(cluster, client, tmp_path):
+    """--traffic 0% --shadow 100%: every answer from the current side, a copy of each at the canary (a slow one,
+    that nothing waits for), its record the canary's figures."""
+    slow = Engine(tmp_path, "--answer", "A copied answer of six words.", "--first-token-ms", "300")
+    try:
+        def setup():
+            current, canary = with_canary(cluster, Model.Routing.PREFIX, 0.0, canary_port=slow.port)
+            Rollout.objects.update(shadow=1.0)
+            notify.routing_changed()
+            return current, canary
+
+        current, canary = await sync_to_async(setup)()
+        began = time.monotonic()
+        for n in range(3):
+            response = await post(client, "chat/completions", {"model": "duo", "messages": conversation(n, 0)})
+            assert response.status_code == 200 and response["X-Llmgw-Replica"] in current
+            streamed = await post(client, "chat/completions", {"model": "duo", "stream": True,
+                                                               "messages": conversation(n + 10, 0)})
+            assert streamed["X-Llmgw-Replica"] in current and b"[DONE]" in await read(streamed)
+        assert time.monotonic() - began < 1.5  # six answers, none of them waiting 300 ms for its copy
+
+        def copies():
+            return list(RequestRecord.objects.filter(model="duo", shadow=True))
+
+        deadline = time.monotonic() + 10
+        while len(await sync_to_async(copies)()) < 6 and time.monotonic() < deadline:
+            await runtime().books()
+            await asyncio.sleep(0.1)
+        shadows = await sync_to_async(copies)()
+        assert len(shadows) == 6 and {r.replica for r in shadows} == {canary}
+        assert all(r.request_id.endswith(".shadow") and r.status == 200 and r.key_id is None for r in shadows)
+        assert all(r.ttft_ms >= 300 for r in shadows if r.streamed) and sum(r.streamed for r in shadows) == 3
+        assert all(r.completion_tokens > 0 for r in shadows)
+        since = timezone.now() - dt.timedelta(minutes=1)
+        on_canary, on_current = await sync_to_async(rollout_figures.sides)("duo", frozenset({canary}), since)
+        assert (on_canary.requests, on_canary.errors, on_canary.timed) == (6, 0, 3)
+        assert (on_current.requests, on_current.timed) == (6, 3) and on_canary.ttft_p50 > on_current.ttft_p50 + 250
+    finally:
+        slow.stop()
