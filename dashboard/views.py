@@ -16,7 +16,7 @@ from typing import Any
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db.models import Count
+from django.db.models import Count, OuterRef, Subquery
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -25,7 +25,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from cluster import operations, peers, queries
 from cluster.clients import agents_url
-from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Profile, Replica
+from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Profile, Replica, Rollout
 from cluster.operations import OperationError
 from cluster.roles import ROLES, WRITE_ROLES, role_of
 from dashboard import usage_charts
@@ -47,6 +47,7 @@ from dashboard.forms import (
     ProfileSetForm,
     ReplicasRestartForm,
     RequestsFilterForm,
+    RolloutStartForm,
     SettingsForm,
     UsageFilterForm,
     UserAddForm,
@@ -147,7 +148,8 @@ class ModelShown:
 
 
 def _models(request) -> dict:
-    models = list(queries.models_with_counts())
+    last_rollout = Rollout.objects.filter(model=OuterRef("pk")).values("state")[:1]  # its last one's state
+    models = list(queries.models_with_counts().annotate(rollout_state=Subquery(last_rollout)))
     replicas: dict[int, list[Replica]] = {}
     for r in Replica.objects.exclude(state__in=Replica.TERMINAL).select_related("node").defer("log_tail").order_by("name"):
         replicas.setdefault(r.model_id, []).append(r)
@@ -162,6 +164,7 @@ def _models(request) -> dict:
         "default_engine": getattr(queries.default_engine(), "name", None),
         "profiles": Profile.objects.order_by("name"),
         "routings": Model.Routing.values,
+        "rollout_defaults": RolloutStartForm.defaults(),
     }
 
 
