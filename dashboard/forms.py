@@ -398,6 +398,7 @@ class RolloutStartForm(ButtonForm):
     engine = forms.CharField(required=False)
     canary = Count("canary replicas", rollout_operations.CANARY)
     traffic = Number("traffic %", percent=True)
+    shadow = Number("shadow %", percent=True)
     watch = Duration("watch", rollout_operations.WATCH)
     min_requests = Count("min requests", rollout_operations.MIN_REQUESTS)
     max_error_rate = Number("max error rate %", percent=True)
@@ -410,7 +411,8 @@ class RolloutStartForm(ButtonForm):
     def defaults() -> dict[str, str]:
         """The operation's DEFAULTS as the form's fields write them: 10 (%), 10m, 1.5."""
         d = rollout_operations.DEFAULTS
-        return {"canary": str(d["canary"]), "traffic": f"{d['traffic'] * 100:g}", "watch": format_duration(
+        return {"canary": str(d["canary"]), "traffic": f"{d['traffic'] * 100:g}",
+            "shadow": f"{d['shadow'] * 100:g}", "watch": format_duration(
             d["watch_seconds"]), "min_requests": str(d["min_requests"]),
             "max_error_rate": f"{d['max_error_rate'] * 100:g}", "max_ttft_ratio": f"{d['max_ttft_ratio']:g}",
             "max_tpot_ratio": f"{d['max_tpot_ratio']:g}"}

@@ -59,19 +59,20 @@ def test_the_form_starts_a_rollout_and_goes_to_its_page(op, chat):
     assert "Roll out a change" in models and 'action="/models/chat/rollout/start/"' not in models
     assert 'hx-post="/models/chat/rollout/start/"' in models
     assert 'name="traffic" size="4" value="10"' in models and 'name="watch" size="5" value="10m"' in models
-    response = op.post("/models/chat/rollout/start/", {"profile": "fast", "traffic": "20%", "watch": "5m",
+    response = op.post("/models/chat/rollout/start/", {"profile": "fast", "traffic": "20%", "shadow": "5", "watch": "5m",
                                                        "canary": "1", "min_requests": "", "max_error_rate": "2",
                                                        "max_ttft_ratio": "1.4x", "max_tpot_ratio": "", "file": "",
                                                        "engine": ""}, **HTMX)
     assert response.status_code == 200 and response["HX-Redirect"] == "/models/chat/rollout/"
     rollout = Rollout.objects.get(model=chat)
-    assert (rollout.state, rollout.change, rollout.traffic, rollout.watch_seconds, rollout.max_error_rate,
-            rollout.max_ttft_ratio, rollout.min_requests, rollout.max_tpot_ratio) == (
-        "watching", {"profile": ["default", "fast"]}, 0.2, 300, 0.02, 1.4, 50, 1.3)  # blank: the DEFAULTS
+    assert (rollout.state, rollout.change, rollout.traffic, rollout.shadow, rollout.watch_seconds,
+            rollout.max_error_rate, rollout.max_ttft_ratio, rollout.min_requests, rollout.max_tpot_ratio) == (
+        "watching", {"profile": ["default", "fast"]}, 0.2, 0.05, 300, 0.02, 1.4, 50, 1.3)  # blank: the DEFAULTS
     assert rollout.actor.startswith("user:operator")
     page = op.get("/models/chat/rollout/").content.decode()
     assert "rollout of model chat started: profile default -&gt; fast" in page  # the message, on the next page
     assert "waiting for a canary replica to be ready" in page
+    assert "takes 20% of new conversations and a copy of 5% of the others' requests" in page
     # without JavaScript: a redirect to the page
     Rollout.objects.all().delete()
     plain = op.post("/models/chat/rollout/start/", {"profile": "fast"})
@@ -82,7 +83,8 @@ def test_the_form_starts_a_rollout_and_goes_to_its_page(op, chat):
 @pytest.mark.parametrize("form, said", [
     ({}, "nothing to roll out"),
     ({"profile": "nope"}, "no profile named"),
-    ({"profile": "fast", "traffic": "150"}, "traffic (a share of new conversations) must be above 0 to 1, not 1.5"),
+    ({"profile": "fast", "traffic": "150"}, "traffic (a share of new conversations) must be from 0 to 1, not 1.5"),
+    ({"profile": "fast", "traffic": "0", "shadow": "0%"}, "a canary with no traffic and no shadow would never be"),
     ({"profile": "fast", "watch": "soon"}, "watch: not a duration"),
     ({"profile": "fast", "canary": "0"}, "canary replicas must be"),
     ({"profile": "fast", "max_ttft_ratio": "0.5"}, "max TTFT ratio must be from 1 to 1000, not 0.5"),
