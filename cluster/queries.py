@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, TypedDict
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
+from cluster import rollouts
 from cluster.memory import replica_threads
 from cluster.models import ClusterSettings, Demand, EngineVersion, Model, Node, Replica, Rollout
 from cluster.planner.capacity import HOLDS_MEMORY, MemoryInUse
@@ -256,7 +257,8 @@ def cluster_status() -> dict:
 
 def rollout_shown(rollout: Rollout) -> dict:
     """A rollout as every front door shows it: its state in words, the change, its bounds, its replicas on each
-    side, the window, and both sides' figures as last judged (cluster/rollouts.py) with the verdict so far."""
+    side, the window, and both sides' figures as last judged (cluster/rollouts.py) with the verdict so far, the
+    latency ratios and the bounds breached."""
     model = rollout.model
     sides: dict[str, list[dict]] = {"canary": [], "current": []}
     for r in (Replica.objects.filter(model=model).exclude(state__in=Replica.TERMINAL)
@@ -267,6 +269,15 @@ def rollout_shown(rollout: Rollout) -> dict:
     if rollout.watching_since is not None and rollout.state == Rollout.State.WATCHING:
         left = max(0, rollout.watch_seconds - int((timezone.now() - rollout.watching_since).total_seconds()))
     figures = rollout.figures or {}
+    ratios: dict[str, float | None] = {"ttft": None, "tpot": None}
+    breached = {"error_rate": False, "ttft": False, "tpot": False}
+    if figures.get("canary") and figures.get("current"):
+        canary, current = rollouts.Side.of(figures["canary"]), rollouts.Side.of(figures["current"])
+        for what in ratios:
+            over = rollouts.ratio(getattr(canary, f"{what}_p50"), getattr(current, f"{what}_p50"))
+            ratios[what] = None if over is None else round(over, 3)
+        breached = rollouts.breaches(canary, current, rollouts.Bounds(
+            rollout.min_requests, rollout.max_error_rate, rollout.max_ttft_ratio, rollout.max_tpot_ratio))
     return {
         "model": model.name,
         "state": rollout.state,
@@ -291,4 +302,8 @@ def rollout_shown(rollout: Rollout) -> dict:
         "verdict": figures.get("verdict", ""),
         "replicas": sides,
         "figures": {"canary": figures.get("canary"), "current": figures.get("current")},
+        # the canary's median TTFT and TPOT over the current side's (None until both have one), and the bounds it
+        # is past now as the judge reads them (the latency ones only once both sides have min_requests timed)
+        "ratios": ratios,
+        "breached": breached,
     }

@@ -15,7 +15,7 @@ figures in (from the request records, gateway/rollout_figures.py), a verdict out
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,11 @@ class Side:
 
     def shown(self) -> dict:
         return {**asdict(self), "error_rate": round(self.error_rate, 4)}
+
+    @classmethod
+    def of(cls, shown: dict) -> Side:
+        """The side again from what `shown` gave (a rollout's `figures`, as last judged)."""
+        return cls(**{f.name: shown[f.name] for f in fields(cls) if f.name in shown})
 
 
 @dataclass(frozen=True)
@@ -66,21 +71,42 @@ def percent(x: float) -> str:
     return f"{x * 100:.3g}%"
 
 
+def errors_over(canary: Side, bounds: Bounds) -> bool:
+    """Whether the canary's errors pass what `max_error_rate` allows of `min_requests` (or of its requests, once it
+    has more)."""
+    return canary.errors > bounds.max_error_rate * max(canary.requests, bounds.min_requests)
+
+
+def timed(canary: Side, current: Side, bounds: Bounds) -> bool:
+    """Whether both sides have `min_requests` answered streams: their latency ratios are judged from then on."""
+    return canary.timed >= bounds.min_requests and current.timed >= bounds.min_requests
+
+
+def breaches(canary: Side, current: Side, bounds: Bounds) -> dict[str, bool]:
+    """Which bounds the canary is past now, as `judge` reads them: `error_rate`, `ttft`, `tpot` (what the
+    front doors draw in red)."""
+    judged = timed(canary, current, bounds)
+    over = {"error_rate": errors_over(canary, bounds)}
+    for what, bound in (("ttft", bounds.max_ttft_ratio), ("tpot", bounds.max_tpot_ratio)):
+        r = ratio(getattr(canary, f"{what}_p50"), getattr(current, f"{what}_p50"))
+        over[what] = judged and r is not None and r > bound
+    return over
+
+
 def judge(canary: Side, current: Side, bounds: Bounds, elapsed: float, watch: float) -> Verdict:
     """The verdict on the canary now, `elapsed` seconds into a window of `watch`."""
-    allowed = bounds.max_error_rate * max(canary.requests, bounds.min_requests)
-    if canary.errors > allowed:
+    if errors_over(canary, bounds):
         return Verdict(roll_back=True, why=(
             f"the canary's errors: {canary.errors} of {canary.requests} requests ({percent(canary.error_rate)}), "
             f"over the bound of {percent(bounds.max_error_rate)}"
             + (f" of at least {bounds.min_requests}" if canary.requests < bounds.min_requests else "")
             + f" (the current replicas: {current.errors} of {current.requests})"))
-    timed = canary.timed >= bounds.min_requests and current.timed >= bounds.min_requests
+    judged = timed(canary, current, bounds)
     checks = (("time to first token", "ttft_p50", bounds.max_ttft_ratio),
               ("time per output token", "tpot_p50", bounds.max_tpot_ratio))
     for what, field, bound in checks:
         r = ratio(getattr(canary, field), getattr(current, field))
-        if timed and r is not None and r > bound:
+        if judged and r is not None and r > bound:
             return Verdict(roll_back=True, why=(
                 f"the canary's median {what}: {getattr(canary, field):.0f} ms against {getattr(current, field):.0f}"
                 f" ms, {r:.2f}x, over the bound of {bound:g}x"))
@@ -91,6 +117,6 @@ def judge(canary: Side, current: Side, bounds: Bounds, elapsed: float, watch: fl
     held = [f"errors {canary.errors} of {canary.requests} ({percent(canary.error_rate)})"]
     for what, field, _bound in checks:
         r = ratio(getattr(canary, field), getattr(current, field))
-        if timed and r is not None:
+        if judged and r is not None:
             held.append(f"median {what} {r:.2f}x the current replicas'")
     return Verdict(promote=True, why=f"the canary held every bound over the window: {', '.join(held)}")

@@ -1,5 +1,6 @@
 """The overview's charts, drawn on the server as SVG (no chart library, no CDN): the last hour of the gateway's
-traffic per minute, from the counters every web process adds to in Redis (gateway.accounting)."""
+traffic per minute, from the counters every web process adds to in Redis (gateway.accounting). And a rollout's
+gauges: a canary's figure against its bound, as a bar."""
 
 from __future__ import annotations
 
@@ -79,3 +80,36 @@ def traffic_charts(rows: list[TrafficMinute]) -> list[Chart]:
         Chart("Tokens per second", "tok/s", [r["tokens"] / 60 for r in rows], "#137a4b"),
         Chart("Error rate (5xx)", "%", [100 * r["errors"] / r["requests"] if r["requests"] else 0 for r in rows], "#b42318"),
     ]
+
+
+@dataclass
+class Gauge:
+    """A figure against its bound, as a bar whose middle mark is the bound: a figure past the bound runs past the
+    mark, and is red when the domain says the bound is breached (`breached`, as the judge reads it). `value`
+    None: no figure yet."""
+
+    label: str
+    value: float | None
+    bound: float
+    breached: bool
+    percent: bool = False  # a share, shown as a percentage (else a ratio: 1.20x)
+
+    @property
+    def width(self) -> float:
+        """The bar's length, % of the whole: the bound at 50, twice the bound and more at 100."""
+        if not self.value:
+            return 0.0
+        if self.bound <= 0:
+            return 100.0
+        return round(min(100.0, 50 * self.value / self.bound), 1)
+
+    def _fmt(self, v: float) -> str:
+        return f"{v * 100:.3g}%" if self.percent else f"{v:.2f}x"
+
+    @property
+    def shown(self) -> str:
+        return "—" if self.value is None else self._fmt(self.value)
+
+    @property
+    def bound_shown(self) -> str:
+        return f"{self.bound * 100:g}%" if self.percent else f"{self.bound:g}x"

@@ -21,6 +21,7 @@ from django.utils import timezone
 from cluster.errors import OperationError
 from cluster.models import EngineVersion, Model
 from cluster.operations import PROFILE_BOUNDS, check_alias, check_password, user_name
+from cluster.operations import rollouts as rollout_operations
 from cluster.operations.validation import (
     DRAIN_GRACE,
     MAX_CHOICES,
@@ -46,7 +47,7 @@ from gateway import budgets
 from gateway.admission import CLASSES, DEFAULT_CLASS
 from gateway.operations import CONCURRENCY, KEY_LIMIT
 from ground.engines import CAPABILITIES, DRIVERS
-from ground.units import parse_duration, parse_size
+from ground.units import format_duration, parse_duration, parse_size
 
 NONE = ("none",)
 DEFAULT = ("default",)
@@ -366,6 +367,55 @@ class ModelAddForm(ModelSetForm):
     file = forms.CharField(required=False)  # a sha256, a file's name or a path: the operation resolves it
 
     apart = frozenset({"confirm", "name", "file"})
+
+
+class Number(forms.Field):
+    """A number as written (`1.5`, `1.5x`; with `percent`, `10` or `10%` is 0.1); the operation checks its range."""
+
+    def __init__(self, label: str, percent: bool = False):
+        super().__init__(label=label, required=False)
+        self.percent = percent
+
+    def to_python(self, value: Any) -> float | None:
+        raw = str(value or "").strip()
+        if not raw:
+            return None
+        try:
+            number = float(raw.removesuffix("%" if self.percent else "x").strip())
+        except ValueError:
+            raise ValidationError(f"{self.label}: {raw[:20]!r} is not a number", code="invalid") from None
+        if number != number or number in (float("inf"), float("-inf")):  # NaN, inf: no bound holds them
+            raise ValidationError(f"{self.label}: {raw[:20]!r} is not a number", code="invalid")
+        return number / 100 if self.percent else number
+
+
+class RolloutStartForm(ButtonForm):
+    """Roll out a change to a model (cluster/operations/rollouts.py): a new file, profile or engine (blank: as the
+    model has it) on canary replicas, and the bounds it is judged by (blank: the operation's DEFAULTS)."""
+
+    file = forms.CharField(required=False)  # a sha256, a file's name or a path: the operation resolves it
+    profile = forms.CharField(required=False)
+    engine = forms.CharField(required=False)
+    canary = Count("canary replicas", rollout_operations.CANARY)
+    traffic = Number("traffic %", percent=True)
+    shadow = Number("shadow %", percent=True)
+    watch = Duration("watch", rollout_operations.WATCH)
+    min_requests = Count("min requests", rollout_operations.MIN_REQUESTS)
+    max_error_rate = Number("max error rate %", percent=True)
+    max_ttft_ratio = Number("max TTFT ratio")
+    max_tpot_ratio = Number("max TPOT ratio")
+
+    renamed = {"watch": "watch_seconds"}
+
+    @staticmethod
+    def defaults() -> dict[str, str]:
+        """The operation's DEFAULTS as the form's fields write them: 10 (%), 10m, 1.5."""
+        d = rollout_operations.DEFAULTS
+        return {"canary": str(d["canary"]), "traffic": f"{d['traffic'] * 100:g}",
+            "shadow": f"{d['shadow'] * 100:g}", "watch": format_duration(
+            d["watch_seconds"]), "min_requests": str(d["min_requests"]),
+            "max_error_rate": f"{d['max_error_rate'] * 100:g}", "max_ttft_ratio": f"{d['max_ttft_ratio']:g}",
+            "max_tpot_ratio": f"{d['max_tpot_ratio']:g}"}
 
 
 class ReplicasRestartForm(ButtonForm):

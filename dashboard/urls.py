@@ -1,6 +1,6 @@
 from django.urls import path
 
-from dashboard import views
+from dashboard import rollouts, views
 
 app_name = "dashboard"
 
@@ -19,6 +19,10 @@ urlpatterns = [
     path("models/<str:name>/set/", views.model_set, name="model-set"),
     path("models/<str:name>/restart/", views.model_restart, name="model-restart"),
     path("models/<str:name>/remove/", views.model_remove, name="model-remove"),
+    path("models/<str:name>/rollout/", rollouts.rollout, name="rollout"),
+    path("models/<str:name>/rollout/start/", rollouts.rollout_start, name="rollout-start"),
+    path("models/<str:name>/rollout/promote/", rollouts.rollout_promote, name="rollout-promote"),
+    path("models/<str:name>/rollout/abort/", rollouts.rollout_abort, name="rollout-abort"),
     path("replicas/restart/", views.replicas_restart, name="replicas-restart"),
     path("profiles/add/", views.profile_add, name="profile-add"),
     path("profiles/set/", views.profile_set, name="profile-set"),

@@ -16,8 +16,8 @@ from typing import Any
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db.models import Count
-from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, HttpResponseForbidden
+from django.db.models import Count, OuterRef, Subquery
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils import timezone
@@ -25,10 +25,11 @@ from django.views.decorators.http import require_GET, require_POST
 
 from cluster import operations, peers, queries
 from cluster.clients import agents_url
-from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Profile, Replica
+from cluster.models import ClusterSettings, EngineVersion, Event, Model, ModelFile, Profile, Replica, Rollout
 from cluster.operations import OperationError
-from cluster.roles import ROLES, WRITE_ROLES, can_change, role_of
+from cluster.roles import ROLES, WRITE_ROLES, role_of
 from dashboard import usage_charts
+from dashboard.buttons import ConfirmFirst, attempt, refusal
 from dashboard.forms import (
     EngineAddForm,
     EngineSetForm,
@@ -46,6 +47,7 @@ from dashboard.forms import (
     ProfileSetForm,
     ReplicasRestartForm,
     RequestsFilterForm,
+    RolloutStartForm,
     SettingsForm,
     UsageFilterForm,
     UserAddForm,
@@ -146,7 +148,8 @@ class ModelShown:
 
 
 def _models(request) -> dict:
-    models = list(queries.models_with_counts())
+    last_rollout = Rollout.objects.filter(model=OuterRef("pk")).values("state")[:1]  # its last one's state
+    models = list(queries.models_with_counts().annotate(rollout_state=Subquery(last_rollout)))
     replicas: dict[int, list[Replica]] = {}
     for r in Replica.objects.exclude(state__in=Replica.TERMINAL).select_related("node").defer("log_tail").order_by("name"):
         replicas.setdefault(r.model_id, []).append(r)
@@ -161,6 +164,7 @@ def _models(request) -> dict:
         "default_engine": getattr(queries.default_engine(), "name", None),
         "profiles": Profile.objects.order_by("name"),
         "routings": Model.Routing.values,
+        "rollout_defaults": RolloutStartForm.defaults(),
     }
 
 
@@ -365,18 +369,27 @@ CONTEXT = {
 }
 
 
-def _render(request, page: str, extra: dict | None = None, status: int = 200) -> HttpResponse:
+def frame(request, page: str) -> dict:
+    """What every page's frame shows: the nav (`page` marked), and what the user's role may do."""
     role = role_of(request.user)
     shown = [p for p in PAGES if p not in ADMIN_PAGES or role == "admin"]
-    context = {"page": page, "pages": shown, "can_change": role in WRITE_ROLES, "is_admin": role == "admin", "role": role,
-               **CONTEXT[page](request), **(extra or {})}
-    template = f"dashboard/_{page}.html" if request.htmx and not request.htmx.boosted else f"dashboard/{page}.html"
-    return render(request, template, context, status=status)
+    return {"page": page, "pages": shown, "can_change": role in WRITE_ROLES, "is_admin": role == "admin", "role": role}
+
+
+def partial(request) -> bool:
+    """Whether to answer with the page's live partial alone (an htmx request), not the whole page."""
+    return bool(request.htmx and not request.htmx.boosted)
+
+
+def render_page(request, page: str, extra: dict | None = None, status: int = 200) -> HttpResponse:
+    context = {**frame(request, page), **CONTEXT[page](request), **(extra or {})}
+    return render(request, f"dashboard/_{page}.html" if partial(request) else f"dashboard/{page}.html", context,
+                  status=status)
 
 
 @login_required
 def page(request, page: str = "overview"):
-    return _render(request, page)
+    return render_page(request, page)
 
 
 # Buttons
@@ -391,47 +404,18 @@ def action(page: str, admin: bool = False):
         @login_required
         @require_POST
         def run(request, *args, **kwargs):
-            if not can_change(request.user):
-                return HttpResponseForbidden(
-                    "your role may only look: changing the cluster needs the operator or admin role",
-                    content_type="text/plain")
-            if admin and role_of(request.user) != "admin":
-                return HttpResponseForbidden("this needs the admin role", content_type="text/plain")
-            extra = {}
-            try:
-                if any("\x00" in v for _, values in request.POST.lists() for v in values):
-                    raise FormError("a field holds a NUL character; nothing was changed")
-                said = view(request, *args, **kwargs)
-                if isinstance(said, tuple):
-                    said, extra = said
-                messages.success(request, said)
-            except OperationError as exc:
-                messages.error(request, str(exc))
-            except ConfirmFirst as exc:
-                messages.warning(request, str(exc))
-                extra = {"confirm": exc.form}
-            except FormError as exc:
-                messages.error(request, str(exc))
+            if refused := refusal(request, admin):
+                return refused
+            _, extra = attempt(request, view, *args, **kwargs)
             if request.htmx:
-                return _render(request, page, extra)
+                return render_page(request, page, extra)
             if extra.get("once") or extra.get("confirm"):  # a secret shown once, a form to confirm: render
-                return _render(request, page, extra)
+                return render_page(request, page, extra)
             return redirect(reverse("dashboard:" + page))
 
         return run
 
     return wrap
-
-
-class ConfirmFirst(FormError):
-    """A change to confirm before it is made (ground.confirmation): nothing changed yet; the message comes with a
-    button that sends the same form again, confirmed."""
-
-    def __init__(self, why: str, request: HttpRequest):
-        super().__init__(f"{why}: confirm to go ahead")
-        # the form as it was sent, to send again
-        values = [(k, v) for k, vs in request.POST.lists() if k not in ("csrfmiddlewaretoken", "confirm") for v in vs]
-        self.form = {"url": request.path, "values": values}
 
 
 def _confirmed(request: HttpRequest, form: ModelSetForm, name: str | None, values: dict[str, Any]) -> None:

@@ -5,7 +5,7 @@ from django import template
 from django.utils import timezone
 from django.utils.html import format_html
 
-from dashboard.forms import Count, KeyCreateForm, ModelSetForm, ProfileSetForm, SettingsForm
+from dashboard.forms import Count, KeyCreateForm, ModelSetForm, ProfileSetForm, RolloutStartForm, SettingsForm
 from ground.units import format_age, format_duration, format_size
 
 register = template.Library()
@@ -52,7 +52,8 @@ def name_input(placeholder: str = "", rule: str = "name"):
                        '<small class="hint">{}</small>', pattern, hint, placeholder, hint)
 
 
-NUMBER_FORMS = {"model": ModelSetForm, "settings": SettingsForm, "profile": ProfileSetForm, "key": KeyCreateForm}
+NUMBER_FORMS = {"model": ModelSetForm, "settings": SettingsForm, "profile": ProfileSetForm, "key": KeyCreateForm,
+                "rollout": RolloutStartForm}
 
 
 @register.simple_tag
@@ -63,3 +64,25 @@ def number_range(form: str, field: str) -> str:
     if not isinstance(number, Count):
         raise template.TemplateSyntaxError(f"{form}'s {field} is not a whole number")
     return format_html('min="{}" max="{}"', number.bounds.low, number.bounds.high)
+
+
+@register.filter
+def share(value) -> str:
+    """A share as a percentage, as the Events and the CLI write it: 0.1 -> "10%" (empty for None)."""
+    from cluster.rollouts import percent
+
+    return "" if value is None else percent(value)
+
+
+@register.filter
+def rollout_state(value) -> str:
+    """A rollout's state in words: "rolling_back" -> "rolling back"."""
+    from cluster.models import Rollout
+
+    return Rollout.State(value).label if value in Rollout.State.values else str(value or "")
+
+
+@register.filter
+def ms(value) -> str:
+    """A latency in milliseconds, whole: "85 ms" ("—" for None)."""
+    return "—" if value is None else f"{value:,.0f} ms"

@@ -150,3 +150,48 @@ def test_the_usage_plots_fit_a_phone_in_one_column_and_the_day_switch_redraws_th
         assert "by=day" in tab.locator("a.download").get_attribute("href")
     finally:
         context.close()
+
+
+def test_a_rollout_shows_both_sides_and_is_promoted_by_a_click(browser, live_server):
+    """A rollout watching (its canary placed by the reconciler and ready by its agent's report), on its page: the
+    canary and the current replicas side by side, each with its figures; Promote, confirmed, and the page says
+    promoting. At a phone's width the page does not scroll sideways."""
+    from cluster import operations, reconciler
+    from cluster.models import Model, Replica
+    from cluster.operations.rollouts import carry_on
+    from gateway import rollout_figures
+    from tests.cluster.test_reconciler import report
+    from tests.factories import make_agent_node, make_profile, seed_defaults
+
+    seed_defaults()
+    make_agent_node("n1", memory_bytes=8 * 1024**3, port_range=(21000, 21019))
+    model = make_model(name="m1", replicas=2, memory_bytes=1024**3)
+    make_profile("fast", context_size=8192, threads=2)
+    reconciler.reconcile_once()
+    report(Replica.objects.filter(model=model), "ready")
+    rollout = operations.start_rollout("m1", "user:alice", profile="fast")
+    reconciler.reconcile_once()
+    report(Replica.objects.filter(rollout=rollout), "ready")
+    carry_on(rollout_figures.sides)  # the window begins
+    carry_on(rollout_figures.sides)  # judged: both sides' figures
+    context, tab = signed_in(browser, live_server, "operator", {"width": 1280, "height": 800})
+    try:
+        tab.on("dialog", lambda d: d.accept())  # the confirmation: yes
+        tab.goto("/models/")
+        tab.locator("#model-m1 a[data-testid=rollout]", has_text="rollout watching").click()
+        tab.wait_for_url(live_server.url + "/models/m1/rollout/")
+        assert tab.locator("[data-testid=rollout-state]").inner_text() == "watching"
+        canary, current = tab.locator("[data-side=canary]"), tab.locator("[data-side=current]")
+        assert canary.locator("tr[data-replica]").count() == 1 and current.locator("tr[data-replica]").count() == 2
+        assert canary.locator("[data-figure=requests]").inner_text() == "0"
+        left, right = canary.bounding_box(), current.bounding_box()
+        assert left["x"] + left["width"] <= right["x"] and abs(left["y"] - right["y"]) < 1  # side by side
+        tab.set_viewport_size(PHONE)
+        assert tab.evaluate("() => document.documentElement.scrollWidth <= window.innerWidth")
+        tab.locator("button", has_text="Promote").click()
+        tab.wait_for_selector("#live[data-state=promoting]")
+        assert "rollout of model m1 promoting" in tab.locator("#messages").inner_text()
+        assert tab.locator("button", has_text="Abort").count() == 0
+        assert Model.objects.get(name="m1").profile.name == "fast"
+    finally:
+        context.close()
