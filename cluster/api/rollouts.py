@@ -95,7 +95,8 @@ class RolloutSidesSerializer(serializers.Serializer):
 
 class RolloutSideSerializer(serializers.Serializer):
     requests = serializers.IntegerField(help_text="requests sent to the side over the window (each try counts)")
-    errors = serializers.IntegerField(help_text="5xx answers, broken streams, engines that failed")
+    # a field (the serializer's metaclass takes it out of the class), not Serializer.errors
+    errors = serializers.IntegerField(help_text="5xx answers, broken streams, engines that failed")  # type: ignore[assignment]
     error_rate = serializers.FloatField(help_text="errors per request")
     timed = serializers.IntegerField(help_text="answered streams: the latency figures' samples")
     ttft_p50 = serializers.FloatField(allow_null=True, help_text="median time to first token, ms")
