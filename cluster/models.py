@@ -374,6 +374,7 @@ class Rollout(models.Model):
     change = models.JSONField(default=dict, blank=True)
     canary = models.PositiveSmallIntegerField(default=1)  # canary replicas
     traffic = models.FloatField(default=0.10)  # the share of new conversations the canary takes
+    shadow = models.FloatField(default=0.0)  # the share of the others' requests also sent to it, answers discarded
     watch_seconds = models.PositiveIntegerField(default=600)  # judged this long from its first ready canary
     min_requests = models.PositiveIntegerField(default=50)  # each side's requests before it is judged
     max_error_rate = models.FloatField(default=0.01)  # the canary's errors per request

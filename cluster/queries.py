@@ -275,6 +275,7 @@ def rollout_shown(rollout: Rollout) -> dict:
         "change_text": rollout.change_text(),
         "canary": rollout.canary,
         "traffic": rollout.traffic,
+        "shadow": rollout.shadow,
         "watch_seconds": rollout.watch_seconds,
         "min_requests": rollout.min_requests,
         "max_error_rate": rollout.max_error_rate,

@@ -114,6 +114,9 @@ class RequestRecord(models.Model):
     resumes = models.PositiveSmallIntegerField(default=0)  # times its answer was resumed on another replica
     # the prompt tokens of those resumes' continuation requests: the fleet's cost, not charged to its key
     resumed_prompt_tokens = models.PositiveIntegerField(default=0)
+    # a copy of a request sent to a rollout's canary, its answer read and discarded (gateway/shadow.py): the
+    # fleet's, no client's; `request_id` is its request's with `.shadow`
+    shadow = models.BooleanField(default=False)
 
     class Meta:
         ordering = ["-at", "-id"]

@@ -92,6 +92,7 @@ class Row(NamedTuple):
     response_body: str  # what it was answered, as far as kept
     resumes: int = 0  # times its answer was resumed on another replica (each such try's outcome ends RESUMED)
     resumed_prompt_tokens: int = 0  # the continuation requests' prompts: the fleet's cost, not the key's
+    shadow: bool = False  # a copy sent to a rollout's canary, its answer discarded (gateway/shadow.py)
 
 
 class Records:

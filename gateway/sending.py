@@ -9,7 +9,7 @@ import random
 import time
 from functools import partial
 
-from gateway import metrics, slots
+from gateway import metrics, shadow, slots
 from gateway.call import Call, Way
 from gateway.engines_http import ConnectFailed, ConnectTimeout, EngineAnswer, ReadTimeout, Unreachable, UpstreamError
 from gateway.errors import GatewayError
@@ -51,7 +51,7 @@ async def choose(gw: Gateway, call: Call, way: Way, tried: set[str], last_error:
                 if upstream is None:
                     continue  # its replica went away as it was granted: admitted again
             if upstream is not None:
-                return _chosen(gw, call, way, upstream, queued)
+                return _chosen(gw, call, way, upstream, queued, avoid)
             now = time.monotonic()
             if deadline is None:
                 deadline = now + route.wait_seconds
@@ -83,13 +83,22 @@ async def choose(gw: Gateway, call: Call, way: Way, tried: set[str], last_error:
             gw.wait_end(call.model)
 
 
-def _chosen(gw: Gateway, call: Call, way: Way, upstream: Upstream, queued: bool) -> Upstream:
-    """The replica chosen, and why (for the request's record)."""
+def _chosen(gw: Gateway, call: Call, way: Way, upstream: Upstream, queued: bool,
+            avoid: frozenset[str] = frozenset()) -> Upstream:
+    """The replica chosen, and why (for the request's record): while a rollout watches, a replica of the other
+    side is passed over as that, and a canary chosen is said to be one."""
     assert gw.table is not None  # loaded: the request found its route in it
     route = gw.table.find(call.model)
     if route is not None:
-        way.why = gw.explain(route, upstream.replica, {t.replica: t.outcome for t in way.tries}, call.affinity,
-                             call.session, queued)
+        why = gw.explain(route, upstream.replica, {t.replica: t.outcome for t in way.tries}, call.affinity,
+                         call.session, queued)
+        if avoid:
+            said = "a rollout's canary: not this conversation's side" if avoid <= route.canary else \
+                "the current side: this conversation is a rollout's canary's"
+            why = why._replace(passed=tuple((n, said if n in avoid else w) for n, w in why.passed))
+        if upstream.replica in route.canary:
+            why = why._replace(chosen=f"{why.chosen}, a rollout's canary")
+        way.why = why
     return upstream
 
 
@@ -194,6 +203,8 @@ async def send(gw: Gateway, call: Call, way: Way, surface: Surface, payload: byt
             continue
         if gw.unreachable:
             gw.unreachable.pop(upstream.replica, None)
+        if not avoid and gw.table is not None and (route := gw.table.find(call.model)) is not None and route.shadow:
+            shadow.maybe(gw, call, route, upstream, surface, payload)  # (not a resume's continuation)
         return upstream, response
     raise last_error or GatewayError(502, "upstream_error", "no replica could take the request")
 

@@ -65,6 +65,7 @@ class ModelRoute:
     # a rollout watching: its canary replicas (of `ready`), and the share of new conversations they take
     canary: frozenset[str] = frozenset()
     canary_share: float = 0.0
+    shadow: float = 0.0  # the share of the current side's requests also sent to the canary (gateway/shadow.py)
 
     def other_side(self, conversation: int) -> frozenset[str]:
         """The ready replicas a conversation does not go to while a rollout watches: the canary's or the current
@@ -135,17 +136,18 @@ def load() -> Table:
         Q(state__in=(Replica.State.READY, Replica.State.DRAINING, Replica.State.STOPPING, *WAITING_STATES)) | just_freed,
         model__removing=False,
     ).values_list("name", "state", "port", "snapshot", "model__name", "node__address", "node__facts", "node_id",
-                  "waiting_for_room", "reason", "rollout__state", "rollout__traffic")
+                  "waiting_for_room", "reason", "rollout__state", "rollout__traffic", "rollout__shadow")
     no_room: dict[str, str] = {}
     canary: dict[str, set[str]] = {}
-    share: dict[str, float] = {}
-    for name, state, port, snapshot, model, address, facts, node_id, waiting_for_room, reason, rollout, traffic in rows:
+    share: dict[str, tuple[float, float]] = {}
+    for (name, state, port, snapshot, model, address, facts, node_id, waiting_for_room, reason, rollout, traffic,
+         shadow) in rows:
         if rollout is not None:  # a rollout's canary: its side of the model's traffic, not one of its own replicas
             if rollout == Rollout.State.WATCHING and state == Replica.State.READY and port:
                 key = keys_by_fingerprint.get((snapshot or {}).get("engine_key", ""), cluster.engine_key)
                 ready.setdefault(model, []).append(Upstream(name, f"http://{_host(address, facts)}:{port}", key))
                 canary.setdefault(model, set()).add(name)
-                share[model] = traffic
+                share[model] = (traffic, shadow)
             continue
         if state == Replica.State.READY or state in WAITING_STATES:
             present[model] = present.get(model, 0) + 1
@@ -190,7 +192,8 @@ def load() -> Table:
                                   resume_limit=m.resume_limit,
                                   stream_idle_timeout=float(m.stream_idle_timeout_seconds),
                                   grammar=getattr(DRIVERS.get(m.engine.kind), "grammar", False),
-                                  canary=frozenset(canary.get(name, ())), canary_share=share.get(name, 0.0))
+                                  canary=frozenset(canary.get(name, ())), canary_share=share.get(name, (0.0, 0.0))[0],
+                                  shadow=share.get(name, (0.0, 0.0))[1])
     # each alias names one model (the operations check); were a race to give one to two, the first by name has it
     aliases = {alias: name for name in sorted(models, reverse=True) for alias in models[name].aliases}
     keys = {

@@ -276,6 +276,12 @@ class Handler(BaseHTTPRequestHandler):
             error = dict(body["test_engine_error"])
             self._send_json(int(error.pop("status", 500)), {"error": error})
             return
+        if self.engine.args.fail_status:
+            status = self.engine.args.fail_status
+            self._error(status, f"failing every request with {status}", "server_error", "test_engine_failing")
+            return
+        if self.engine.args.first_token_ms:  # a slow prefill: every answer's first token this much later
+            time.sleep(self.engine.args.first_token_ms / 1000.0)
         if not self._take_slot():
             return
         self._tokens, self._cut, self._streaming = 0, False, bool(body.get("stream"))
@@ -496,6 +502,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", default="", help="a model file that must exist")
     p.add_argument("--model-name", default="", help="the id /v1/models shows")
     p.add_argument("--delay-ms", type=float, default=0.0, help="pause before each streamed token")
+    p.add_argument("--first-token-ms", type=float, default=0.0, help="pause before each answer (a slow prefill)")
+    p.add_argument("--fail-status", type=int, default=0, help="answer every completion with this status")
     p.add_argument("--linger-ms", type=float, default=0.0, help="pause after [DONE] before a stream's end")
     p.add_argument("--no-auth", action="store_true", help="answer without the key (an engine the agent must refuse)")
     p.add_argument("--echo-body", action="store_true", help="echo the request in answers; obey test_engine_status")

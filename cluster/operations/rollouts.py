@@ -31,7 +31,7 @@ ACTOR = "rollout"
 CANARY = Bounds(1, 100)
 WATCH = Bounds(1, MAX_DURATION)
 MIN_REQUESTS = Bounds(1, 1_000_000)
-DEFAULTS: dict[str, Any] = {"canary": 1, "traffic": 0.10, "watch_seconds": 600, "min_requests": 50,
+DEFAULTS: dict[str, Any] = {"canary": 1, "traffic": 0.10, "shadow": 0.0, "watch_seconds": 600, "min_requests": 50,
                             "max_error_rate": 0.01, "max_ttft_ratio": 1.5, "max_tpot_ratio": 1.3}
 # figures of a side (cluster.rollouts.Side) from the request records: (model name, canary replica names, since)
 Figures = Callable[[str, frozenset[str], datetime], tuple[rollouts.Side, rollouts.Side]]
@@ -55,7 +55,8 @@ def _bounds(values: dict[str, Any]) -> dict[str, Any]:
     v = {**DEFAULTS, **{k: x for k, x in values.items() if x is not None}}
     return {
         "canary": CANARY.check("canary replicas", v["canary"]),
-        "traffic": _share("traffic (a share of new conversations)", v["traffic"], above_low=True),
+        "traffic": _share("traffic (a share of new conversations)", v["traffic"]),
+        "shadow": _share("shadow (a share of requests copied to the canary)", v["shadow"]),
         "watch_seconds": WATCH.check("watch (seconds)", v["watch_seconds"]),
         "min_requests": MIN_REQUESTS.check("min requests", v["min_requests"]),
         "max_error_rate": _share("max error rate", v["max_error_rate"]),
@@ -72,6 +73,9 @@ def start_rollout(name: str, actor: str, *, file: str | None = None, profile: st
     if unknown:
         raise OperationError(f"unknown rollout setting(s): {', '.join(sorted(unknown))}")
     numbers = _bounds(values)
+    if not numbers["traffic"] and not numbers["shadow"]:
+        raise OperationError("a canary with no traffic and no shadow would never be judged: give --traffic or "
+                             "--shadow above 0%")
     with transaction.atomic():
         model = get_named(Model.objects.select_for_update().select_related("file", "profile", "engine"), "model",
                           name)
@@ -98,8 +102,10 @@ def start_rollout(name: str, actor: str, *, file: str | None = None, profile: st
             file=new_file if "file" in change else None,
             profile=new_profile if "profile" in change else None,
             engine=new_engine if "engine" in change else None)
+        shadow = f" and a copy of {rollouts.percent(rollout.shadow)} of the others' requests" if rollout.shadow else ""
         record("rollout.started", actor, f"rollout of model {name} started: {rollout.change_text()}; "
-               f"{rollout.canary} canary replica(s) take {rollouts.percent(rollout.traffic)} of new conversations",
+               f"{rollout.canary} canary replica(s) take {rollouts.percent(rollout.traffic)} of new conversations"
+               f"{shadow}",
                subject=name, rollout=rollout.pk, change=change, **numbers)
         kick_reconciler()
     return rollout

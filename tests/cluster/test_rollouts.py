@@ -277,8 +277,10 @@ def test_promote_by_hand_while_watching(fleet):
     ({}, "nothing to roll out: give a --file, --profile or --engine other than model m1's own"),
     ({"profile": "default"}, "nothing to roll out"),
     ({"profile": "nope"}, "no profile named 'nope'"),
-    ({"profile": "fast", "traffic": 0}, "traffic (a share of new conversations) must be above 0 to 1, not 0"),
-    ({"profile": "fast", "traffic": 1.5}, "must be above 0 to 1, not 1.5"),
+    ({"profile": "fast", "traffic": 0}, "a canary with no traffic and no shadow would never be judged: give "
+                                        "--traffic or --shadow above 0%"),
+    ({"profile": "fast", "traffic": 1.5}, "traffic (a share of new conversations) must be from 0 to 1, not 1.5"),
+    ({"profile": "fast", "shadow": -0.1}, "shadow (a share of requests copied to the canary) must be from 0 to 1"),
     ({"profile": "fast", "canary": 0}, "canary replicas must be a whole number from 1 to 100, not 0"),
     ({"profile": "fast", "max_ttft_ratio": 0.5}, "max TTFT ratio must be from 1 to 1000, not 0.5"),
     ({"profile": "fast", "max_error_rate": "1%"}, "max error rate must be a number, not '1%'"),

@@ -249,10 +249,10 @@ def stop_fleet(fleet, net, system, postgres, valkey, standby=None) -> None:
 class Load:
     """A few requests in flight throughout, through nginx with the official client; every failure counted."""
 
-    def __init__(self, url: str, key: str, workers: int = 3, model: str = MODEL):
+    def __init__(self, url: str, key: str, workers: int = 3, model: str = MODEL, stream: bool = False):
         for client_log in ("httpx", "httpx2"):  # not a line per request (the openai client's is httpx2)
             logging.getLogger(client_log).setLevel(logging.WARNING)
-        self.url, self.key, self.model = url, key, model
+        self.url, self.key, self.model, self.stream = url, key, model, stream
         self.ok = 0
         self.failures: list[tuple[float, str]] = []
         self.slowest = 0.0
@@ -269,8 +269,13 @@ class Load:
             n += 1
             started = time.monotonic()
             try:
-                client.chat.completions.create(model=self.model, max_tokens=4,
-                                               messages=[{"role": "user", "content": f"worker {worker}, request {n}"}])
+                # a new conversation each time: a rollout's canary takes its share of them
+                said = client.chat.completions.create(
+                    model=self.model, max_tokens=4, stream=self.stream,
+                    messages=[{"role": "user", "content": f"worker {worker}, request {n}"}])
+                if self.stream:
+                    for _chunk in said:  # a stream that breaks raises here
+                        pass
                 with self._lock:
                     self.ok += 1
             except Exception as exc:  # every failure is the finding: counted with what it said

@@ -28,7 +28,7 @@ from tests.integration.fleet import (
     stop_fleet,
     stream_through_sdk,
 )
-from tests.integration.harness import add_test_engine, holds_for, wait_for
+from tests.integration.harness import add_test_engine, holds_for, make_model_file, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -104,6 +104,31 @@ def assert_none_restarted(system, pids: dict[str, int]) -> None:
     gone = [name for name in pids if now.get(name) != pids[name]]
     assert not gone, "\n".join(f"--- {name} (exit {system.procs[name].returncode})\n{system.procs[name].tail(80)}"
                                 for name in gone)
+
+
+def test_a_rollout_whose_control_plane_is_killed_mid_way_is_finished_by_the_other(fleet, scenario):
+    """A new model file rolled out (a canary of it beside the model's two replicas, half of new conversations),
+    the control plane whose worker judges it killed while it watches: the other's beat and worker carry it on
+    from the database, promote it and replace both replicas one at a time, with no request failed."""
+    load, watch, outcome = scenario
+    system = fleet.system
+    sha = make_model_file(system, "fleet-next.bin")
+    wait_for(lambda: len(fleet.api(f"/api/v1/model-files/{sha}/")["locations"]) == 2, 60,
+             what="control plane B holding the new file")
+    system.cli("ctl", "rollout", "start", MODEL, "--file", sha, "--traffic", "50%", "--watch", "6s",
+               "--min-requests", "10")
+    wait_for(lambda: fleet.api(f"/api/v1/models/{MODEL}/rollout/")["watching_since"], 60,
+             what="the canary ready and watched")
+    killed_at = time.monotonic()
+    fleet.kill_control_plane("a")
+    done = wait_for(lambda: (r := fleet.api(f"/api/v1/models/{MODEL}/rollout/"))["state"] == "promoted" and r, 120,
+                    what=f"the rollout promoted by B: {fleet.api(f'/api/v1/models/{MODEL}/rollout/')}")
+    outcome["recovered"] = f"promoted {time.monotonic() - killed_at:.1f} s after the kill"
+    assert done["figures"]["canary"]["requests"] >= 10 and not done["figures"]["canary"]["errors"], done
+    wait_for(lambda: len(fleet.ready()) == 2 and len([r for r in fleet.replicas() if r["state"] not in
+                                                      ("stopped", "failed")]) == 2, 60, what="two replicas again")
+    assert fleet.api(f"/api/v1/models/{MODEL}/")["file"]["sha256"] == sha
+    fleet.start_control_plane("a")
 
 
 def a_replica_placed_and_removed(fleet, after: str) -> float:
