@@ -104,7 +104,8 @@ def test_a_rollout_started_shown_and_promoted(m1):
 
 
 def test_an_aborted_rollout_leaves_the_model_as_it_was(m1):
-    run("ctl", "rollout", "start", "m1", "--profile", "fast")
+    said = run("ctl", "rollout", "start", "m1", "--profile", "fast", "--traffic", "0%", "--shadow", "5")
+    assert "1 canary replica(s) take 0% of new conversations and a copy of 5% of the others' requests;" in said
     assert run("ctl", "rollout", "abort", "m1") == (
         "rollout of model m1 aborted: its canary drains and stops; the model runs as it did\n")
     assert Model.objects.get().profile.name == "default"
@@ -112,8 +113,10 @@ def test_an_aborted_rollout_leaves_the_model_as_it_was(m1):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--profile", "fast", "--traffic", "150%"], "argument --traffic: '150%': a percent above 0% to 100%"),
-    (["--profile", "fast", "--traffic", "0"], "argument --traffic: '0': a percent above 0% to 100%"),
+    (["--profile", "fast", "--traffic", "150%"], "argument --traffic: '150%': a percent from 0% to 100%"),
+    (["--profile", "fast", "--traffic", "0"], "a canary with no traffic and no shadow would never be judged: give "
+                                              "--traffic or --shadow above 0%"),
+    (["--profile", "fast", "--shadow", "1000"], "argument --shadow: '1000': a percent from 0% to 100%"),
     (["--profile", "fast", "--traffic", "lots"], "argument --traffic: 'lots' is not a percent (write e.g. 10%)"),
     (["--profile", "fast", "--max-error-rate=-1%"], "argument --max-error-rate: '-1%': a percent from 0% to 100%"),
     (["--profile", "fast", "--watch", "soon"], "argument --watch: not a duration: 'soon'"),

@@ -25,31 +25,22 @@ from cluster.operations.rollouts import CANARY, MIN_REQUESTS, WATCH
 ROLLOUT_STATES = Rollout.State.values
 
 
-def _number(low: float, high: float, above_low: bool = False):
-    schema = {"type": "number", "format": "double", "minimum": low, "maximum": high}
-    if above_low:
-        schema["exclusiveMinimum"] = True  # OpenAPI 3.0's way: above `minimum`, not from it
-    return extend_schema_field(schema)
+def _number(low: float, high: float):
+    return extend_schema_field({"type": "number", "format": "double", "minimum": low, "maximum": high})
 
 
 class _Number(serializers.FloatField):
-    """A JSON number from `low` to `high` (above `low` with `above_low`): never a string, a boolean, NaN or an
-    infinity, each a 400 naming the field."""
+    """A JSON number from `low` to `high`: never a string, a boolean, NaN or an infinity, each a 400 naming the
+    field."""
 
-    low, high, above_low = 0.0, 1.0, False
+    low, high = 0.0, 1.0
 
     def to_internal_value(self, data):
         if isinstance(data, bool) or not isinstance(data, (int, float)) or not math.isfinite(data):
             raise serializers.ValidationError("must be a number")
-        if not (self.low < data if self.above_low else self.low <= data) or data > self.high:
-            least = f"above {self.low:g}" if self.above_low else f"from {self.low:g}"
-            raise serializers.ValidationError(f"must be {least} to {self.high:g}, not {data!r}")
+        if not self.low <= data <= self.high:
+            raise serializers.ValidationError(f"must be from {self.low:g} to {self.high:g}, not {data!r}")
         return float(data)
-
-
-@_number(0, 1, above_low=True)
-class TrafficField(_Number):
-    above_low = True
 
 
 @_number(0, 1)
@@ -68,8 +59,10 @@ class RolloutStartSerializer(StrictSerializer):
     profile = serializers.CharField(required=False, help_text="the canary's profile")
     engine = serializers.CharField(required=False, help_text="the canary's engine")
     canary = serializers.IntegerField(required=False, **CANARY.limits, help_text="canary replicas (default 1)")
-    traffic = TrafficField(required=False, help_text="the share of new conversations the canary takes, above 0 to 1 "
-                           "(default 0.1: 10%)")
+    traffic = RateField(required=False, help_text="the share of new conversations the canary takes, 0 to 1 (default "
+                        "0.1: 10%; 0: it answers no one, judged on its shadow alone)")
+    shadow = RateField(required=False, help_text="the share of the current replicas' requests also copied to the "
+                       "canary, its answer read and discarded, 0 to 1 (default 0)")
     watch_seconds = serializers.IntegerField(required=False, **WATCH.limits, help_text="how long it is watched from "
                                              "its first ready canary before it may be promoted (default 600)")
     min_requests = serializers.IntegerField(required=False, **MIN_REQUESTS.limits, help_text="the canary's requests "
@@ -122,6 +115,7 @@ class RolloutSerializer(serializers.Serializer):
     change_text = serializers.CharField(help_text="the change in words: profile default -> fast")
     canary = serializers.IntegerField()
     traffic = serializers.FloatField()
+    shadow = serializers.FloatField()
     watch_seconds = serializers.IntegerField()
     min_requests = serializers.IntegerField()
     max_error_rate = serializers.FloatField()

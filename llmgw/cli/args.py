@@ -151,9 +151,9 @@ queue_limit_arg = or_default(_queue_limit)  # `--queue-limit N|default`
 max_wait_arg = or_default(duration_arg)  # `--max-wait 30s|default`
 
 
-def percent_arg(above_zero: bool = False):
+def percent_arg():
     """A share given as a percent, `10%` or `10` alike (both ten percent; `0.5` is half a percent), for argparse:
-    the fraction the API takes (0.1). `above_zero`: 0 is refused too (a canary's traffic)."""
+    the fraction the API takes (0.1), from 0% to 100%."""
 
     def parse(text: str) -> float:
         number = text.strip().removesuffix("%").strip()
@@ -161,9 +161,8 @@ def percent_arg(above_zero: bool = False):
             value = float(number)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a percent (write e.g. 10%)") from None
-        if not (0 < value if above_zero else 0 <= value) or value > 100 or value != value:
-            least = "above 0%" if above_zero else "from 0%"
-            raise argparse.ArgumentTypeError(f"{text!r}: a percent {least} to 100%")
+        if not 0 <= value <= 100:  # NaN too
+            raise argparse.ArgumentTypeError(f"{text!r}: a percent from 0% to 100%")
         return round(value / 100, 6)
 
     return parse

@@ -9,8 +9,9 @@ from llmgw.cli.client import CliError
 from llmgw.cli.output import age, as_json, moment, now, table
 
 CHANGES = ("file", "profile", "engine")
-NUMBERS = {"canary": "canary", "traffic": "traffic", "watch": "watch_seconds", "min_requests": "min_requests",
-           "max_error_rate": "max_error_rate", "max_ttft_ratio": "max_ttft_ratio", "max_tpot_ratio": "max_tpot_ratio"}
+NUMBERS = {"canary": "canary", "traffic": "traffic", "shadow": "shadow", "watch": "watch_seconds",
+           "min_requests": "min_requests", "max_error_rate": "max_error_rate", "max_ttft_ratio": "max_ttft_ratio",
+           "max_tpot_ratio": "max_tpot_ratio"}
 
 
 def percent(x: float | None) -> str:
@@ -27,8 +28,15 @@ def rollout_start(o, out):
         raise CliError(f"nothing to roll out: give --file, --profile or --engine for model {o['name']}'s canary")
     body.update({field: o[option] for option, field in NUMBERS.items() if o.get(option) is not None})
     r = o["api"].post(_path(o["name"]), body, doing="start rollouts")
-    out.write(f"rollout of model {r['model']} started: {r['change_text']}; {r['canary']} canary replica(s) take "
-              f"{percent(r['traffic'])} of new conversations; watch with: llmgw ctl rollout status {r['model']}\n")
+    out.write(f"rollout of model {r['model']} started: {r['change_text']}; {_takes(r)}; watch with: llmgw ctl "
+              f"rollout status {r['model']}\n")
+
+
+def _takes(r: dict) -> str:
+    """`1 canary replica(s) take 10% of new conversations` (and the shadow's copies, if any)."""
+    shadow = r.get("shadow") or 0  # a server from before the shadow has none
+    return (f"{r['canary']} canary replica(s) take {percent(r['traffic'])} of new conversations"
+            + (f" and a copy of {percent(shadow)} of the others' requests" if shadow else ""))
 
 
 def rollout_promote(o, out):
@@ -96,7 +104,7 @@ def rollout_status(o, out):
         f"change: {r['change_text']}",
         f"started by {r['actor']} at {started:%Y-%m-%d %H:%M:%S} UTC ({age(started, at)} ago)"
         + (f", ended at {moment(r['ended_at']):%Y-%m-%d %H:%M:%S} UTC" if r["ended_at"] else ""),
-        f"canary: {r['canary']} replica(s) taking {percent(r['traffic'])} of new conversations",
+        f"canary: {_takes(r)}",
         f"window: {_window(r)}",
     ]
     if r["reason"]:

@@ -136,8 +136,12 @@ def rollout_commands(ctl) -> None:
     p.add_argument("--profile", default=None, help="the canary's profile")
     p.add_argument("--engine", default=None, help="the canary's engine")
     p.add_argument("--canary", type=int, default=None, metavar="N", help="canary replicas (default 1)")
-    p.add_argument("--traffic", type=percent_arg(above_zero=True), default=None, metavar="PERCENT",
-                   help="the share of new conversations the canary takes, a percent: 10%% or 10, both ten percent (default 10%%)")
+    p.add_argument("--traffic", type=percent_arg(), default=None, metavar="PERCENT",
+                   help="the share of new conversations the canary takes, a percent: 10%% or 10, both ten percent "
+                        "(default 10%%; 0%%: it answers no one, judged on its --shadow alone)")
+    p.add_argument("--shadow", type=percent_arg(), default=None, metavar="PERCENT",
+                   help="also copy this share of the current replicas' requests to the canary, its answers read and "
+                        "discarded, a percent (default 0%%)")
     p.add_argument("--watch", type=duration_arg, default=None, metavar="DURATION",
                    help="how long it is watched from its first ready canary before it may be promoted, e.g. 10m "
                         "(default 10m)")

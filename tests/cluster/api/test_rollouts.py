@@ -54,7 +54,8 @@ def test_a_rollout_is_aborted_and_then_its_model_may_roll_out_again(cluster, ope
     assert response.status_code == 200 and response.json()["state_text"] == "aborted"
     assert Model.objects.get().profile.name == "default"
     refused(operator.post(f"{ROLLOUT}abort/", format="json"), 409, "has no rollout under way")
-    assert start(operator, traffic=1).status_code == 201
+    response = start(operator, traffic=0, shadow=0.05)
+    assert response.status_code == 201 and (response.json()["traffic"], response.json()["shadow"]) == (0, 0.05)
     states = [r["state"] for r in operator.get(f"{API}/rollouts/", {"model": "qwen2.5-7b"}).json()["results"]]
     assert states == ["watching", "aborted"]
     assert [r["state"] for r in operator.get(f"{API}/rollouts/", {"state": "aborted"}).json()["results"]] == [
@@ -71,8 +72,9 @@ def test_one_rollout_at_a_time_and_no_model_set_meanwhile(cluster, operator):
 
 
 @pytest.mark.parametrize("body, status, words", [
-    ({"traffic": 1.5}, 400, ["traffic", "above 0 to 1, not 1.5"]),
-    ({"traffic": 0}, 400, ["traffic", "above 0 to 1"]),
+    ({"traffic": 1.5}, 400, ["traffic", "from 0 to 1, not 1.5"]),
+    ({"shadow": -0.5}, 400, ["shadow", "from 0 to 1, not -0.5"]),
+    ({"traffic": 0}, 422, ["a canary with no traffic and no shadow would never be judged"]),
     ({"traffic": "10%"}, 400, ["traffic", "must be a number"]),
     ({"max_error_rate": -0.1}, 400, ["max_error_rate", "from 0 to 1"]),
     ({"max_ttft_ratio": 0.5}, 400, ["max_ttft_ratio", "from 1 to 1000"]),
