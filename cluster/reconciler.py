@@ -171,6 +171,7 @@ def _canary_views() -> tuple[planner.ModelView, ...]:
             nodes=frozenset(m.nodes or ()),
             placement_note=r.note,
             threads=cores_taken(engine.kind, profile.threads),
+            canary_of=m.name,
         ))
     return tuple(views)
 

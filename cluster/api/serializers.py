@@ -154,6 +154,8 @@ class ReplicaSerializer(serializers.ModelSerializer):
         help_text="why it no longer matches what it would start with now (profile edited, engine version, "
         "engine key, model file), or null; `POST /api/v1/restart/` with stale: true replaces it"
     )
+    canary = serializers.SerializerMethodField(
+        help_text="a canary of its model's rollout: it runs the rollout's settings and takes its share of the traffic")
 
     class Meta:
         model = Replica
@@ -165,6 +167,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "state",
             "restart",
             "stale",
+            "canary",
             "port",
             "pid",
             "reason",
@@ -177,6 +180,9 @@ class ReplicaSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = fields
 
+
+    def get_canary(self, replica: Replica) -> bool:
+        return replica.rollout_id is not None
 
     @extend_schema_field({"type": "string", "nullable": True})
     def get_stale(self, replica: Replica) -> str | None:

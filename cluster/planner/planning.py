@@ -161,7 +161,9 @@ class Planner(HandOver, Reasons, Evictions):
             counting = [r for r in counting if r.id not in gone]
         if desired == 0:  # nothing stays, not even a replica being replaced: nothing will replace it
             removed += [r for r in replicas if r.state in COUNTING and r.restart == RESTART_REPLACING]
-        why = f"surplus: model wants {desired}"
+        why = f"surplus: model wants {desired}" if not m.canary_of else (
+            f"canary of model {m.canary_of}: its rollout is not watching" if desired == 0 else
+            f"surplus: its rollout wants {desired} canary replica(s)")
         for r in removed:
             act(Drain(r.id, why) if r.state == READY and r.node_id is not None else Stop(r.id, why))
 

@@ -52,6 +52,7 @@ class ModelView:
     waiting: int = 0  # requests waiting for a replica: an on-demand model asked for may evict an idle one
     waiting_since: float | None = None  # when the oldest of them began
     threads: int = 0  # CPU cores each replica takes (its profile's --threads, else its engine's default)
+    canary_of: str = ""  # a rollout's canaries (cluster.reconciler._canary_views): the model they are of
 
     @property
     def evictable(self) -> bool:

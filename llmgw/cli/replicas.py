@@ -9,6 +9,8 @@ OVER = ("stopped", "failed")  # as cluster.models.Replica.TERMINAL
 
 def replica_note(r: dict) -> str:
     notes = []
+    if r.get("canary"):
+        notes.append("(canary)")
     if r["restart"] != "none" and r["state"] not in OVER:
         notes.append(f"(restart {r['restart']})")
     if r["stale"]:

@@ -209,6 +209,7 @@ def test_errors_on_the_canary_roll_it_back_and_it_drains_before_it_is_rolled_bac
     run()
     canary.refresh_from_db()
     assert canary.state in (S.DRAINING, S.STOPPING)
+    assert canary.reason == "canary of model m1: its rollout is not watching"
     carry_on(rollout_figures.sides)
     assert Rollout.objects.get(pk=rollout.pk).state == Rollout.State.ROLLING_BACK  # until it is gone
     run(2)

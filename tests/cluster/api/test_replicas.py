@@ -29,6 +29,7 @@ def test_replica_list_filters_and_detail(cluster, viewer):
         "state",
         "restart",
         "stale",
+        "canary",
         "port",
         "pid",
         "reason",
