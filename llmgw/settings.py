@@ -288,7 +288,8 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "cluster.api.schema.document_refusals"],
     "ENUM_NAME_OVERRIDES": {"RoutingEnum": "cluster.models.Model.Routing", "CapabilityEnum": "ground.engines.CAPABILITIES",
                             "SurfaceEnum": "ground.engines.SURFACES", "PriorityEnum": "gateway.admission.CLASSES",
-                            "BudgetPeriodEnum": "gateway.budgets.PERIODS"},
+                            "BudgetPeriodEnum": "gateway.budgets.PERIODS",
+                            "StateEnum": "cluster.models.Replica.State", "RolloutStateEnum": "cluster.models.Rollout.State"},
     # what a client over the network may use (the in-process one is the host's own `llmgw` command)
     "AUTHENTICATION_WHITELIST": [
         "cluster.api.permissions.BearerTokenAuthentication",

@@ -4,6 +4,7 @@ llmgw.api_urls mounts beside the gateway's (gateway.api)."""
 from django.urls import path
 
 from cluster.api import schema  # noqa: F401  (registers the bearer token scheme with drf-spectacular)
+from cluster.api.rollouts import RolloutViewSet
 from cluster.api.views import (
     ControlPlaneViewSet,
     EngineKeyRotateView,
@@ -34,6 +35,7 @@ ROUTES = [
     ("model-files", ModelFileViewSet, "model-file"),
     ("control-planes", ControlPlaneViewSet, "control-plane"),
     ("events", EventViewSet, "event"),
+    ("rollouts", RolloutViewSet, "rollout"),
     ("users", UserViewSet, "user"),
     ("system", SystemViewSet, "system"),
 ]

@@ -20,6 +20,7 @@ from cluster.api.model_serializers import (
     ServedModelUpdateSerializer,
 )
 from cluster.api.parsers import JSONParser
+from cluster.api.rollouts import ModelRolloutActions
 from cluster.api.schema import UNKNOWN_FILTER, ErrorSerializer
 from cluster.api.serializers import (
     ClusterSettingsSerializer,
@@ -134,8 +135,9 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewSet
         return self.shown(node)
 
 
-class ServedModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, NamedViewSet):
-    """What to serve. Removing one stops its replicas first; it disappears once they have stopped."""
+class ServedModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ModelRolloutActions):
+    """What to serve. Removing one stops its replicas first; it disappears once they have stopped. A change
+    may be tried on canary replicas first: `rollout/` (cluster.api.rollouts)."""
 
     serializer_class = ServedModelSerializer
     missing = "no model named {value!r}"

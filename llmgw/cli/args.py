@@ -149,3 +149,31 @@ def _queue_limit(text: str) -> int:
 
 queue_limit_arg = or_default(_queue_limit)  # `--queue-limit N|default`
 max_wait_arg = or_default(duration_arg)  # `--max-wait 30s|default`
+
+
+def percent_arg():
+    """A share given as a percent, `10%` or `10` alike (both ten percent; `0.5` is half a percent), for argparse:
+    the fraction the API takes (0.1), from 0% to 100%."""
+
+    def parse(text: str) -> float:
+        number = text.strip().removesuffix("%").strip()
+        try:
+            value = float(number)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a percent (write e.g. 10%)") from None
+        if not 0 <= value <= 100:  # NaN too
+            raise argparse.ArgumentTypeError(f"{text!r}: a percent from 0% to 100%")
+        return round(value / 100, 6)
+
+    return parse
+
+
+def ratio_arg(text: str) -> float:
+    """`--max-ttft-ratio 1.5`: a ratio of the canary's median to the current replicas' (1 to 1000)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (write e.g. 1.5)") from None
+    if not 1 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"{text!r}: a ratio from 1 to 1000")
+    return value

@@ -32,7 +32,9 @@ from llmgw.cli.args import (
     max_tokens_arg,
     max_wait_arg,
     models_arg,
+    percent_arg,
     queue_limit_arg,
+    ratio_arg,
     serves_arg,
 )
 from llmgw.cli.cluster_settings import engine_key_rotate, engine_key_show, settings_show_or_set
@@ -47,6 +49,7 @@ from llmgw.cli.nodes import drain, node_add, node_remove, node_token, nodes_list
 from llmgw.cli.profiles import engine_add, engine_set, engines_list, profile_add, profile_remove, profile_set, profiles_list
 from llmgw.cli.replicas import replicas_list, restart
 from llmgw.cli.requests import requests_cmd
+from llmgw.cli.rollouts import rollout_abort, rollout_promote, rollout_start, rollout_status
 from llmgw.cli.system import status, system_restart, system_start, system_stop
 from llmgw.cli.users import user_add, users_list
 
@@ -119,6 +122,52 @@ def resume_args(p) -> None:
     p.add_argument("--stream-idle-timeout", type=duration_arg, default=None, metavar="DURATION",
                    help="how long a streaming engine may stay silent before its answer is resumed elsewhere, e.g. "
                         "30s (default 30s)")
+
+
+def rollout_commands(ctl) -> None:
+    """Issue 39: a model change tried on canary replicas first, promoted or rolled back by llmgw itself."""
+    rollout = ctl.add_parser("rollout", help="try a model change on canary replicas, then promote or roll it back") \
+        .add_subparsers(dest="rollout_command", required=True, parser_class=OneLineParser, metavar="ACTION")
+    p = rollout.add_parser("start", help="canary replicas with a new file, profile or engine beside the model's own, "
+                                         "judged on their errors and latency against them")
+    p.add_argument("name", metavar="MODEL")
+    p.add_argument("--file", default=None, help="the canary's file: sha256 (or 8+ digit prefix), name in the mirror, "
+                                                "or a path")
+    p.add_argument("--profile", default=None, help="the canary's profile")
+    p.add_argument("--engine", default=None, help="the canary's engine")
+    p.add_argument("--canary", type=int, default=None, metavar="N", help="canary replicas (default 1)")
+    p.add_argument("--traffic", type=percent_arg(), default=None, metavar="PERCENT",
+                   help="the share of new conversations the canary takes, a percent: 10%% or 10, both ten percent "
+                        "(default 10%%; 0%%: it answers no one, judged on its --shadow alone)")
+    p.add_argument("--shadow", type=percent_arg(), default=None, metavar="PERCENT",
+                   help="also copy this share of the current replicas' requests to the canary, its answers read and "
+                        "discarded, a percent (default 0%%)")
+    p.add_argument("--watch", type=duration_arg, default=None, metavar="DURATION",
+                   help="how long it is watched from its first ready canary before it may be promoted, e.g. 10m "
+                        "(default 10m)")
+    p.add_argument("--min-requests", type=int, default=None, metavar="N",
+                   help="the canary's requests before it is promoted, and each side's before latency is judged "
+                        "(default 50)")
+    p.add_argument("--max-error-rate", type=percent_arg(), default=None, metavar="PERCENT",
+                   help="the canary's errors per request past which it is rolled back, a percent: 1%% or 1 "
+                        "(default 1%%)")
+    p.add_argument("--max-ttft-ratio", type=ratio_arg, default=None, metavar="RATIO",
+                   help="its median time to first token over the current replicas' past which it is rolled back "
+                        "(default 1.5)")
+    p.add_argument("--max-tpot-ratio", type=ratio_arg, default=None, metavar="RATIO",
+                   help="likewise per output token (default 1.3)")
+    p.set_defaults(func=rollout_start)
+    p = rollout.add_parser("status", help="the model's rollout: its state, the change, both sides' replicas and "
+                                          "figures, the verdict so far")
+    p.add_argument("name", metavar="MODEL")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=rollout_status)
+    p = rollout.add_parser("promote", help="promote the rollout now: the model takes the canary's settings")
+    p.add_argument("name", metavar="MODEL")
+    p.set_defaults(func=rollout_promote)
+    p = rollout.add_parser("abort", help="abort the rollout: its canary drains and stops, the model runs as it did")
+    p.add_argument("name", metavar="MODEL")
+    p.set_defaults(func=rollout_abort)
 
 
 def build(parser) -> None:
@@ -335,6 +384,7 @@ def build(parser) -> None:
     p = model.add_parser("remove", help="stop all its replicas and remove it")
     p.add_argument("name")
     p.set_defaults(func=model_remove)
+    rollout_commands(ctl)
 
     profile = ctl.add_parser("profile", help="add, change or remove a profile").add_subparsers(
         dest="profile_command", required=True, parser_class=OneLineParser, metavar="ACTION"

@@ -151,6 +151,7 @@ def test_api_root_lists_the_resources(viewer):
         "model-files",
         "control-planes",
         "events",
+        "rollouts",
         "users",
         "keys",
         "usage",

@@ -86,6 +86,11 @@ def test_schema_covers_every_endpoint(schema):
         ("/api/v1/me/", "get"),
         ("/api/v1/login/", "post"),
         ("/api/v1/nodes/{name}/token/", "post"),
+        ("/api/v1/models/{name}/rollout/", "get"),
+        ("/api/v1/models/{name}/rollout/", "post"),
+        ("/api/v1/models/{name}/rollout/promote/", "post"),
+        ("/api/v1/models/{name}/rollout/abort/", "post"),
+        ("/api/v1/rollouts/", "get"),
     }
     assert operations == expected
 
