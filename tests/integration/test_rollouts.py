@@ -49,7 +49,7 @@ def smol(system):
     other = system.home / "smollm2-next.gguf"
     other.write_bytes(gguf.read_bytes() + b"\0" * 4096)
     system.cli("mirror", "import", str(other))
-    system.cli("ctl", "profile", "add", "ro-refused", "--extra", "--no-such-flag", check=False)
+    system.cli("ctl", "profile", "add", "ro-refused", "--extra=--no-such-flag", check=False)
     system.cli("ctl", "model", "add", "ro-smol", "--file", gguf.name, "--engine", "xllamacpp", "--replicas", "2")
     try:
         system.wait_ready("ro-smol", 2, timeout=120)
