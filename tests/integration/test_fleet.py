@@ -106,31 +106,6 @@ def assert_none_restarted(system, pids: dict[str, int]) -> None:
                                 for name in gone)
 
 
-def test_a_rollout_whose_control_plane_is_killed_mid_way_is_finished_by_the_other(fleet, scenario):
-    """A new model file rolled out (a canary of it beside the model's two replicas, half of new conversations),
-    the control plane whose worker judges it killed while it watches: the other's beat and worker carry it on
-    from the database, promote it and replace both replicas one at a time, with no request failed."""
-    load, watch, outcome = scenario
-    system = fleet.system
-    sha = make_model_file(system, "fleet-next.bin")
-    wait_for(lambda: len(fleet.api(f"/api/v1/model-files/{sha}/")["locations"]) == 2, 60,
-             what="control plane B holding the new file")
-    system.cli("ctl", "rollout", "start", MODEL, "--file", sha, "--traffic", "50%", "--watch", "6s",
-               "--min-requests", "10")
-    wait_for(lambda: fleet.api(f"/api/v1/models/{MODEL}/rollout/")["watching_since"], 60,
-             what="the canary ready and watched")
-    killed_at = time.monotonic()
-    fleet.kill_control_plane("a")
-    done = wait_for(lambda: (r := fleet.api(f"/api/v1/models/{MODEL}/rollout/"))["state"] == "promoted" and r, 120,
-                    what=f"the rollout promoted by B: {fleet.api(f'/api/v1/models/{MODEL}/rollout/')}")
-    outcome["recovered"] = f"promoted {time.monotonic() - killed_at:.1f} s after the kill"
-    assert done["figures"]["canary"]["requests"] >= 10 and not done["figures"]["canary"]["errors"], done
-    wait_for(lambda: len(fleet.ready()) == 2 and len([r for r in fleet.replicas() if r["state"] not in
-                                                      ("stopped", "failed")]) == 2, 60, what="two replicas again")
-    assert fleet.api(f"/api/v1/models/{MODEL}/")["file"]["sha256"] == sha
-    fleet.start_control_plane("a")
-
-
 def a_replica_placed_and_removed(fleet, after: str) -> float:
     """The reconciler acts: the model to three replicas, the third ready, and back to two."""
     system = fleet.system
@@ -193,18 +168,27 @@ def test_a_lossy_slow_link_replaces_nothing_and_fails_nothing(fleet, scenario):
     fleet.system.wait_nodes_connected([node], timeout=60)
 
 
-def test_a_control_plane_killed_the_agents_and_the_gateway_go_on_through_the_other(fleet, scenario):
+def test_a_control_plane_killed_the_agents_the_gateway_and_a_rollout_go_on_through_the_other(fleet, scenario):
+    """Killed while a rollout of a new model file watches its canary (beside the model's two replicas, half of the
+    new conversations): the other control plane's beat and worker carry the rollout on from the database, promote
+    it and replace both replicas one at a time."""
     load, watch, outcome = scenario
     system = fleet.system
+    next_sha = make_model_file(system, "fleet-next.bin")
     # a model file uploaded through A alone; B's worker pulls it (cluster/mirror/sync.py) before A is lost
     uploaded = system.api("POST", "/api/v1/model-files/", files={"file": ("pulled.bin", os.urandom(3 * 1024 * 1024))})
     assert uploaded.status_code == 201, uploaded.text
     sha = uploaded.json()["sha256"]
-    wait_for(lambda: len(fleet.api(f"/api/v1/model-files/{sha}/")["locations"]) == 2, 60,
-             what="control plane B holding the file uploaded through A")
+    wait_for(lambda: all(len(fleet.api(f"/api/v1/model-files/{f}/")["locations"]) == 2 for f in (sha, next_sha)),
+             60, what="control plane B holding the files uploaded through A")
+    system.cli("ctl", "rollout", "start", MODEL, "--file", next_sha, "--traffic", "50%", "--watch", "5s",
+               "--min-requests", "10")
+    wait_for(lambda: fleet.api(f"/api/v1/models/{MODEL}/rollout/")["watching_since"], 60,
+             what="the canary ready and watched")
     last_event = fleet.api("/api/v1/events/", limit=1)["results"][0]["id"]
     killed_at = time.monotonic()
     fleet.kill_control_plane("a")
+    assert fleet.api(f"/api/v1/models/{MODEL}/rollout/")["state"] == "watching"  # mid-way
     shutil.rmtree(system.home / "mirror")  # its disk gone with it
 
     def reconnected():
@@ -227,6 +211,12 @@ def test_a_control_plane_killed_the_agents_and_the_gateway_go_on_through_the_oth
 
     wait_for(pulled_ready, 90, interval=2.0, what="a replica of the model on the file A held (printed above)")
     outcome["recovered"] += f"; a replica on A's file ready {time.monotonic() - killed_at:.1f} s after"
+    # meanwhile B judged the rollout, promoted it and replaced the model's replicas
+    done = wait_for(lambda: (r := fleet.api(f"/api/v1/models/{MODEL}/rollout/"))["state"] == "promoted" and r, 120,
+                    what=f"the rollout promoted by B: {fleet.api(f'/api/v1/models/{MODEL}/rollout/')}")
+    outcome["recovered"] += f"; the rollout promoted {time.monotonic() - killed_at:.1f} s after"
+    assert done["figures"]["canary"]["requests"] >= 10 and not done["figures"]["canary"]["errors"], done
+    assert fleet.api(f"/api/v1/models/{MODEL}/")["file"]["sha256"] == next_sha
     system.cli("ctl", "model", "remove", "pulled")
     wait_for(lambda: not [r for r in fleet.replicas("pulled") if r["state"] not in ("stopped", "failed")], 60,
              what="the model on A's file removed")
