@@ -6,6 +6,7 @@ group) and by a short timer; a request never queries the database for it.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -73,10 +74,16 @@ class ModelRoute:
         no replica ready: a request is never refused for the sake of a rollout."""
         if not self.canary:
             return frozenset()
-        on_canary = (conversation * 0x9E3779B97F4A7C15 % 2**64) / 2**64 < self.canary_share
+        current, canary = self._sides
+        if (conversation * 0x9E3779B97F4A7C15 % 2**64) / 2**64 < self.canary_share:
+            return current if canary else frozenset()
+        return canary if current else frozenset()
+
+    @functools.cached_property
+    def _sides(self) -> tuple[frozenset[str], frozenset[str]]:
+        """The ready replicas of the current side, and of the canary (once per table load)."""
         names = frozenset(u.replica for u in self.ready)
-        other = names - self.canary if on_canary else self.canary & names
-        return other if other != names else frozenset()
+        return names - self.canary, names & self.canary
 
 
 @dataclass(frozen=True)
