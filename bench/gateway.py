@@ -168,9 +168,13 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write every cell's numbers to FILE")
     parser.add_argument("--setup-llmgw", type=int, metavar="UPSTREAM_PORT", help=argparse.SUPPRESS)
     parser.add_argument("--setup-parallel", type=int, default=256, help=argparse.SUPPRESS)
+    parser.add_argument("--setup-rollout", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--rollout", type=float, default=0.0, metavar="SHARE",
+                        help="the model with a rollout watching: a canary replica (on the same fake engine) taking "
+                             "this share of new conversations (0.1: a tenth), so llmgw splits every request")
     o = parser.parse_args(argv)
     if o.setup_llmgw:
-        setup_child(o.setup_llmgw, o.setup_parallel)
+        setup_child(o.setup_llmgw, o.setup_parallel, o.setup_rollout)
         return 0
 
     targets = [t.strip() for t in o.targets.split(",") if t.strip()]
@@ -239,7 +243,7 @@ def main(argv=None) -> int:
                 env["REDIS_URL"] = valkey.start()
                 info["redis"] = "embedded Valkey"
             say("setting up llmgw: migrate, node/model/replica rows, a client key")
-            engine_key, client_key = setup_llmgw(home, env, upstream_port)
+            engine_key, client_key = setup_llmgw(home, env, upstream_port, rollout=o.rollout)
         engine_key = engine_key or "lek_" + secrets.token_urlsafe(32)
 
         fake = children.start("fake-upstream", [sys.executable, str(FAKE), "--port", str(upstream_port),

@@ -179,9 +179,10 @@ def importable(python: str, module: str) -> bool:
 # --- llmgw: a real instance, set up from nothing ---------------------------------------------------------
 
 
-def setup_child(upstream_port: int, parallel: int = 256) -> None:
+def setup_child(upstream_port: int, parallel: int = 256, rollout: float = 0.0) -> None:
     """In a child with LLMGW_HOME and friends set: the rows the gateway routes by, the model's replica taking
-    `parallel` requests at once. Prints the engine key."""
+    `parallel` requests at once (with `rollout`, a second replica on the same engine, a canary of a rollout
+    watching at that share). Prints the engine key."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")
     import django
 
@@ -207,23 +208,29 @@ def setup_child(upstream_port: int, parallel: int = 256) -> None:
         memory_bytes=16 * gib, connected=True, last_seen=now,
     )
     model = Model.objects.create(name=MODEL, file=file, engine=engine, profile=profile, replicas=1, memory_bytes=gib)
-    Replica.objects.create(
-        name=Replica.new_name(MODEL), model=model, node=node, state=Replica.State.READY, port=upstream_port,
-        memory_bytes=gib, state_changed_at=now,
-        snapshot={"profile": profile.name, "args": profile.args(), "engine": engine.spec(), "file": file.sha256,
-                  "engine_key": ClusterSettings.fingerprint(cluster.engine_key)},
-    )
+    snapshot = {"profile": profile.name, "args": profile.args(), "engine": engine.spec(), "file": file.sha256,
+                "engine_key": ClusterSettings.fingerprint(cluster.engine_key)}
+    Replica.objects.create(name=Replica.new_name(MODEL), model=model, node=node, state=Replica.State.READY,
+                           port=upstream_port, memory_bytes=gib, state_changed_at=now, snapshot=snapshot)
+    if rollout:  # (a commit before rollouts, as --baseline-tree, routes by the two replicas alike)
+        from cluster.models import Rollout
+
+        canary = Rollout.objects.create(model=model, actor="bench", traffic=rollout, change={"file": ["a", "b"]})
+        Replica.objects.create(name=Replica.new_name(MODEL), model=model, node=node, state=Replica.State.READY,
+                               port=upstream_port, memory_bytes=gib, state_changed_at=now, snapshot=snapshot,
+                               rollout=canary)
     print(RESULT_MARK + json.dumps({"engine_key": cluster.engine_key}), flush=True)
 
 
-def setup_llmgw(home: Path, env: dict, upstream_port: int, parallel: int = 256) -> tuple[str, str]:
+def setup_llmgw(home: Path, env: dict, upstream_port: int, parallel: int = 256, rollout: float = 0.0
+                ) -> tuple[str, str]:
     """migrate, the rows (the replica taking `parallel` requests at once), a client key: (engine key, client key)."""
     py = sys.executable
     manage = str(ROOT / "manage.py")
     steps = [
         ("migrate", [py, manage, "migrate", "--no-input", "-v", "0"]),
         ("rows", [py, str(ROOT / "bench" / "gateway.py"), "--setup-llmgw", str(upstream_port),
-                  "--setup-parallel", str(parallel)]),
+                  "--setup-parallel", str(parallel), "--setup-rollout", str(rollout)]),
         ("key", [py, manage, "llmgw", "ctl", "keys", "create", "bench"]),
     ]
     out = {}
