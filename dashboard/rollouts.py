@@ -23,11 +23,7 @@ from cluster.errors import NotFound
 from dashboard.buttons import attempt, refusal
 from dashboard.charts import Gauge
 from dashboard.forms import RolloutStartForm, valid
-from dashboard.views import frame, partial, render_page
-
-
-def _actor(request) -> str:
-    return f"user:{request.user.username}"
+from dashboard.views import actor_of, frame, partial, render_page
 
 
 def _gauges(shown: dict) -> list[Gauge]:
@@ -64,7 +60,7 @@ def rollout(request, name: str):
 
 def _start(request, name: str) -> str:
     form = valid(RolloutStartForm(request.POST))
-    started = operations.start_rollout(name, _actor(request), **form.given())
+    started = operations.start_rollout(name, actor_of(request), **form.given())
     return f"rollout of model {name} started: {started.change_text()}"
 
 
@@ -100,11 +96,12 @@ def _button(view):
 
 @_button
 def rollout_promote(request, name: str) -> str:
-    operations.promote_rollout(name, _actor(request))
+    actor = actor_of(request)
+    operations.promote_rollout(name, actor, f"promoted by {actor}")  # (as the REST API says it)
     return f"rollout of model {name} promoting: the model takes the new settings, its replicas replaced one at a time"
 
 
 @_button
 def rollout_abort(request, name: str) -> str:
-    operations.abort_rollout(name, _actor(request))
+    operations.abort_rollout(name, actor_of(request))
     return f"rollout of model {name} aborted: its canary drains and stops; the model runs as it did"

@@ -64,7 +64,7 @@ PAGES = ("overview", "nodes", "models", "replicas", "profiles", "engines", "mirr
 ADMIN_PAGES = frozenset({"users"})  # in the nav of admins only; anyone else is told so on the page
 
 
-def _actor(request) -> str:
+def actor_of(request) -> str:
     return f"user:{request.user.username}"
 
 
@@ -426,13 +426,13 @@ def _confirmed(request: HttpRequest, form: ModelSetForm, name: str | None, value
 
 @action("overview")
 def system_stop(request):
-    operations.stop_serving(_actor(request))
+    operations.stop_serving(actor_of(request))
     return "llmgw is stopped: every model goes to zero replicas; /v1/ answers 503 until Start"
 
 
 @action("overview")
 def system_start(request):
-    operations.start_serving(_actor(request))
+    operations.start_serving(actor_of(request))
     return "llmgw is serving again: every model is placed as it asks"
 
 
@@ -440,14 +440,14 @@ def system_start(request):
 def system_restart(request):
     from cluster.system import queue_restart
 
-    queue_restart(_actor(request))
+    queue_restart(actor_of(request))
     return "system restart queued: every agent, then web, beat and worker restart; engines keep serving (see Events)"
 
 
 @action("nodes")
 def node_add(request):
     form = valid(NodeAddForm(request.POST))
-    node, token = operations.add_node(form.cleaned_data["name"], _actor(request))
+    node, token = operations.add_node(form.cleaned_data["name"], actor_of(request))
     server = agents_url(request)
     command = operations.agent_command(server, token)
     return (f"node {node.name} added; on that machine, install llmgw from the wheel built in the checkout "
@@ -457,7 +457,7 @@ def node_add(request):
 
 @action("nodes")
 def node_token(request, name: str):
-    node, token = operations.reset_node_token(name, _actor(request))
+    node, token = operations.reset_node_token(name, actor_of(request))
     server = agents_url(request)
     return f"node {node.name}: a new token; the old one no longer works (start its agent again with the command below)", {
         "once": {"label": f"agent command for {node.name}", "value": operations.agent_command(server, token)}}
@@ -466,20 +466,20 @@ def node_token(request, name: str):
 @action("nodes")
 def node_remove(request, name: str):
     form = valid(ForceForm(request.POST))
-    operations.remove_node(name, _actor(request), force=form.cleaned_data["force"])
+    operations.remove_node(name, actor_of(request), force=form.cleaned_data["force"])
     return f"node {name} removed"
 
 
 @action("nodes")
 def node_drain(request, name: str):
     form = valid(ForceForm(request.POST))
-    node = operations.drain_node(name, _actor(request), force=form.cleaned_data["force"])
+    node = operations.drain_node(name, actor_of(request), force=form.cleaned_data["force"])
     return f"node {node.name} draining: its replicas move elsewhere, one at a time per model"
 
 
 @action("nodes")
 def node_undrain(request, name: str):
-    operations.undrain_node(name, _actor(request))
+    operations.undrain_node(name, actor_of(request))
     return f"node {name} takes new replicas again"
 
 
@@ -488,7 +488,7 @@ def model_add(request):
     form = valid(ModelAddForm(request.POST))
     values = form.given()
     _confirmed(request, form, None, values)
-    model = operations.add_model(form.cleaned_data["name"], _actor(request), file=form.cleaned_data["file"],
+    model = operations.add_model(form.cleaned_data["name"], actor_of(request), file=form.cleaned_data["file"],
                                  engine=values.pop("engine", ""), **values)
     return f"model {model.name} added: {model.scaling_text()}"
 
@@ -500,13 +500,13 @@ def model_set(request, name: str):
     if not values:
         raise FormError("nothing to change")
     _confirmed(request, form, name, values)
-    operations.set_model(name, _actor(request), **values)
+    operations.set_model(name, actor_of(request), **values)
     return f"model {name} changed"
 
 
 @action("models")
 def model_remove(request, name: str):
-    operations.remove_model(name, _actor(request))
+    operations.remove_model(name, actor_of(request))
     return f"model {name} removing: its replicas drain and stop"
 
 
@@ -519,7 +519,7 @@ def _queued(result: operations.RestartQueued) -> str:
 
 @action("models")
 def model_restart(request, name: str):
-    return _queued(operations.restart_replicas(_actor(request), models=[name]))
+    return _queued(operations.restart_replicas(actor_of(request), models=[name]))
 
 
 @action("replicas")
@@ -527,21 +527,21 @@ def replicas_restart(request):
     form = valid(ReplicasRestartForm(request.POST))
     how = form.cleaned_data["how"]
     if how == "all":
-        result = operations.restart_replicas(_actor(request), all=True)
+        result = operations.restart_replicas(actor_of(request), all=True)
     elif how == "stale":
-        result = operations.restart_replicas(_actor(request), stale=True)
+        result = operations.restart_replicas(actor_of(request), stale=True)
     else:
         chosen = form.cleaned_data["replica"]
         if not chosen:
             raise FormError("select one or more replicas to restart")
-        result = operations.restart_replicas(_actor(request), replicas=chosen)
+        result = operations.restart_replicas(actor_of(request), replicas=chosen)
     return _queued(result)
 
 
 @action("profiles")
 def profile_add(request):
     form = valid(ProfileAddForm(request.POST))
-    profile = operations.add_profile(form.cleaned_data["name"], _actor(request), **form.given())
+    profile = operations.add_profile(form.cleaned_data["name"], actor_of(request), **form.given())
     return f"profile {profile.name} added"
 
 
@@ -551,13 +551,13 @@ def profile_set(request):
     name, values = form.cleaned_data["name"], form.given()
     if not values:
         raise FormError("nothing to change")
-    operations.set_profile(name, _actor(request), **values)
+    operations.set_profile(name, actor_of(request), **values)
     return f"profile {name} changed: its replicas show stale until restarted (Replicas: Restart stale)"
 
 
 @action("profiles")
 def profile_remove(request, name: str):
-    operations.remove_profile(name, _actor(request))
+    operations.remove_profile(name, actor_of(request))
     return f"profile {name} removed"
 
 
@@ -565,7 +565,7 @@ def profile_remove(request, name: str):
 def engine_add(request):
     form = valid(EngineAddForm(request.POST))
     given = form.cleaned_data
-    engine = operations.add_engine(given["name"], given["kind"], _actor(request), version=given["version"],
+    engine = operations.add_engine(given["name"], given["kind"], actor_of(request), version=given["version"],
                                    device=given["device"], binary=given["binary"], command=given["command"],
                                    serves=given["serves"])
     return f"engine {engine.name} added"
@@ -574,14 +574,14 @@ def engine_add(request):
 @action("engines")
 def engine_set(request):
     form = valid(EngineSetForm(request.POST))
-    engine = operations.set_engine(form.cleaned_data["name"], _actor(request), serves=form.cleaned_data["serves"])
+    engine = operations.set_engine(form.cleaned_data["name"], actor_of(request), serves=form.cleaned_data["serves"])
     return f"engine {engine.name} serves {', '.join(engine.serves) or 'what a request asks (nothing declared)'}"
 
 
 @action("mirror")
 def mirror_import(request):
     form = valid(MirrorImportForm(request.POST))
-    model_file, created = operations.import_model_file(form.cleaned_data["path"], _actor(request),
+    model_file, created = operations.import_model_file(form.cleaned_data["path"], actor_of(request),
                                                        name=form.cleaned_data["name"] or None)
     return f"{model_file.name} {'imported' if created else 'already in the mirror'}: sha256 {model_file.sha256}"
 
@@ -589,7 +589,7 @@ def mirror_import(request):
 @action("mirror")
 def mirror_upload(request):
     form = valid(MirrorUploadForm(request.POST, request.FILES))
-    model_file, created = operations.import_uploaded_file(form.cleaned_data["file"], _actor(request),
+    model_file, created = operations.import_uploaded_file(form.cleaned_data["file"], actor_of(request),
                                                           name=form.cleaned_data["name"] or None)
     return f"{model_file.name} {'uploaded' if created else 'already in the mirror'}: sha256 {model_file.sha256}"
 
@@ -597,14 +597,14 @@ def mirror_upload(request):
 @action("mirror", admin=True)
 def control_plane_remove(request, name: str):
     form = valid(ForceForm(request.POST))
-    removal = operations.remove_control_plane(name, _actor(request), force=form.cleaned_data["force"])
+    removal = operations.remove_control_plane(name, actor_of(request), force=form.cleaned_data["force"])
     orphaned = f"; on no control plane now: {', '.join(removal.orphaned)}" if removal.orphaned else ""
     return f"control plane {name} removed: its token no longer opens /mirror{orphaned}"
 
 
 @action("mirror", admin=True)
 def control_plane_token(request, name: str):
-    if operations.rotate_control_plane_token(name, _actor(request)).now:
+    if operations.rotate_control_plane_token(name, actor_of(request)).now:
         return f"control plane {name}: a new token; the old one no longer opens /mirror"
     return f"control plane {name} makes itself a new token at its worker's next heartbeat; its old one works until then"
 
@@ -612,7 +612,7 @@ def control_plane_token(request, name: str):
 @action("keys")
 def key_create(request):
     form = valid(KeyCreateForm(request.POST))
-    key, secret = gateway_operations.create_key(form.cleaned_data["name"], _actor(request), **form.changes())
+    key, secret = gateway_operations.create_key(form.cleaned_data["name"], actor_of(request), **form.changes())
     return f"key {key.name} created; copy it now, it is not shown again", {
         "once": {"label": f"key {key.name}", "value": secret}}
 
@@ -623,13 +623,13 @@ def key_set(request):
     values = form.changes()
     if not values:
         raise FormError("nothing to change: fill in what to change")
-    gateway_operations.set_key(form.cleaned_data["name"], _actor(request), **values)
+    gateway_operations.set_key(form.cleaned_data["name"], actor_of(request), **values)
     return f"key {form.cleaned_data['name']} changed"
 
 
 @action("keys")
 def key_revoke(request, name: str):
-    gateway_operations.revoke_key(name, _actor(request))
+    gateway_operations.revoke_key(name, actor_of(request))
     return f"key {name} revoked"
 
 
@@ -637,7 +637,7 @@ def key_revoke(request, name: str):
 def user_add(request):
     form = valid(UserAddForm(request.POST))
     password = form.cleaned_data["password"]
-    user, token = operations.add_user(form.cleaned_data["name"], form.cleaned_data["role"], _actor(request),
+    user, token = operations.add_user(form.cleaned_data["name"], form.cleaned_data["role"], actor_of(request),
                                       password=password)
     said = f"user {user.username} added as {role_of(user)}; copy its API token now, it is not shown again"
     if not password:
@@ -647,7 +647,7 @@ def user_add(request):
 
 @action("settings")
 def engine_key_rotate(request):
-    operations.rotate_engine_key(_actor(request))
+    operations.rotate_engine_key(actor_of(request))
     return "engine key rotated: running replicas keep the old key until restarted (Replicas: Restart stale)"
 
 
@@ -662,5 +662,5 @@ def engine_key_show(request):
 @action("settings")
 def settings_set(request):
     form = valid(SettingsForm(request.POST))
-    operations.set_settings(_actor(request), **form.cleaned_data)
+    operations.set_settings(actor_of(request), **form.cleaned_data)
     return "settings saved"

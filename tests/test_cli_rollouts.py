@@ -4,31 +4,17 @@ process) and from elsewhere (over HTTP)."""
 
 from __future__ import annotations
 
-import io
 import json
 from datetime import timedelta
 
 import pytest
-from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.utils import timezone
 
 from cluster.models import EngineVersion, Model, Profile, Replica, Rollout
 from cluster.rollouts import Side
 from tests.factories import make_file, make_model, make_node, make_replica, make_user
-
-
-@pytest.fixture(autouse=True)
-def no_login(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLMGW_CONFIG", str(tmp_path / "config" / "llmgw.json"))
-    for name in ("LLMGW_SERVER", "LLMGW_TOKEN", "LLMGW_CA_CERT"):
-        monkeypatch.delenv(name, raising=False)
-
-
-def run(*args: str) -> str:
-    out = io.StringIO()
-    call_command("llmgw", *args, stdout=out)
-    return out.getvalue()
+from tests.test_cli_remote import no_login, run  # noqa: F401 (no_login: an autouse fixture, here too)
 
 
 def refused(*args: str) -> str:

@@ -151,21 +151,17 @@ queue_limit_arg = or_default(_queue_limit)  # `--queue-limit N|default`
 max_wait_arg = or_default(duration_arg)  # `--max-wait 30s|default`
 
 
-def percent_arg():
+def percent_arg(text: str) -> float:
     """A share given as a percent, `10%` or `10` alike (both ten percent; `0.5` is half a percent), for argparse:
     the fraction the API takes (0.1), from 0% to 100%."""
-
-    def parse(text: str) -> float:
-        number = text.strip().removesuffix("%").strip()
-        try:
-            value = float(number)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a percent (write e.g. 10%)") from None
-        if not 0 <= value <= 100:  # NaN too
-            raise argparse.ArgumentTypeError(f"{text!r}: a percent from 0% to 100%")
-        return round(value / 100, 6)
-
-    return parse
+    number = text.strip().removesuffix("%").strip()
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a percent (write e.g. 10%)") from None
+    if not 0 <= value <= 100:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r}: a percent from 0% to 100%")
+    return round(value / 100, 6)
 
 
 def ratio_arg(text: str) -> float:

@@ -136,10 +136,10 @@ def rollout_commands(ctl) -> None:
     p.add_argument("--profile", default=None, help="the canary's profile")
     p.add_argument("--engine", default=None, help="the canary's engine")
     p.add_argument("--canary", type=int, default=None, metavar="N", help="canary replicas (default 1)")
-    p.add_argument("--traffic", type=percent_arg(), default=None, metavar="PERCENT",
+    p.add_argument("--traffic", type=percent_arg, default=None, metavar="PERCENT",
                    help="the share of new conversations the canary takes, a percent: 10%% or 10, both ten percent "
                         "(default 10%%; 0%%: it answers no one, judged on its --shadow alone)")
-    p.add_argument("--shadow", type=percent_arg(), default=None, metavar="PERCENT",
+    p.add_argument("--shadow", type=percent_arg, default=None, metavar="PERCENT",
                    help="also copy this share of the current replicas' requests to the canary, its answers read and "
                         "discarded, a percent (default 0%%)")
     p.add_argument("--watch", type=duration_arg, default=None, metavar="DURATION",
@@ -148,7 +148,7 @@ def rollout_commands(ctl) -> None:
     p.add_argument("--min-requests", type=int, default=None, metavar="N",
                    help="the canary's requests before it is promoted, and each side's before latency is judged "
                         "(default 50)")
-    p.add_argument("--max-error-rate", type=percent_arg(), default=None, metavar="PERCENT",
+    p.add_argument("--max-error-rate", type=percent_arg, default=None, metavar="PERCENT",
                    help="the canary's errors per request past which it is rolled back, a percent: 1%% or 1 "
                         "(default 1%%)")
     p.add_argument("--max-ttft-ratio", type=ratio_arg, default=None, metavar="RATIO",
