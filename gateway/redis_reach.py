@@ -3,8 +3,10 @@
 Redis that does not answer within WAIT (hung, stopped, partitioned, restarting) is *away*: the process says so once
 in its log, stops asking it on the request path at once (no request waits on it again), and a probe asks it every
 PROBE_EVERY seconds until it answers; then the process says so once more, with how many requests went on without
-it. What a request does without Redis is its caller's choice (gateway/admission.py, gateway/limits.py,
-gateway/budgets.py: docs/fair-sharing.md says what each does).
+it. Only Redis's own slowness counts: an answer that came while this process was held up (not scheduled on a busy
+machine, a callback that ran long) is read before the wait is judged over, so a starved process does not take
+Redis for away and let requests past admission. What a request does without Redis is its caller's choice
+(gateway/admission.py, gateway/limits.py, gateway/budgets.py: docs/fair-sharing.md says what each does).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from redis.exceptions import RedisError
 log = logging.getLogger("llmgw.gateway")
 
 WAIT = 0.25  # seconds a request waits on Redis at most
+CATCH_UP = 0.005  # seconds more, once the wait is over, for what came meanwhile (Reach.call)
 PROBE_EVERY = 0.5  # seconds between two asks of a Redis that is away
 
 T = TypeVar("T")
@@ -52,9 +55,16 @@ class Reach:
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
             raise RedisAway("Redis is away")
+        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.wait):
-                return await awaitable
+            async with asyncio.timeout(None) as timeout:
+                # the wait over, a moment more from when this process gets to it: an answer that came while the
+                # process was held up (not scheduled on a busy machine, a callback that ran long) is read first
+                over = loop.call_at(loop.time() + self.wait, lambda: timeout.reschedule(loop.time() + CATCH_UP))
+                try:
+                    return await awaitable
+                finally:
+                    over.cancel()
         except (RedisError, OSError, TimeoutError) as exc:
             self.lost(exc)
             raise RedisAway(str(exc) or type(exc).__name__) from None
