@@ -370,7 +370,11 @@ class Rollout(models.Model):
     file = models.ForeignKey(ModelFile, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     profile = models.ForeignKey(Profile, null=True, blank=True, on_delete=models.SET_NULL, related_name="rollouts")
     engine = models.ForeignKey(EngineVersion, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
-    # the change in words, as it began: {"file": [from, to], "profile": [from, to], "engine": [from, to]}
+    # the canary's memory per replica, when the rollout changes it ("memory" in `change`; None there: estimated
+    # from the new file and profile): the model's own once promoted. Without "memory" in `change`, the model's.
+    memory_bytes = models.PositiveBigIntegerField(null=True, blank=True)
+    # the change in words, as it began: {"file": [from, to], "profile": [from, to], "engine": [from, to],
+    # "memory": [from, to]}
     change = models.JSONField(default=dict, blank=True)
     canary = models.PositiveSmallIntegerField(default=1)  # canary replicas
     traffic = models.FloatField(default=0.10)  # the share of new conversations the canary takes

@@ -165,7 +165,8 @@ def _canary_views() -> tuple[planner.ModelView, ...]:
             id=-r.pk,
             name=f"{m.name} (canary)",
             replicas=r.canary if wanted else 0,
-            memory_bytes=m.memory_bytes or estimate(file.size, file.gguf or {}, profile.context_size),
+            memory_bytes=(r.memory_bytes if "memory" in r.change else m.memory_bytes)
+            or estimate(file.size, file.gguf or {}, profile.context_size),
             engine_kind=engine.kind,
             uses_gpu=engine.device == "gpu",
             nodes=frozenset(m.nodes or ()),

@@ -110,12 +110,14 @@ class Duration(Count):
 
 
 class Size(Count):
-    """Bytes, written as a size (8G, 512MiB; a bare number is bytes)."""
+    """Bytes, written as a size (8G, 512MiB; a bare number is bytes; `auto`: 0, estimated from the file)."""
 
     def to_python(self, value: Any) -> int | None:
         raw = str(value or "").strip()
         if not raw:
             return None
+        if raw.lower() == "auto":
+            return 0
         try:
             return parse_size(raw)
         except ValueError as exc:
@@ -396,6 +398,7 @@ class RolloutStartForm(ButtonForm):
     file = forms.CharField(required=False)  # a sha256, a file's name or a path: the operation resolves it
     profile = forms.CharField(required=False)
     engine = forms.CharField(required=False)
+    memory = Size("memory", MEMORY)
     canary = Count("canary replicas", rollout_operations.CANARY)
     traffic = Number("traffic %", percent=True)
     shadow = Number("shadow %", percent=True)
@@ -405,7 +408,7 @@ class RolloutStartForm(ButtonForm):
     max_ttft_ratio = Number("max TTFT ratio")
     max_tpot_ratio = Number("max TPOT ratio")
 
-    renamed = {"watch": "watch_seconds"}
+    renamed = {"watch": "watch_seconds", "memory": "memory_bytes"}
 
     @staticmethod
     def defaults() -> dict[str, str]:

@@ -90,8 +90,10 @@ def test_a_rollout_started_shown_and_promoted(m1):
 
 
 def test_an_aborted_rollout_leaves_the_model_as_it_was(m1):
-    said = run("ctl", "rollout", "start", "m1", "--profile", "fast", "--traffic", "0%", "--shadow", "5")
+    said = run("ctl", "rollout", "start", "m1", "--profile", "fast", "--traffic", "0%", "--shadow", "5", "--memory",
+               "3GiB")
     assert "1 canary replica(s) take 0% of new conversations and a copy of 5% of the others' requests;" in said
+    assert "started: profile default -> fast, memory " in said and "-> 3.0 GiB;" in said
     assert run("ctl", "rollout", "abort", "m1") == (
         "rollout of model m1 aborted: its canary drains and stops; the model runs as it did\n")
     assert Model.objects.get().profile.name == "default"
@@ -111,6 +113,9 @@ def test_an_aborted_rollout_leaves_the_model_as_it_was(m1):
     ([], "nothing to roll out: give --file, --profile or --engine for model m1's canary"),
     (["--profile", "default"], "nothing to roll out: give a --file, --profile or --engine other than model m1's own"),
     (["--profile", "nope"], "no profile named 'nope'"),
+    (["--profile", "fast", "--memory", "lots"], "not a size: 'lots' (write e.g. 2GiB, 512MiB, 1.5G or a number of "
+                                                "bytes)"),
+    (["--memory", "auto"], "nothing to roll out: give --file, --profile or --engine for model m1's canary"),
 ])
 def test_bad_input_is_one_line_and_changes_nothing(m1, args, words):
     assert words in refused("ctl", "rollout", "start", "m1", *args)

@@ -21,6 +21,7 @@ from cluster.api.errors import Refused, refused
 from cluster.api.schema import UNKNOWN_FILTER
 from cluster.models import Model, Rollout
 from cluster.operations.rollouts import CANARY, MIN_REQUESTS, WATCH
+from cluster.operations.validation import MEMORY
 
 ROLLOUT_STATES = Rollout.State.values
 
@@ -58,6 +59,9 @@ class RolloutStartSerializer(StrictSerializer):
                                  "one), a file name in the mirror, or a path")
     profile = serializers.CharField(required=False, help_text="the canary's profile")
     engine = serializers.CharField(required=False, help_text="the canary's engine")
+    memory_bytes = serializers.IntegerField(required=False, **MEMORY.limits, help_text="each canary's memory, the "
+                                            "model's once promoted; 0: estimated from the new file and profile "
+                                            "(default: the model's, as it is)")
     canary = serializers.IntegerField(required=False, **CANARY.limits, help_text="canary replicas (default 1)")
     traffic = RateField(required=False, help_text="the share of new conversations the canary takes, 0 to 1 (default "
                         "0.1: 10%; 0: it answers no one, judged on its shadow alone)")

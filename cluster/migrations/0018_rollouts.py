@@ -17,6 +17,7 @@ class Migration(migrations.Migration):
             fields=[
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
                 ('state', models.CharField(choices=[('watching', 'watching'), ('promoting', 'promoting'), ('promoted', 'promoted'), ('rolling_back', 'rolling back'), ('rolled_back', 'rolled back'), ('aborted', 'aborted')], db_index=True, default='watching', max_length=16)),
+                ('memory_bytes', models.PositiveBigIntegerField(blank=True, null=True)),
                 ('change', models.JSONField(blank=True, default=dict)),
                 ('canary', models.PositiveSmallIntegerField(default=1)),
                 ('traffic', models.FloatField(default=0.1)),

@@ -342,11 +342,17 @@ def set_model(name: str, actor: str, **values) -> Model:
 
 
 def _refuse_under_rollout(model: Model, changed) -> None:
-    """What a rollout under way changes (its file, profile, engine) changes only through it."""
-    touched = sorted(set(changed) & {"file", "profile", "engine"})
+    """What a rollout under way changes (its file, profile, engine; its memory when it sets one) changes only
+    through it."""
+    touched = set(changed) & {"file", "profile", "engine", "memory_bytes"}
     rollout = model.rollouts.filter(state__in=Rollout.ACTIVE).first() if touched else None
-    if rollout is not None:
-        raise Conflict(f"model {model.name} has a rollout {rollout.get_state_display()}: its {', '.join(touched)} "
+    if rollout is None:
+        return
+    if "memory" not in rollout.change:
+        touched.discard("memory_bytes")
+    if touched:
+        what = ", ".join(sorted("memory" if t == "memory_bytes" else t for t in touched))
+        raise Conflict(f"model {model.name} has a rollout {rollout.get_state_display()}: its {what} "
                        f"changes only through it (`ctl rollout promote {model.name}` or `abort` it first)")
 
 

@@ -24,8 +24,8 @@ from cluster.models import ClusterSettings, EngineVersion, Model, Profile, Repli
 from cluster.operations.files import resolve_file
 from cluster.operations.models import check_engine_file
 from cluster.operations.restart import staleness
-from cluster.operations.validation import Bounds, get_named
-from ground.units import MAX_DURATION
+from cluster.operations.validation import MEMORY, Bounds, get_named
+from ground.units import MAX_DURATION, format_size
 
 ACTOR = "rollout"
 CANARY = Bounds(1, 100)
@@ -66,9 +66,10 @@ def _bounds(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def start_rollout(name: str, actor: str, *, file: str | None = None, profile: str | None = None,
-                  engine: str | None = None, **values) -> Rollout:
+                  engine: str | None = None, memory_bytes: int | None = None, **values) -> Rollout:
     """Canary replicas of model `name` with the new file, profile or engine, beside its current ones; the
-    model's settings change only when the rollout is promoted."""
+    model's settings change only when the rollout is promoted. `memory_bytes`: each canary's memory, the model's
+    once promoted (0: estimated from the new file and profile; None: the model's, as it is)."""
     unknown = set(values) - set(DEFAULTS)
     if unknown:
         raise OperationError(f"unknown rollout setting(s): {', '.join(sorted(unknown))}")
@@ -96,9 +97,12 @@ def start_rollout(name: str, actor: str, *, file: str | None = None, profile: st
                 change[what] = [str(was.name), str(new.name)]
         if not change:
             raise OperationError(f"nothing to roll out: give a --file, --profile or --engine other than model "
-                                 f"{name}'s own")
+                                 f"{name}'s own (its memory alone is set with `ctl model set {name} --memory`)")
+        memory = None if memory_bytes is None else (MEMORY.check("memory", memory_bytes) or None)
+        if memory_bytes is not None and memory != model.memory_bytes:
+            change["memory"] = [_memory_text(model.memory_bytes), _memory_text(memory)]
         rollout = Rollout.objects.create(
-            model=model, actor=actor, change=change, **numbers,
+            model=model, actor=actor, change=change, **numbers, memory_bytes=memory,
             file=new_file if "file" in change else None,
             profile=new_profile if "profile" in change else None,
             engine=new_engine if "engine" in change else None)
@@ -109,6 +113,10 @@ def start_rollout(name: str, actor: str, *, file: str | None = None, profile: st
                subject=name, rollout=rollout.pk, change=change, **numbers)
         kick_reconciler()
     return rollout
+
+
+def _memory_text(memory: int | None) -> str:
+    return format_size(memory) if memory else "estimated"
 
 
 def rollout_of(name: str) -> Rollout:
@@ -160,7 +168,9 @@ def _promote(rollout: Rollout, actor: str, why: str) -> None:
     for what in ("file", "profile", "engine"):
         if what in rollout.change and getattr(rollout, what) is not None:
             setattr(model, what, getattr(rollout, what))
-    model.save(update_fields=["file", "profile", "engine"])
+    if "memory" in rollout.change:
+        model.memory_bytes = rollout.memory_bytes
+    model.save(update_fields=["file", "profile", "engine", "memory_bytes"])
     rollout.canaries.all().update(rollout=None)
     cluster = ClusterSettings.load()
     queued = [r.pk for r in Replica.objects.filter(model=model, state__in=Replica.COUNTING, node__isnull=False,

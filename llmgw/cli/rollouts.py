@@ -5,6 +5,7 @@ rollout (cluster.queries.rollout_shown)."""
 from __future__ import annotations
 
 from ground.units import format_duration
+from llmgw.cli.args import parse_size_arg
 from llmgw.cli.client import CliError
 from llmgw.cli.output import age, as_json, moment, now, table
 
@@ -27,6 +28,8 @@ def rollout_start(o, out):
     if not body:
         raise CliError(f"nothing to roll out: give --file, --profile or --engine for model {o['name']}'s canary")
     body.update({field: o[option] for option, field in NUMBERS.items() if o.get(option) is not None})
+    if o.get("memory") is not None:
+        body["memory_bytes"] = 0 if o["memory"] in ("auto", "0") else parse_size_arg(o["memory"])
     r = o["api"].post(_path(o["name"]), body, doing="start rollouts")
     out.write(f"rollout of model {r['model']} started: {r['change_text']}; {_takes(r)}; watch with: llmgw ctl "
               f"rollout status {r['model']}\n")

@@ -135,6 +135,9 @@ def rollout_commands(ctl) -> None:
                                                 "or a path")
     p.add_argument("--profile", default=None, help="the canary's profile")
     p.add_argument("--engine", default=None, help="the canary's engine")
+    p.add_argument("--memory", default=None, metavar="SIZE",
+                   help="each canary's memory, the model's once promoted, e.g. 8GiB, or auto: estimated from the "
+                        "new file and profile (default: the model's)")
     p.add_argument("--canary", type=int, default=None, metavar="N", help="canary replicas (default 1)")
     p.add_argument("--traffic", type=percent_arg, default=None, metavar="PERCENT",
                    help="the share of new conversations the canary takes, a percent: 10%% or 10, both ten percent "

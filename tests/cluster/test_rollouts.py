@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from cluster import operations, reconciler, reports
 from cluster.errors import Conflict, NotFound, OperationError
+from cluster.memory import estimate
 from cluster.models import Event, Model, Replica, Rollout
 from cluster.operations.rollouts import carry_on
 from cluster.rollouts import Bounds, Side, judge
@@ -259,6 +260,47 @@ def test_abort_by_hand_drains_the_canary_and_the_model_is_as_it_was(fleet):
     assert operations.rollout_of("m1").pk == rollout.pk  # its last, finished
 
 
+def test_a_rollout_that_sets_memory_places_its_canary_with_it_and_the_model_takes_it_once_promoted(fleet):
+    node, model = fleet  # the model's memory set by hand: 1 GiB
+    rollout = operations.start_rollout("m1", ACTOR, profile="fast", memory_bytes=2 * GIB)
+    assert rollout.change == {"profile": ["default", "fast"], "memory": ["1.0 GiB", "2.0 GiB"]}
+    assert rollout.change_text() == "profile default -> fast, memory 1.0 GiB -> 2.0 GiB"
+    run()
+    [canary] = canaries(rollout)
+    assert canary.memory_bytes == 2 * GIB and node.replicas.filter(memory_bytes=GIB).count() == 2
+    with pytest.raises(Conflict, match=r"model m1 has a rollout watching: its memory changes only through it"):
+        operations.set_model("m1", ACTOR, memory_bytes=3 * GIB)
+    operations.promote_rollout("m1", ACTOR)
+    model.refresh_from_db()
+    assert model.memory_bytes == 2 * GIB and model.profile.name == "fast"
+
+    # `auto` (0): estimated from the new file and profile, and the model's figure cleared once promoted
+    make_profile("long", context_size=32768)
+    Rollout.objects.filter(pk=rollout.pk).update(state=Rollout.State.PROMOTED)
+    rollout = operations.start_rollout("m1", ACTOR, profile="long", memory_bytes=0)
+    assert rollout.change["memory"] == ["2.0 GiB", "estimated"]
+    run()
+    [canary] = canaries(rollout)
+    model.refresh_from_db()
+    assert canary.memory_bytes == estimate(model.file.size, model.file.gguf or {}, 32768) != 2 * GIB
+    operations.promote_rollout("m1", ACTOR)
+    model.refresh_from_db()
+    assert model.memory_bytes is None
+
+
+def test_a_rollout_without_memory_leaves_the_model_s_as_it_is(fleet):
+    node, model = fleet
+    rollout = operations.start_rollout("m1", ACTOR, profile="fast", memory_bytes=GIB)  # the same: no change
+    assert rollout.change == {"profile": ["default", "fast"]}
+    run()
+    [canary] = canaries(rollout)
+    assert canary.memory_bytes == GIB
+    operations.set_model("m1", ACTOR, memory_bytes=GIB + 1)  # a rollout that does not change it: set as ever
+    operations.promote_rollout("m1", ACTOR)
+    model.refresh_from_db()
+    assert model.memory_bytes == GIB + 1
+
+
 def test_promote_by_hand_while_watching(fleet):
     node, model = fleet
     rollout, canary = ready_canary(model)
@@ -286,6 +328,9 @@ def test_promote_by_hand_while_watching(fleet):
     ({"profile": "fast", "max_ttft_ratio": 0.5}, "max TTFT ratio must be from 1 to 1000, not 0.5"),
     ({"profile": "fast", "max_error_rate": "1%"}, "max error rate must be a number, not '1%'"),
     ({"profile": "fast", "shadow_traffic": 1}, "unknown rollout setting(s): shadow_traffic"),
+    ({"memory_bytes": 2 * GIB}, "nothing to roll out: give a --file, --profile or --engine other than model m1's own "
+                                "(its memory alone is set with `ctl model set m1 --memory`)"),
+    ({"profile": "fast", "memory_bytes": -1}, "memory must be a whole number from 0"),
 ])
 def test_a_bad_rollout_is_refused_and_changes_nothing(fleet, values, error):
     before = row_counts()

@@ -73,10 +73,13 @@ def test_the_form_starts_a_rollout_and_goes_to_its_page(op, chat):
     assert "rollout of model chat started: profile default -&gt; fast" in page  # the message, on the next page
     assert "waiting for a canary replica to be ready" in page
     assert "takes 20% of new conversations and a copy of 5% of the others' requests" in page
-    # without JavaScript: a redirect to the page
+    # without JavaScript: a redirect to the page; memory `auto`: estimated from the new file and profile
     Rollout.objects.all().delete()
-    plain = op.post("/models/chat/rollout/start/", {"profile": "fast"})
+    chat.memory_bytes = 2 * 1024**3
+    chat.save()
+    plain = op.post("/models/chat/rollout/start/", {"profile": "fast", "memory": "auto"})
     assert plain.status_code == 302 and plain["Location"] == "/models/chat/rollout/"
+    assert Rollout.objects.get().change["memory"] == ["2.0 GiB", "estimated"]
     assert 'data-testid="rollout">rollout watching</a>' in op.get("/models/").content.decode()
 
 
@@ -89,6 +92,7 @@ def test_the_form_starts_a_rollout_and_goes_to_its_page(op, chat):
     ({"profile": "fast", "canary": "0"}, "canary replicas must be"),
     ({"profile": "fast", "max_ttft_ratio": "0.5"}, "max TTFT ratio must be from 1 to 1000, not 0.5"),
     ({"profile": "fast", "max_error_rate": "lots"}, "max error rate %: 'lots' is not a number"),
+    ({"profile": "fast", "memory": "lots"}, "memory: not a size: 'lots'"),
 ])
 def test_bad_input_is_the_operations_message_and_changes_nothing(op, chat, form, said):
     before = row_counts()

@@ -54,8 +54,10 @@ def test_a_rollout_is_aborted_and_then_its_model_may_roll_out_again(cluster, ope
     assert response.status_code == 200 and response.json()["state_text"] == "aborted"
     assert Model.objects.get().profile.name == "default"
     refused(operator.post(f"{ROLLOUT}abort/", format="json"), 409, "has no rollout under way")
-    response = start(operator, traffic=0, shadow=0.05)
+    response = start(operator, traffic=0, shadow=0.05, memory_bytes=6 * 1024**3)
     assert response.status_code == 201 and (response.json()["traffic"], response.json()["shadow"]) == (0, 0.05)
+    assert response.json()["change"]["memory"][1] == "6.0 GiB" and Rollout.objects.get(
+        state="watching").memory_bytes == 6 * 1024**3
     states = [r["state"] for r in operator.get(f"{API}/rollouts/", {"model": "qwen2.5-7b"}).json()["results"]]
     assert states == ["watching", "aborted"]
     assert [r["state"] for r in operator.get(f"{API}/rollouts/", {"state": "aborted"}).json()["results"]] == [
@@ -81,6 +83,8 @@ def test_one_rollout_at_a_time_and_no_model_set_meanwhile(cluster, operator):
     ({"canary": 0}, 400, ["canary"]),
     ({"watch_seconds": "10m"}, 400, ["watch_seconds", "whole number"]),
     ({"min_requests": 0}, 400, ["min_requests"]),
+    ({"memory_bytes": -1}, 400, ["memory_bytes"]),
+    ({"memory_bytes": "8GiB"}, 400, ["memory_bytes", "whole number"]),
     ({"colour": "red"}, 400, ["colour", "unknown field"]),
     ({"profile": "default"}, 422, ["nothing to roll out"]),
     ({"profile": "nope"}, 422, ["no profile named 'nope'"]),
