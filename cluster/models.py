@@ -370,6 +370,11 @@ class Rollout(models.Model):
     file = models.ForeignKey(ModelFile, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     profile = models.ForeignKey(Profile, null=True, blank=True, on_delete=models.SET_NULL, related_name="rollouts")
     engine = models.ForeignKey(EngineVersion, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # the model's settings before (of those the rollout changes): what a promotion that fails goes back to
+    was_file = models.ForeignKey(ModelFile, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    was_profile = models.ForeignKey(Profile, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    was_engine = models.ForeignKey(EngineVersion, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    was_memory_bytes = models.PositiveBigIntegerField(null=True, blank=True)
     # the canary's memory per replica, when the rollout changes it ("memory" in `change`; None there: estimated
     # from the new file and profile): the model's own once promoted. Without "memory" in `change`, the model's.
     memory_bytes = models.PositiveBigIntegerField(null=True, blank=True)
@@ -387,6 +392,9 @@ class Rollout(models.Model):
     actor = models.CharField(max_length=120)  # who started it
     started_at = models.DateTimeField(default=timezone.now)
     watching_since = models.DateTimeField(null=True, blank=True)  # its first canary ready: the window begins
+    # since when no canary of it has been ready while serving (None: one is): past LLMGW_ROLLOUT_READY_TIMEOUT, it
+    # is rolled back. Its start, at first; kept at now while serving is stopped
+    unready_since = models.DateTimeField(null=True, blank=True, default=timezone.now)
     state_changed_at = models.DateTimeField(default=timezone.now)
     ended_at = models.DateTimeField(null=True, blank=True)
     reason = models.CharField(max_length=500, blank=True, default="")  # why it is in its state (promoted, rolled back)
@@ -410,6 +418,14 @@ class Rollout(models.Model):
     def change_text(self) -> str:
         """`file a.gguf -> b.gguf, profile p -> q`."""
         return ", ".join(f"{what} {was} -> {now}" for what, (was, now) in self.change.items()) or "no change"
+
+    def runs_new(self, snapshot: dict | None) -> bool:
+        """Whether a replica started with `snapshot` runs this rollout's new file, profile and engine."""
+        snap = snapshot or {}
+        new = {"file": self.file and self.file.sha256, "profile": self.profile and self.profile.name,
+               "engine": self.engine and self.engine.spec()}
+        return bool(snap) and all(snap.get(what) == new[what] for what in ("file", "profile", "engine")
+                                  if what in self.change and new[what] is not None)
 
 
 class Replica(models.Model):

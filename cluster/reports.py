@@ -281,6 +281,7 @@ def _transition(replica: Replica, status: protocol.ReplicaStatus, now, actor: st
             Rollout.objects.filter(pk=replica.rollout_id).update(failures=F("failures") + 1)
         else:
             _back_off(replica.model_id, now)
+            _promotion_failed(replica)
         record("replica.failed", actor, f"replica {replica.name} failed: {reason}", subject=replica.name)
         return S.FAILED
     if replica.state == S.DRAINING:
@@ -295,6 +296,15 @@ def _transition(replica: Replica, status: protocol.ReplicaStatus, now, actor: st
     where = f" on port {replica.port}" if new == S.STARTING else ""
     record(f"replica.{new}", actor, f"replica {replica.name} {new}{where}", subject=replica.name)
     return new
+
+
+def _promotion_failed(replica: Replica) -> None:
+    """A replica's engine that failed on the new settings of its model's rollout being promoted: counted on the
+    rollout, whose promotion goes back (cluster/operations/rollouts.py)."""
+    rollout = Rollout.objects.filter(model_id=replica.model_id, state=Rollout.State.PROMOTING).select_related(
+        "file", "profile", "engine").first()
+    if rollout is not None and rollout.runs_new(replica.snapshot):
+        Rollout.objects.filter(pk=rollout.pk, state=Rollout.State.PROMOTING).update(failures=F("failures") + 1)
 
 
 def _back_off(model_id: int, now) -> None:

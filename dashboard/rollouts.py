@@ -20,6 +20,7 @@ from django_htmx.http import HttpResponseClientRedirect
 
 from cluster import operations, queries
 from cluster.errors import NotFound
+from cluster.models import Rollout
 from dashboard.buttons import attempt, refusal
 from dashboard.charts import Gauge
 from dashboard.forms import RolloutStartForm, valid
@@ -103,5 +104,7 @@ def rollout_promote(request, name: str) -> str:
 
 @_button
 def rollout_abort(request, name: str) -> str:
-    operations.abort_rollout(name, actor_of(request))
+    if operations.abort_rollout(name, actor_of(request)).state == Rollout.State.ROLLING_BACK:  # it was promoting
+        return (f"rollout of model {name} rolling back: the model goes back to its settings before, its replicas on "
+                "the new ones replaced one at a time")
     return f"rollout of model {name} aborted: its canary drains and stops; the model runs as it did"

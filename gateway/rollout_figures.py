@@ -3,8 +3,11 @@
 Each try of a request counts for the side of the replica it went to, and is an error when that replica
 failed it: a 5xx answer, no connection, no answer in time, an answer that broke off (resumed elsewhere or not).
 A request refused before any replica (a key's limit, a bad request) is neither side's. The latency figures are
-the answered streams', by the side of the replica that answered: time to first token, and the time per output
-token after it. The newest ROWS records of the window are read, so a busy model costs a bounded read.
+the answered streams', by the side of the replica that began the answer: its time to first token, counted from
+when that try began (not from the request's arrival: a wait in admission's queue, or a try on the other side that
+failed first, is not the replica's, and a shadow's copy never waits in the queue), and the time per output token
+after it (of a stream that was not resumed elsewhere). The newest ROWS records of the window are read, so a busy
+model costs a bounded read.
 """
 
 from __future__ import annotations
@@ -61,9 +64,11 @@ def tally(rows: Iterable[tuple[Any, ...]], canary: frozenset[str]) -> tuple[Side
             last = i == len(tries) - 1
             if _failed(outcome) or (last and status >= 500 and outcome.startswith("answered 2")):
                 t.errors += 1
-        if status == 200 and streamed and ttft is not None and replica:
-            t = on[replica in canary]
-            t.ttft.append(ttft)
-            if tokens and tokens > 1 and total > ttft:
+        began = next((try_ for try_ in tries or () if try_[3].startswith("answered 2")), None)
+        if status == 200 and streamed and ttft is not None and began is not None:
+            name, started, _, outcome = began
+            t = on[name in canary]
+            t.ttft.append(max(0.0, ttft - started))
+            if name == replica and not outcome.endswith(RESUMED) and tokens and tokens > 1 and total > ttft:
                 t.tpot.append((total - ttft) / (tokens - 1))
     return on[True].side(), on[False].side()

@@ -87,6 +87,12 @@ def test_a_rollout_started_shown_and_promoted(m1):
         "watch with: llmgw ctl rollout status m1\n")
     assert Model.objects.get().profile.name == "fast"
     assert run("ctl", "rollout", "status", "m1").splitlines()[0] == "rollout of model m1: promoting"
+    assert run("ctl", "rollout", "abort", "m1") == (  # while promoting: back to the settings before
+        "rollout of model m1 rolling back: the model goes back to its settings before, its replicas on the new ones "
+        "replaced one at a time\n")
+    assert Model.objects.get().profile.name == "default"
+    assert refused("ctl", "rollout", "abort", "m1") == (
+        "the rollout of model m1 is rolling back: only a rollout watching or promoting may be aborted")
 
 
 def test_an_aborted_rollout_leaves_the_model_as_it_was(m1):

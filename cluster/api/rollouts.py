@@ -107,6 +107,19 @@ class RolloutFiguresSerializer(serializers.Serializer):
     current = RolloutSideSerializer(allow_null=True)
 
 
+class RolloutRatiosSerializer(serializers.Serializer):
+    ttft = serializers.FloatField(allow_null=True, help_text="the canary's median time to first token over the "
+                                  "current replicas' (null until both have one)")
+    tpot = serializers.FloatField(allow_null=True, help_text="likewise per output token")
+
+
+class RolloutBreachedSerializer(serializers.Serializer):
+    error_rate = serializers.BooleanField(help_text="the canary's errors are past what max_error_rate allows")
+    ttft = serializers.BooleanField(help_text="the TTFT ratio is past max_ttft_ratio (judged once both sides have "
+                                    "min_requests answered streams)")
+    tpot = serializers.BooleanField(help_text="likewise for max_tpot_ratio")
+
+
 class RolloutSerializer(serializers.Serializer):
     """cluster.queries.rollout_shown, as the schema says it."""
 
@@ -135,6 +148,8 @@ class RolloutSerializer(serializers.Serializer):
     verdict = serializers.CharField(allow_blank=True, help_text="the verdict as last judged")
     replicas = RolloutSidesSerializer()
     figures = RolloutFiguresSerializer(help_text="both sides' figures as last judged (null before)")
+    ratios = RolloutRatiosSerializer(help_text="the latency ratios the judge reads, as last judged")
+    breached = RolloutBreachedSerializer(help_text="the bounds the canary is past now, as the judge reads them")
 
     def to_representation(self, instance):
         shown = instance if isinstance(instance, dict) else queries.rollout_shown(instance)
@@ -177,8 +192,9 @@ class ModelRolloutActions(NamedViewSet):
     @extend_schema(request=None, responses={200: RolloutSerializer})
     @action(detail=True, methods=["post"], url_path="rollout/abort", url_name="rollout-abort")
     def rollout_abort(self, request, name=None):
-        """Abort the rollout under way: its canary drains and stops; the model never changed. 409 unless it is
-        watching."""
+        """Abort the rollout under way. Watching: its canary drains and stops, the model never changed. Promoting:
+        the model goes back to its settings before, its replicas on the new ones replaced one at a time (the
+        rollout rolling back). 409 while it rolls back."""
         model = self.get_object()
         with refused():
             return shown(operations.abort_rollout(model.name, self.actor))

@@ -311,7 +311,8 @@ def confirmation_needed(name: str | None, values: dict[str, Any]) -> str:
 
 def set_model(name: str, actor: str, **values) -> Model:
     with transaction.atomic():
-        model = get_named(Model, "model", name)
+        # locked: a rollout started meanwhile (which locks the model too) is seen by _refuse_under_rollout
+        model = get_named(Model.objects.select_for_update(), "model", name)
         clean = _model_values(values, actor)
         if model.removing:
             raise Conflict(f"model {name} is being removed")

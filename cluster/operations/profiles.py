@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 
 from cluster.errors import Conflict, OperationError
 from cluster.events import record
@@ -77,7 +78,9 @@ def remove_profile(name: str, actor: str) -> None:
         users = list(profile.models.values_list("name", flat=True))
         if users:
             raise Conflict(f"profile {name} is used by model(s) {', '.join(users)}")
-        trying = list(profile.rollouts.filter(state__in=Rollout.ACTIVE).values_list("model__name", flat=True))
+        # a rollout's new profile, or the one a promotion that fails goes back to
+        trying = list(Rollout.objects.filter(Q(profile=profile) | Q(was_profile=profile), state__in=Rollout.ACTIVE)
+                      .values_list("model__name", flat=True))
         if trying:
             raise Conflict(f"profile {name} is being rolled out on model(s) {', '.join(trying)}")
         profile.delete()

@@ -50,7 +50,11 @@ def rollout_promote(o, out):
 
 def rollout_abort(o, out):
     r = o["api"].post(_path(o["name"]) + "abort/", doing="abort rollouts")
-    out.write(f"rollout of model {r['model']} aborted: its canary drains and stops; the model runs as it did\n")
+    if r["state"] == "rolling_back":  # it was promoting
+        out.write(f"rollout of model {r['model']} rolling back: the model goes back to its settings before, its "
+                  "replicas on the new ones replaced one at a time\n")
+    else:
+        out.write(f"rollout of model {r['model']} aborted: its canary drains and stops; the model runs as it did\n")
 
 
 def _ms(x: float | None) -> str:

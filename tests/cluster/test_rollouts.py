@@ -10,7 +10,7 @@ from django.utils import timezone
 from cluster import operations, reconciler, reports
 from cluster.errors import Conflict, NotFound, OperationError
 from cluster.memory import estimate
-from cluster.models import Event, Model, Replica, Rollout
+from cluster.models import ClusterSettings, Event, Model, Replica, Rollout
 from cluster.operations.rollouts import carry_on
 from cluster.rollouts import Bounds, Side, judge
 from gateway import rollout_figures
@@ -113,6 +113,12 @@ def test_latency_is_a_ratio_to_the_current_side_once_both_have_their_requests():
     assert tpot.roll_back and "time per output token: 20 ms against 10 ms, 2.00x" in tpot.why
 
 
+def record(request_id: str, replica: str, ttft: float, total: float, tries: list) -> None:
+    RequestRecord.objects.create(request_id=request_id, at=timezone.now(), model="m1", surface="chat/completions",
+                                 streamed=True, status=200, replica=replica, attempts=len(tries), ttft_ms=ttft,
+                                 total_ms=total, completion_tokens=11, tries=tries)
+
+
 def test_the_figures_count_each_try_for_its_side_and_time_only_answered_streams(db):
     served("m1", "m1-canary", 3, ttft=300)
     served("m1", "m1-old", 4, ttft=100)
@@ -123,10 +129,19 @@ def test_the_figures_count_each_try_for_its_side_and_time_only_answered_streams(
         tries=[["m1-canary", 0, 100, "answered 200; broke off after 2 tokens; resumed"], ["m1-old", 100, 500, "answered 200"]])
     RequestRecord.objects.create(request_id="q", at=timezone.now(), model="m1", surface="chat/completions",
                                  status=429, total_ms=1, attempts=0)  # refused before any replica: no side's
+    # time to first token from when the answering try began: not a wait in the queue, nor a failed try before it
+    record("w", "m1-old", 600, 700, [["m1-old", 500, 700, "answered 200"]])
+    record("f", "m1-old", 180, 280, [["m1-canary", 0, 30, "did not accept the connection"],
+                                     ["m1-old", 80, 280, "answered 200"]])
     canary, current = rollout_figures.sides("m1", frozenset({"m1-canary"}), timezone.now() - dt.timedelta(seconds=5))
-    assert (canary.requests, canary.errors, canary.timed, canary.ttft_p50) == (5, 2, 3, 300.0)
-    assert (current.requests, current.errors, current.timed, current.ttft_p50) == (5, 0, 5, 100.0)
-    assert canary.tpot_p50 == 10.0
+    # the resumed stream's first token came from the canary: its time is the canary's, its tokens per second no one's
+    assert (canary.requests, canary.errors, canary.timed, canary.ttft_p50) == (6, 3, 4, 300.0)
+    assert sorted(rollout_figures.tally([("m1-old", 200, True, 50, 500, 5, [
+        ["m1-canary", 0, 100, "answered 200; resumed"], ["m1-old", 100, 500, "answered 200"]])], frozenset(
+        {"m1-canary"}))[0].shown().items()) == sorted(Side(1, 1, 1, 50.0, 50.0, None, None).shown().items())
+    assert (current.requests, current.errors, current.timed, current.ttft_p50, current.ttft_p99) == (
+        7, 0, 6, 100.0, 100.0)
+    assert canary.tpot_p50 == 10.0 and current.tpot_p50 == 10.0
 
 
 # the lifecycle
@@ -246,6 +261,38 @@ def test_a_canary_on_a_lost_node_is_placed_again_and_the_rollout_carries_on(db):
     assert model.pk
 
 
+def test_a_canary_lost_once_ready_and_not_placed_again_rolls_back_and_is_never_promoted(fleet, settings):
+    node, model = fleet
+    settings.LLMGW_ROLLOUT_READY_TIMEOUT = 60
+    rollout, canary = ready_canary(model)
+    since = rollout.watching_since
+    served("m1", canary.name, 12, at=since)
+    served("m1", Replica.objects.filter(model=model, rollout=None).first().name, 12, at=since)
+    Replica.objects.filter(pk=canary.pk).update(state=S.FAILED, reason="node n1 lost")  # as the reconciler does
+    carry_on(rollout_figures.sides, now=since + dt.timedelta(seconds=61))  # the window over, the figures good
+    rollout.refresh_from_db()
+    assert rollout.state == Rollout.State.WATCHING and rollout.unready_since is not None
+    assert rollout.figures["verdict"] == "waiting for a canary replica to be ready again"
+    carry_on(rollout_figures.sides, now=since + dt.timedelta(seconds=61 + 61))
+    rollout.refresh_from_db()
+    assert (rollout.state, rollout.reason) == (Rollout.State.ROLLED_BACK, "no canary replica ready for 60s")
+
+
+def test_the_time_a_canary_has_to_be_ready_does_not_run_while_the_system_is_stopped(fleet, settings):
+    node, model = fleet
+    settings.LLMGW_ROLLOUT_READY_TIMEOUT = 60
+    rollout = operations.start_rollout("m1", ACTOR, profile="fast")
+    ClusterSettings.objects.update(serving_stopped=True)  # `llmgw stop` before the canary was ready
+    carry_on(rollout_figures.sides, now=later(1200))
+    ClusterSettings.objects.update(serving_stopped=False)  # `llmgw start` twenty minutes on
+    carry_on(rollout_figures.sides, now=later(1201))
+    rollout.refresh_from_db()
+    assert rollout.state == Rollout.State.WATCHING
+    carry_on(rollout_figures.sides, now=later(1200 + 61))
+    rollout.refresh_from_db()
+    assert (rollout.state, rollout.reason) == (Rollout.State.ROLLED_BACK, "no canary replica became ready in 60s")
+
+
 def test_abort_by_hand_drains_the_canary_and_the_model_is_as_it_was(fleet):
     node, model = fleet
     rollout, canary = ready_canary(model)
@@ -309,8 +356,80 @@ def test_promote_by_hand_while_watching(fleet):
     assert (rollout.state, rollout.reason) == (Rollout.State.PROMOTING, "promoted by hand")
     with pytest.raises(Conflict, match="is promoting: only a rollout watching may be promoted"):
         operations.promote_rollout("m1", ACTOR)
-    with pytest.raises(Conflict, match="is promoting: only a rollout watching may be aborted"):
+
+
+def replace_all(model, rollout) -> None:
+    """The reconciler and the agents at work until the model's replicas are replaced one at a time as queued."""
+    for _ in range(12):
+        run()
+        report(Replica.objects.filter(model=model, state__in=(S.PENDING, S.STARTING), node__isnull=False), "ready")
+        report(list(Replica.objects.filter(model=model, state=S.STOPPING)), "stopped")
+        carry_on(rollout_figures.sides)
+
+
+def first_replacement(model, canary) -> Replica:
+    """Promoted, the model has one replica too many (its canary joined it): one old one drains and stops; then
+    the other's replacement is placed, on the new settings."""
+    run()
+    run()
+    report(list(Replica.objects.filter(model=model, state=S.STOPPING)), "stopped")
+    [new] = Replica.objects.filter(model=model, state=S.PENDING, node__isnull=False).exclude(pk=canary.pk)
+    return new
+
+
+def test_abort_while_promoting_sends_the_model_back_to_its_settings_before(fleet):
+    node, model = fleet
+    rollout, canary = ready_canary(model)
+    operations.promote_rollout("m1", ACTOR)
+    assert first_replacement(model, canary).snapshot["profile"] == "fast"
+    assert Replica.objects.filter(model=model, restart=Replica.Restart.REPLACING).count() == 1
+    operations.abort_rollout("m1", ACTOR)
+    rollout.refresh_from_db()
+    model.refresh_from_db()
+    assert (rollout.state, rollout.reason) == (Rollout.State.ROLLING_BACK, f"aborted by {ACTOR} while promoting")
+    assert model.profile.name == "default"
+    canary.refresh_from_db()
+    assert canary.restart == Replica.Restart.QUEUED  # it runs the new settings: replaced in its turn
+    with pytest.raises(Conflict, match="is rolling back: only a rollout watching or promoting may be aborted"):
         operations.abort_rollout("m1", ACTOR)
+    replace_all(model, rollout)
+    rollout.refresh_from_db()
+    assert rollout.state == Rollout.State.ROLLED_BACK
+    live = Replica.objects.filter(model=model).exclude(state__in=Replica.TERMINAL)
+    assert live.count() == 2 and {r.snapshot["profile"] for r in live} == {"default"}
+    assert kinds("m1") == ["rollout.started", "rollout.watching", "rollout.promoting", "rollout.rolling_back",
+                           "rollout.rolled_back"]
+
+
+def test_a_replica_on_the_new_settings_that_fails_while_promoting_sends_the_model_back(fleet):
+    node, model = fleet
+    rollout, canary = ready_canary(model)
+    operations.promote_rollout("m1", ACTOR)
+    new = first_replacement(model, canary)
+    assert new.snapshot["profile"] == "fast"
+    report([new], "failed")  # say, another node's GPU cannot take the new settings
+    carry_on(rollout_figures.sides)
+    rollout.refresh_from_db()
+    model.refresh_from_db()
+    assert rollout.state == Rollout.State.ROLLING_BACK
+    assert rollout.reason.startswith(f"replica {new.name} on the new settings failed")
+    assert (model.profile.name, model.failures, model.backoff_until) == ("default", 0, None)
+    replace_all(model, rollout)
+    rollout.refresh_from_db()
+    assert rollout.state == Rollout.State.ROLLED_BACK
+    live = Replica.objects.filter(model=model).exclude(state__in=Replica.TERMINAL)
+    assert {r.snapshot["profile"] for r in live} == {"default"}
+
+
+def test_an_old_replica_that_fails_while_promoting_is_not_the_new_settings_fault(fleet):
+    node, model = fleet
+    rollout, canary = ready_canary(model)
+    operations.promote_rollout("m1", ACTOR)
+    old = Replica.objects.filter(model=model, restart=Replica.Restart.QUEUED).first()
+    report([old], "failed")
+    carry_on(rollout_figures.sides)
+    rollout.refresh_from_db()
+    assert rollout.state == Rollout.State.PROMOTING and rollout.failures == 0
 
 
 # refusals

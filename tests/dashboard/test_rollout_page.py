@@ -149,8 +149,13 @@ def test_promote_and_abort(op, chat):
     assert "rollout of model chat promoting" in body and 'data-testid="rollout-state">promoting<' in body
     assert 'hx-post="/models/chat/rollout/promote/"' not in body  # only while it watches
     assert Model.objects.get(name="chat").profile.name == "fast"
+    assert 'hx-post="/models/chat/rollout/abort/"' in body  # while promoting: to go back
+    back = op.post("/models/chat/rollout/abort/", **HTMX).content.decode()
+    assert "rollout of model chat rolling back: the model goes back to its settings before" in back
+    assert 'data-testid="rollout-state">rolling back<' in back and "aborted by user:operator" in back
+    assert Model.objects.get(name="chat").profile.name == "default"
     again = op.post("/models/chat/rollout/abort/", **HTMX).content.decode()
-    assert "msg error" in again and "only a rollout watching may be aborted" in again
+    assert "msg error" in again and "only a rollout watching or promoting may be aborted" in again
     Rollout.objects.all().delete()
     Model.objects.filter(name="chat").update(profile=chat.profile)
     watching(chat)

@@ -40,12 +40,20 @@ def test_a_rollout_is_started_shown_and_promoted(cluster, operator, viewer):
     assert [len(shown["replicas"][side]) for side in ("canary", "current")] == [1, 1]
     assert shown["figures"]["canary"]["error_rate"] == 0.05 and shown["figures"]["current"]["requests"] == 200
     assert shown["verdict"] == "watching: 30s of the window left"
+    assert shown["ratios"] == {"ttft": 1.1, "tpot": 1.0}  # as the dashboard draws them
+    assert shown["breached"] == {"error_rate": False, "ttft": False, "tpot": False}  # 1 error: within 2% of 50
     response = operator.post(f"{ROLLOUT}promote/", format="json")
     assert response.status_code == 200, response.content
     assert response.json()["state"] == "promoting" and response.json()["reason"].startswith("promoted by user:")
     assert Model.objects.get().profile.name == "spare"
     listed = viewer.get(f"{API}/rollouts/").json()
     assert [r["state"] for r in listed["results"]] == ["promoting"]
+    response = operator.post(f"{ROLLOUT}abort/", format="json")  # while promoting: back to the settings before
+    assert response.status_code == 200 and response.json()["state"] == "rolling_back"
+    assert response.json()["reason"].startswith("aborted by user:operator") and response.json()["reason"].endswith(
+        "while promoting")
+    assert Model.objects.get().profile.name == "default"
+    refused(operator.post(f"{ROLLOUT}abort/", format="json"), 409, "only a rollout watching or promoting")
 
 
 def test_a_rollout_is_aborted_and_then_its_model_may_roll_out_again(cluster, operator):
