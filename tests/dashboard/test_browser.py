@@ -191,7 +191,12 @@ def test_a_rollout_shows_both_sides_and_is_promoted_by_a_click(browser, live_ser
         tab.locator("button", has_text="Promote").click()
         tab.wait_for_selector("#live[data-state=promoting]")
         assert "rollout of model m1 promoting" in tab.locator("#messages").inner_text()
-        assert tab.locator("button", has_text="Abort").count() == 0
+        assert tab.locator("button", has_text="Promote").count() == 0
         assert Model.objects.get(name="m1").profile.name == "fast"
+        # while it promotes, Abort sends the model back to its settings before
+        tab.locator("button", has_text="Abort").click()
+        tab.wait_for_selector("#live[data-state=rolling_back]")
+        assert "rollout of model m1 rolling back" in tab.locator("#messages").inner_text()
+        assert Model.objects.get(name="m1").profile.name == "default"
     finally:
         context.close()
