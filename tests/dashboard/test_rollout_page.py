@@ -10,19 +10,9 @@ import pytest
 from cluster import operations, queries
 from cluster.models import Model, Rollout
 from cluster.rollouts import Side
-from tests.factories import make_file, make_model, make_node, make_profile, make_replica, row_counts, session_for
+from tests.factories import make_file, make_model, make_node, make_profile, make_replica, row_counts
 
 HTMX = {"HTTP_HX_REQUEST": "true"}
-
-
-@pytest.fixture
-def op(db):
-    return session_for("operator")
-
-
-@pytest.fixture
-def look(db):
-    return session_for("viewer")
 
 
 @pytest.fixture

@@ -26,16 +26,6 @@ from tests.factories import (
 HTMX = {"HTTP_HX_REQUEST": "true"}
 
 
-@pytest.fixture
-def op(db):
-    return session_for("operator")
-
-
-@pytest.fixture
-def look(db):
-    return session_for("viewer")
-
-
 def test_every_page_needs_a_login(db):
     client = Client()
     for page in PAGES:
